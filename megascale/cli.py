@@ -1,0 +1,116 @@
+"""The ``megascale`` command. Thin: it parses arguments and calls into the package."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import sys
+from pathlib import Path
+
+from megascale.config import ConfigError
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "config", nargs="?", default=None, help="TOML file or preset name (default: tiny)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable; wins over the file)",
+    )
+
+
+def _train(args: argparse.Namespace) -> int:
+    from megascale import config as config_mod
+
+    job = config_mod.load(args.config, args.overrides)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # torchrun
+    world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc_per_node
+    device = job.train.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    # Refuse bad config before any process group starts.
+    job = config_mod.validate(job, world, "nccl" if device == "cuda" else "gloo")
+    run_dir = Path(args.run_dir or _default_run_dir())
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    from megascale.train.run import run_rank
+
+    if launched:
+        run_rank(job, run_dir)
+        return 0
+    from megascale.launcher.local import RankFailed, run_local
+
+    try:
+        run_local(run_rank, world, (job, run_dir))
+    except RankFailed as e:
+        logging.getLogger("megascale").error("%s", e)
+        return 1
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def _default_run_dir() -> str:
+    return os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def _mfu(args: argparse.Namespace) -> int:
+    from megascale.diagnostics import flops
+
+    return flops.run(args)
+
+
+def _data_build(args: argparse.Namespace) -> int:
+    from megascale.data import build
+
+    return build.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megascale", description="Fault-tolerant LLM pretraining on megatron-core."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a GPT (N local ranks, or one rank under torchrun)")
+    _add_config_args(train)
+    train.add_argument("--nproc-per-node", type=int, default=1, help="local ranks to start")
+    train.add_argument("--run-dir", default=None, help="output directory (default: runs/DATE)")
+    train.set_defaults(func=_train)
+
+    mfu = sub.add_parser("mfu", help="model FLOPs per token and MFU for a config")
+    from megascale.diagnostics import flops
+
+    flops.add_arguments(mfu)
+    mfu.set_defaults(func=_mfu)
+
+    data = sub.add_parser("data", help="token files")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    build_p = data_sub.add_parser("build", help="build a token file from text files")
+    from megascale.data import build
+
+    build.add_arguments(build_p)
+    build_p.set_defaults(func=_data_build)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"megascale: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

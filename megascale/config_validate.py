@@ -1,0 +1,250 @@
+"""Cross-field rules for a JobConfig: the checks that need the world size and the backend.
+
+``validate`` runs them all and raises one ConfigError listing every broken rule, each naming the
+field, its value, and the rule. Range checks run first; the divisibility rules run only when the
+sizes they divide by are valid, so one mistake is reported once and never as a ZeroDivisionError.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from megascale.config import ConfigError, JobConfig, check_types
+
+BACKENDS = ("gloo", "nccl")
+OPTIMIZERS = ("adam", "lamb")
+SPECS = ("auto", "local", "te")
+DTYPES = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
+    """Return a copy of ``cfg`` with ``parallel.dp`` filled in, or raise ConfigError.
+
+    ``world_size`` is the number of training processes, ``backend`` the torch.distributed backend
+    they will use ("gloo" on CPU, "nccl" on CUDA). Call once per launch, before building groups.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size = {world_size!r}: must be a positive integer")
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend = {backend!r}: must be one of {', '.join(BACKENDS)}")
+    check_types(cfg)
+    problems = _ranges(cfg)
+    if not problems:
+        dp = _data_parallel_size(cfg, world_size, problems)
+        problems += _model_shape(cfg)
+        problems += _backend(cfg, backend)
+        if dp is not None:
+            problems += _batch(cfg, dp)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(
+            f"invalid config for world_size={world_size}, backend={backend}:\n{lines}"
+        )
+    out = copy.deepcopy(cfg)
+    out.parallel.dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
+    return out
+
+
+def _ranges(cfg: JobConfig) -> list[str]:
+    """Sizes positive, rates in range, names from their closed lists."""
+    p, m, o, t, c = cfg.parallel, cfg.model, cfg.optim, cfg.train, cfg.checkpoint
+    problems: list[str] = []
+
+    def at_least(name: str, value: int | float | None, low: int | float) -> None:
+        if value is not None and not value >= low:  # `not >=` also catches NaN
+            problems.append(f"{name} = {value}: must be >= {low}")
+
+    def one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+        if value not in allowed:
+            problems.append(f"{name} = {value!r}: must be one of {', '.join(allowed)}")
+
+    def unit(name: str, value: float) -> None:
+        if not 0.0 <= value < 1.0:
+            problems.append(f"{name} = {value}: must be in [0, 1)")
+
+    for name, value in [
+        ("parallel.tp", p.tp),
+        ("parallel.pp", p.pp),
+        ("parallel.vpp", p.vpp),
+        ("parallel.dp", p.dp),
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_heads", m.num_heads),
+        ("model.num_query_groups", m.num_query_groups),
+        ("model.ffn_hidden_size", m.ffn_hidden_size),
+        ("model.seq_length", m.seq_length),
+        ("model.vocab_size", m.vocab_size),
+        ("model.window_size", m.window_size),
+        ("train.steps", t.steps),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.log_interval", t.log_interval),
+        ("checkpoint.keep", c.keep),
+    ]:
+        at_least(name, value, 1)
+    for name, value in [
+        ("optim.warmup_steps", o.warmup_steps),
+        ("optim.min_lr", o.min_lr),
+        ("optim.weight_decay", o.weight_decay),
+        ("optim.clip_grad", o.clip_grad),
+        ("train.seed", t.seed),
+        ("checkpoint.interval", c.interval),
+    ]:
+        at_least(name, value, 0)
+    for name, value in [
+        ("optim.lr", o.lr),
+        ("optim.eps", o.eps),
+        ("model.init_method_std", m.init_method_std),
+    ]:
+        if not value > 0:
+            problems.append(f"{name} = {value}: must be > 0")
+    if o.lr > 0 and o.min_lr > o.lr:
+        problems.append(
+            f"optim.min_lr = {o.min_lr}: must be <= optim.lr = {o.lr} "
+            f"(the cosine decays from lr down to min_lr)"
+        )
+    for name, value in [
+        ("optim.beta1", o.beta1),
+        ("optim.beta2", o.beta2),
+        ("model.hidden_dropout", m.hidden_dropout),
+        ("model.attention_dropout", m.attention_dropout),
+    ]:
+        unit(name, value)
+    one_of("optim.name", o.name, OPTIMIZERS)
+    one_of("model.spec", m.spec, SPECS)
+    one_of("model.params_dtype", m.params_dtype, DTYPES)
+    one_of("train.device", t.device, DEVICES)
+    return problems
+
+
+def _data_parallel_size(cfg: JobConfig, world_size: int, problems: list[str]) -> int | None:
+    """world_size / (tp * pp), checked against a given parallel.dp; None when it does not divide."""
+    p = cfg.parallel
+    model_parallel = p.tp * p.pp
+    if world_size % model_parallel:
+        problems.append(
+            f"parallel.tp * parallel.pp = {p.tp} * {p.pp} = {model_parallel}: must "
+            f"divide world_size = {world_size} (dp = world_size / (tp * pp))"
+        )
+        return None
+    dp = world_size // model_parallel
+    if p.dp is not None and p.dp != dp:
+        problems.append(
+            f"parallel.dp = {p.dp}: must equal world_size / (tp * pp) = "
+            f"{world_size} / {model_parallel} = {dp} (or be left out)"
+        )
+    return dp
+
+
+def _model_shape(cfg: JobConfig) -> list[str]:
+    """How the model splits over tensor and pipeline ranks."""
+    p, m = cfg.parallel, cfg.model
+    problems: list[str] = []
+    if m.num_heads % p.tp:
+        problems.append(
+            f"model.num_heads = {m.num_heads}: must be divisible by parallel.tp = "
+            f"{p.tp} (each tensor-parallel rank holds num_heads / tp heads)"
+        )
+    if m.hidden_size % m.num_heads:
+        problems.append(
+            f"model.hidden_size = {m.hidden_size}: must be divisible by "
+            f"model.num_heads = {m.num_heads} (head size = hidden_size / num_heads)"
+        )
+    if m.num_query_groups is not None:
+        if m.num_heads % m.num_query_groups:
+            problems.append(
+                f"model.num_query_groups = {m.num_query_groups}: must divide "
+                f"model.num_heads = {m.num_heads} (query heads share each key/value "
+                f"head equally)"
+            )
+        if m.num_query_groups % p.tp:
+            problems.append(
+                f"model.num_query_groups = {m.num_query_groups}: must be divisible "
+                f"by parallel.tp = {p.tp} (each tensor-parallel rank holds whole "
+                f"key/value heads)"
+            )
+    ffn = m.ffn_hidden_size if m.ffn_hidden_size is not None else 4 * m.hidden_size
+    if ffn % p.tp:
+        problems.append(
+            f"model.ffn_hidden_size = {ffn}: must be divisible by parallel.tp = "
+            f"{p.tp} (the MLP is split column-wise over the tensor-parallel ranks)"
+        )
+    chunks = p.pp * p.vpp
+    if m.num_layers % chunks:
+        problems.append(
+            f"model.num_layers = {m.num_layers}: must be divisible by parallel.pp * "
+            f"parallel.vpp = {p.pp} * {p.vpp} = {chunks} (every model chunk on every "
+            f"pipeline stage holds the same number of layers)"
+        )
+    if p.vpp > 1 and p.pp == 1:
+        problems.append(
+            f"parallel.vpp = {p.vpp}: needs parallel.pp >= 2 (interleaving splits "
+            f"each pipeline stage into model chunks; megatron-core refuses "
+            f"virtual stages without pipeline parallelism)"
+        )
+    if p.sequence_parallel and p.tp == 1:
+        problems.append(
+            "parallel.sequence_parallel = true: needs parallel.tp > 1 (it shards "
+            "activations over the tensor-parallel group)"
+        )
+    if p.sequence_parallel and m.seq_length % p.tp:
+        problems.append(
+            f"model.seq_length = {m.seq_length}: must be divisible by parallel.tp = "
+            f"{p.tp} when parallel.sequence_parallel = true (each tensor-parallel "
+            f"rank holds seq_length / tp tokens)"
+        )
+    return problems
+
+
+def _backend(cfg: JobConfig, backend: str) -> list[str]:
+    """What gloo (CPU) and nccl (CUDA) cannot do."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    problems: list[str] = []
+    if backend == "gloo":
+        if m.params_dtype == "bf16":
+            problems.append(
+                "model.params_dtype = 'bf16': not on backend gloo (CPU); use 'fp32', "
+                "or run on CUDA with nccl"
+            )
+        if m.spec == "te":
+            problems.append(
+                "model.spec = 'te': Transformer Engine needs CUDA, not backend gloo "
+                "(CPU); use 'local' or 'auto'"
+            )
+        if p.pp == 2 and p.vpp > 1 and p.batch_p2p_comm:
+            problems.append(
+                f"parallel.batch_p2p_comm = true: with parallel.pp = 2 and "
+                f"parallel.vpp = {p.vpp} on gloo the previous and next pipeline peer "
+                f"are the same rank and batched send/recv pairs them wrongly (silently "
+                f"wrong numbers); set parallel.batch_p2p_comm=false"
+            )
+    if backend == "nccl" and t.device == "cpu":
+        problems.append(
+            "train.device = 'cpu': backend nccl needs CUDA; use 'cuda' or 'auto', or backend gloo"
+        )
+    return problems
+
+
+def _batch(cfg: JobConfig, dp: int) -> list[str]:
+    """How the global batch splits into micro-batches over data-parallel ranks."""
+    p, t = cfg.parallel, cfg.train
+    per_step = t.micro_batch_size * dp
+    if t.global_batch_size % per_step:
+        return [
+            f"train.global_batch_size = {t.global_batch_size}: must be divisible by "
+            f"train.micro_batch_size * dp = {t.micro_batch_size} * {dp} = {per_step} "
+            f"(every data-parallel rank runs whole micro-batches)"
+        ]
+    microbatches = t.global_batch_size // per_step
+    # megatron-core 0.16 forward_backward_pipelining_with_interleaving: the micro-batch group size
+    # per virtual stage defaults to pp and must be <= M, and M % pp must be 0 or >= pp; together
+    # with the default group size that is M % pp == 0.
+    if p.vpp > 1 and microbatches % p.pp:
+        return [
+            f"train.global_batch_size = {t.global_batch_size}: with parallel.vpp = {p.vpp} "
+            f"the number of micro-batches global_batch_size / (micro_batch_size * dp) = "
+            f"{microbatches} must be divisible by parallel.pp = {p.pp} (megatron-core's "
+            f"interleaved 1F1B schedule runs micro-batches in groups of pp)"
+        ]
+    return []

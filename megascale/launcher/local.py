@@ -1,0 +1,102 @@
+"""Start N ranks of a function on this machine, torchrun-style.
+
+The parent imports torch and megatron-core once (~8 s on 2 cores) and forks the ranks, so N ranks
+cost one import, not N. Each child gets the environment ``torch.distributed`` expects (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). If any rank fails, the others
+are terminated and ``RankFailed`` names the failed ranks and their exit codes.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class RankFailed(RuntimeError):
+    """One or more ranks exited with a non-zero code or raised."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
+        super().__init__(f"{len(failures)} rank(s) failed: {detail}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, results: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        results.put((rank, "ok", fn(*args)))
+    except BaseException as e:  # report every failure to the parent, then exit non-zero
+        results.put((rank, "error", "".join(traceback.format_exception(e))[-4000:]))
+        raise SystemExit(1) from e
+
+
+def run_local(
+    fn: Callable, nprocs: int, args: tuple = (), *, timeout_s: float | None = None
+) -> list[Any]:
+    """Run ``fn(*args)`` as ranks 0..nprocs-1 in forked processes; return their results by rank."""
+    ctx = mp.get_context("fork")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, nprocs, port, args, results), daemon=False)
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    failures: dict[int, str] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while len(outcomes) < nprocs:
+            while not results.empty():
+                rank, status, value = results.get()
+                outcomes[rank] = (status, value)
+                if status == "error":
+                    failures[rank] = value
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcomes]
+            for r in dead:
+                failures[r] = f"exit code {procs[r].exitcode}"
+                outcomes[r] = ("error", failures[r])
+            if failures:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                failures.update({r: "timed out" for r in range(nprocs) if r not in outcomes})
+                break
+            time.sleep(0.02)
+    finally:
+        if failures:
+            time.sleep(0.1)  # let a failing rank's traceback arrive before the exit code wins
+            while not results.empty():
+                rank, status, value = results.get()
+                if status == "error":
+                    failures[rank] = value
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+        for p in procs:
+            p.join()
+    if failures:
+        raise RankFailed(failures)
+    return [outcomes[r][1] for r in range(nprocs)]

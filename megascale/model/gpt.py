@@ -1,0 +1,262 @@
+"""GPT on megatron-core, with MegaScale's model changes.
+
+``build_gpt`` is the one entry point: it turns a ``JobConfig`` into megatron-core's
+``TransformerConfig``, picks the layer spec (Transformer Engine or megatron-core's local modules; the
+serial or the parallel block; sliding-window attention through ``window_size``), and builds one
+``GPTModel`` per virtual pipeline stage of this rank.
+
+Parameters are initialised by ``init_parameters`` from a seed keyed by each parameter's *global*
+name (its layer index in the whole model, not in this stage), and each rank keeps only its tensor
+parallel slice of the full tensor. So every parallel layout starts from exactly the parameters of the
+1-process model, which is what makes step-by-step equivalence tests possible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+import zlib
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from megascale.config import JobConfig, ModelConfig
+from megascale.model.norm import LocalNorm
+from megascale.model.parallel_block import ParallelTransformerLayer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def te_available() -> bool:
+    """True when Transformer Engine imports (it is a GPU-only extra)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # a broken TE install raises more than ImportError
+        return False
+    return True
+
+
+def use_te_spec(model: ModelConfig, device: str) -> bool:
+    """Resolve ``model.spec``: "auto" means TE when it imports and we run on CUDA."""
+    if model.spec == "te":
+        if device != "cuda" or not te_available():
+            raise ValueError(
+                f"model.spec='te' needs CUDA and Transformer Engine (device={device!r}, "
+                f"TE importable={te_available()}); use model.spec='local' or 'auto'"
+            )
+        return True
+    if model.spec == "local":
+        return False
+    return device == "cuda" and te_available()
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Pad the vocabulary so the embedding splits evenly over TP ranks (Megatron's convention)."""
+    step = multiple * tp
+    return int(math.ceil(vocab_size / step) * step)
+
+
+def transformer_config(job: JobConfig, device: str) -> TransformerConfig:
+    """megatron-core's TransformerConfig for this job (fusions off on CPU: they need CUDA kernels)."""
+    m, p = job.model, job.parallel
+    on_cuda = device == "cuda"
+    dtype = _DTYPES[m.params_dtype]
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
+        gated_linear_unit=m.swiglu,
+        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
+        # megatron-core's window is (left, right) exclusive of the token itself.
+        window_size=(m.window_size - 1, 0) if m.window_size is not None else None,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        perform_initialization=False,  # init_parameters() does it, keyed by global name
+        use_cpu_initialization=not on_cuda,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
+        sequence_parallel=p.sequence_parallel,
+        batch_p2p_comm=p.batch_p2p_comm,
+        bias_activation_fusion=on_cuda and not m.swiglu,
+        bias_dropout_fusion=on_cuda,
+        masked_softmax_fusion=on_cuda,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        deterministic_mode=not on_cuda,
+    )
+
+
+def layer_spec(model: ModelConfig, use_te: bool) -> ModuleSpec:
+    """The transformer layer spec: TE or local modules, serial or MegaScale's parallel block."""
+    if use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec()
+        if model.parallel_block:
+            # TE's default spec fuses each LayerNorm into the following linear; the parallel block
+            # has one LayerNorm shared by both branches, so use the unfused TE linears.
+            from megatron.core.extensions.transformer_engine import (
+                TEColumnParallelLinear,
+                TENorm,
+            )
+
+            sub = spec.submodules
+            attention = dataclasses.replace(
+                sub.self_attention.submodules, linear_qkv=TEColumnParallelLinear
+            )
+            mlp = dataclasses.replace(sub.mlp.submodules, linear_fc1=TEColumnParallelLinear)
+            spec = ModuleSpec(
+                module=ParallelTransformerLayer,
+                submodules=dataclasses.replace(
+                    sub,
+                    input_layernorm=TENorm,
+                    self_attention=dataclasses.replace(sub.self_attention, submodules=attention),
+                    mlp=dataclasses.replace(sub.mlp, submodules=mlp),
+                    pre_mlp_layernorm=IdentityOp,
+                ),
+            )
+        return spec
+    spec = get_gpt_layer_local_spec()
+    sub = dataclasses.replace(
+        spec.submodules,
+        input_layernorm=LocalNorm,
+        pre_mlp_layernorm=IdentityOp if model.parallel_block else LocalNorm,
+    )
+    module = ParallelTransformerLayer if model.parallel_block else spec.module
+    return ModuleSpec(module=module, submodules=sub)
+
+
+def _block_spec(
+    config: TransformerConfig, model: ModelConfig, use_te: bool, vp_stage: int | None
+) -> ModuleSpec:
+    layer = layer_spec(model, use_te)
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm: type = TENorm
+    else:
+        final_norm = LocalNorm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm),
+    )
+
+
+def build_gpt(
+    job: JobConfig,
+    config: TransformerConfig,
+    *,
+    use_te: bool,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None = None,
+    pg_collection: object = None,
+) -> GPTModel:
+    """Build this rank's GPTModel for one virtual pipeline stage (parameters not yet initialised)."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=_block_spec(config, job.model, use_te, vp_stage),
+        vocab_size=padded_vocab_size(job.model.vocab_size, job.parallel.tp),
+        max_sequence_length=job.model.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="rope",
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )
+
+
+_LAYER_INDEX = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_parameter_name(
+    local_name: str, model: GPTModel, config: TransformerConfig, vp_stage: int | None, pp_rank: int
+) -> str:
+    """The name a parameter has in the 1-process model: layer indices offset to global ones, and the
+    last stage's copy of the tied output weight named after the embedding it mirrors."""
+    offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+    name = _LAYER_INDEX.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", local_name)
+    if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+        name = "embedding.word_embeddings.weight"
+    return name
+
+
+def _full_tensor(
+    name: str, shape: tuple[int, ...], seed: int, std: float, num_layers: int, device: torch.device
+) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    if len(shape) == 1:
+        is_norm_scale = "norm" in name and leaf in ("weight", "layer_norm_weight")
+        return (torch.ones if is_norm_scale else torch.zeros)(shape, device=device)
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std = std / math.sqrt(2.0 * num_layers)  # GPT-2/Megatron scaled init of residual outputs
+    generator = torch.Generator(device=device)
+    generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+
+
+def _tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's slice of a TP-split parameter, with megatron-core's stride convention (a stride
+    of 2 for SwiGLU's fc1 interleaves the gate and up halves)."""
+    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    per_stride = param.shape[dim] // stride
+    pieces = torch.split(full, per_stride, dim=dim)
+    return torch.cat(pieces[tp_rank::tp_size], dim=dim)
+
+
+def _full_shape(param: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False):
+        shape[param.partition_dim] *= tp_size
+    return tuple(shape)
+
+
+@torch.no_grad()
+def init_parameters(
+    model: GPTModel,
+    config: TransformerConfig,
+    seed: int,
+    *,
+    vp_stage: int | None,
+    pp_rank: int,
+    tp_rank: int,
+    tp_size: int,
+) -> None:
+    """Initialise every parameter from a seed keyed by its global name (layout-independent)."""
+    for local_name, param in model.named_parameters():
+        name = global_parameter_name(local_name, model, config, vp_stage, pp_rank)
+        full = _full_tensor(
+            name,
+            _full_shape(param, tp_size),
+            seed,
+            config.init_method_std,
+            config.num_layers,
+            param.device,
+        )
+        param.copy_(_tp_slice(full, param, tp_rank, tp_size))

@@ -1,0 +1,249 @@
+"""Run megatron-core's real TP/SP/PP/VPP/DDP/distributed-optimizer code on CPU processes (gloo).
+
+Megatron-core assumes CUDA on the paths we use: buffers are allocated on
+``torch.cuda.current_device()``, schedules, the optimizer and grad clipping create tensors with
+``device="cuda"``, the distributed optimizer checks ``Tensor.type() == "torch.cuda.FloatTensor"``,
+dropout runs under a CUDA RNG tracker, and batched p2p calls ``torch.cuda.synchronize()``.
+This module redirects exactly those to the CPU, and nothing else:
+
+* a ``TorchFunctionMode`` that rewrites a CUDA ``device=`` argument (``"cuda"``, ``"cuda:0"``,
+  ``torch.device("cuda")``, or the integer that ``torch.cuda.current_device()`` returns) to CPU,
+  turns ``Tensor.cuda()`` into a no-op, and answers ``Tensor.type()`` with the CUDA type name;
+* a handful of ``torch.cuda`` functions replaced by CPU equivalents (each its own function object:
+  two attributes sharing one function object crash ``torch._dynamo``);
+* an RNG tracker that forks the CPU default generator instead of a CUDA one.
+
+It is activated only when training on CPU (``activate()``; the trainer decides), is idempotent, and
+is checked against the pinned megatron-core series: ``KNOWN_CUDA_CALL_SITES`` records the CUDA call
+sites on our paths, and ``tests/unit/test_cpu_backend.py`` fails loudly when a megatron-core upgrade
+adds or moves one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+# The megatron-core series this module was checked against (see the module docstring).
+CHECKED_MCORE_SERIES = "0.16."
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    # torch.cuda.current_device() returns 0 here; a bare int device means a CUDA ordinal.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Rewrites CUDA device requests to CPU for every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _current_device() -> int:
+    return 0
+
+
+def _device_count() -> int:
+    return 1
+
+
+def _synchronize(device: object = None) -> None:
+    return None
+
+
+def _set_device(device: object) -> None:
+    return None
+
+
+def _manual_seed(seed: int) -> None:
+    # The "device" generator on CPU is the CPU default generator (dropout draws from it).
+    torch.manual_seed(seed)
+
+
+def _get_rng_state(device: object = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor, device: object = "cuda") -> None:
+    torch.set_rng_state(state)
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream``: CPU work is already ordered on one thread."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def wait_stream(self, other: object) -> None:
+        return None
+
+    def wait_event(self, event: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: object = None) -> object:
+        return event
+
+
+def _current_stream(device: object = None) -> _NullStream:
+    return _NullStream()
+
+
+@contextlib.contextmanager
+def _stream(stream: object) -> Iterator[None]:
+    yield
+
+
+_TORCH_CUDA_REPLACEMENTS = {
+    "current_device": _current_device,
+    "device_count": _device_count,
+    "synchronize": _synchronize,
+    "set_device": _set_device,
+    "manual_seed": _manual_seed,
+    "get_rng_state": _get_rng_state,
+    "set_rng_state": _set_rng_state,
+    "Stream": _NullStream,
+    "current_stream": _current_stream,
+    "stream": _stream,
+}
+
+
+def _make_rng_tracker_class() -> type:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    class CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+        """megatron-core's RNG tracker with the CPU default generator as the forked stream."""
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise ValueError(f"RNG seed {seed} is already tracked")
+            if name in self.states_:
+                raise ValueError(f"RNG state {name!r} is already tracked")
+            self.seeds_.add(seed)
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+            self.states_[name] = generator.get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise ValueError(f"RNG state {name!r} was never added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRNGStatesTracker
+
+
+class CpuBackend:
+    """The set of redirections; ``activate()`` installs them once per process."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self._mode: _CpuDeviceMode | None = None
+        self._saved: dict[str, object] = {}
+
+    def activate(self) -> None:
+        if self.active:
+            return
+        import megatron.core
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        version = megatron.core.__version__
+        if not version.startswith(CHECKED_MCORE_SERIES):
+            raise RuntimeError(
+                f"megatron-core {version} is installed; the CPU backend was checked against "
+                f"{CHECKED_MCORE_SERIES}x. Re-run tests/unit/test_cpu_backend.py and update "
+                "KNOWN_CUDA_CALL_SITES before training on CPU with it."
+            )
+        for name, replacement in _TORCH_CUDA_REPLACEMENTS.items():
+            self._saved[name] = getattr(torch.cuda, name)
+            setattr(torch.cuda, name, replacement)
+        mcore_random._CUDA_RNG_STATE_TRACKER = _make_rng_tracker_class()()
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+        self._mode = _CpuDeviceMode()
+        self._mode.__enter__()
+        self.active = True
+        logger.debug("CPU backend active for megatron-core %s", version)
+
+    def deactivate(self) -> None:
+        if not self.active:
+            return
+        assert self._mode is not None
+        self._mode.__exit__(None, None, None)
+        for name, original in self._saved.items():
+            setattr(torch.cuda, name, original)
+        self._saved.clear()
+        self.active = False
+
+
+_BACKEND = CpuBackend()
+
+
+def activate() -> None:
+    """Install the CPU redirections in this process (idempotent). Call before building a model."""
+    _BACKEND.activate()
+
+
+def deactivate() -> None:
+    """Undo ``activate()`` (used by tests)."""
+    _BACKEND.deactivate()
+
+
+def is_active() -> bool:
+    return _BACKEND.active
+
+
+def seed_rng_tracker(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
+    """CPU version of megatron-core's ``model_parallel_cuda_manual_seed``: same names, same seeds."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    tracker = mcore_random.get_cuda_rng_tracker()
+    tracker.reset()
+    torch.manual_seed(seed)
+    tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(
+        mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank
+    )

@@ -1,0 +1,103 @@
+"""Process groups: torch.distributed, megatron-core's parallel state, and this rank's place in them.
+
+``build_groups`` is called once per rank after ``torch.distributed`` is up. Megatron-core keeps its
+groups in module globals (``parallel_state``) and many of its code paths read them from there, so we
+initialise those; everything of ours receives the groups explicitly as a ``Groups`` value.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megascale.config import ParallelConfig
+from megascale.parallel.layout import Layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """This rank's coordinates and process groups."""
+
+    layout: Layout
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    pg_collection: object  # megatron.core.process_groups_config.ProcessGroupCollection
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+
+def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the job's process group from the torchrun-style environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK). Returns (rank, world_size)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    return rank, world
+
+
+def build_groups(parallel: ParallelConfig) -> Groups:
+    """Create megatron-core's TP/PP/DP groups for ``parallel`` (already validated) on this rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    layout = Layout(world_size=world, tp=parallel.tp, pp=parallel.pp, dp=world // (parallel.tp * parallel.pp))
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+        order="tp-cp-ep-dp-pp",  # the order megascale.parallel.layout computes
+    )
+    coord = layout.coords(rank)
+    groups = Groups(
+        layout=layout,
+        rank=rank,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        tp=ps.get_tensor_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+    )
+    if (groups.dp_rank, groups.pp_rank, groups.tp_rank) != (coord.dp, coord.pp, coord.tp):
+        raise RuntimeError(
+            f"megatron-core placed rank {rank} at (dp={groups.dp_rank}, pp={groups.pp_rank}, "
+            f"tp={groups.tp_rank}) but the layout says {layout.describe(rank)}"
+        )
+    return groups
+
+
+def destroy_groups() -> None:
+    """Tear down megatron-core's groups and the default process group (end of a run, tests)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,103 @@
+"""Wrap this rank's model chunks for data parallelism and pick the pipeline schedule.
+
+``parallelize`` composes, in this order:
+
+1. tensor and sequence parallelism: already in the modules (megatron-core's column/row-parallel
+   linears, built by ``megascale.model.build_gpt`` from ``parallel.tp``/``sequence_parallel``);
+2. pipeline parallelism: each chunk is one virtual stage (``build_model_chunks``); the schedule
+   (1F1B or interleaved 1F1B) comes from ``forward_backward_func``;
+3. data parallelism: ``apply_ddp`` wraps every chunk in megatron-core's DDP over contiguous grad
+   buffers (ZeRO-1 sharding with the distributed optimizer), and registers
+   ``finalize_model_grads`` (DP grad sync, SP LayerNorm grads, tied embedding grads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.transformer import TransformerConfig
+
+from megascale.config import JobConfig
+from megascale.model.gpt import build_gpt, init_parameters
+from megascale.parallel.groups import Groups
+
+
+def build_model_chunks(
+    job: JobConfig, config: TransformerConfig, groups: Groups, *, use_te: bool, device: str
+) -> list[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage held by this rank, initialised by global name."""
+    from megatron.core import parallel_state as ps
+
+    vpp = job.parallel.vpp
+    chunks = []
+    for v in range(vpp):
+        vp_stage = v if vpp > 1 else None
+        model = build_gpt(
+            job,
+            config,
+            use_te=use_te,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+            pg_collection=groups.pg_collection,
+        )
+        if device == "cuda":
+            model.cuda(torch.cuda.current_device())
+        init_parameters(
+            model,
+            config,
+            job.train.seed,
+            vp_stage=vp_stage,
+            pp_rank=groups.pp_rank,
+            tp_rank=groups.tp_rank,
+            tp_size=groups.layout.tp,
+        )
+        chunks.append(model)
+    return chunks
+
+
+def apply_ddp(
+    chunks: list[torch.nn.Module], config: TransformerConfig, job: JobConfig, groups: Groups
+) -> list[DistributedDataParallel]:
+    """Wrap each chunk in megatron-core DDP; grads reduce in fp32 into contiguous buckets."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=job.parallel.distributed_optimizer,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        check_for_nan_in_grad=True,
+    )
+    wrapped = [
+        DistributedDataParallel(
+            config,
+            ddp_config,
+            chunk,
+            # Only the first chunk's buckets may be split: later chunks' grads are ready earlier.
+            disable_bucketing=(i > 0),
+            pg_collection=groups.pg_collection,
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def parallelize(
+    job: JobConfig, config: TransformerConfig, groups: Groups, *, use_te: bool, device: str
+) -> list[DistributedDataParallel]:
+    """Build and wrap this rank's model chunks (see the module docstring for the order)."""
+    chunks = build_model_chunks(job, config, groups, use_te=use_te, device=device)
+    return apply_ddp(chunks, config, job, groups)
+
+
+def forward_backward_func() -> Callable:
+    """megatron-core's schedule for the configured layout: no pipelining, 1F1B, or interleaved."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()

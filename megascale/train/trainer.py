@@ -1,0 +1,166 @@
+"""The trainer: model, optimizer, data and schedule for one rank; ``Trainer.step`` is the whole step.
+
+Construction order (each a function you can grep): ``transformer_config`` -> ``parallelize``
+(build_gpt per virtual stage, init by global name, DDP) -> ``build_optimizer`` -> ``build_scheduler``
+-> ``ShardedBatches`` over the token file. Checkpoint save/load lives in ``megascale.train.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megascale.config import JobConfig
+from megascale.data.corpus import default_token_file
+from megascale.data.dataset import GPTDataset, ShardedBatches
+from megascale.data.token_file import TokenFile
+from megascale.diagnostics.flops import flops_per_token
+from megascale.model.gpt import transformer_config, use_te_spec
+from megascale.parallel.groups import Groups
+from megascale.parallel.parallelize import forward_backward_func, parallelize
+from megascale.train.optimizer import build_optimizer, build_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepMetrics:
+    """What one optimizer step reports; one line of ``metrics.jsonl``."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float | None
+    """Model FLOPs utilisation against ``peak_tflops``; None when no peak is known (CPU)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Trainer:
+    """Trains one rank's part of the model. Collective: every rank of the job constructs one and
+    calls ``step`` the same number of times."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        groups: Groups,
+        device: str,
+        *,
+        data_cache_dir: Path,
+        peak_tflops: float | None = None,
+    ) -> None:
+        self.job, self.groups, self.device = job, groups, device
+        self.config = transformer_config(job, device)
+        self.model = parallelize(
+            job, self.config, groups, use_te=use_te_spec(job.model, device), device=device
+        )
+        self.optimizer = build_optimizer(
+            job.optim,
+            self.model,
+            use_distributed_optimizer=job.parallel.distributed_optimizer,
+            bf16=job.model.params_dtype == "bf16",
+        )
+        self.scheduler = build_scheduler(job.optim, self.optimizer, job.train.steps)
+        self.data = ShardedBatches(
+            GPTDataset(TokenFile(_token_file_prefix(job, data_cache_dir)), job.model.seq_length),
+            job.train.global_batch_size,
+            job.train.micro_batch_size,
+            dp_rank=groups.dp_rank,
+            dp_size=groups.layout.dp,
+            seed=job.train.seed,
+        )
+        self.forward_backward = forward_backward_func()
+        self.tokens_per_step = job.train.global_batch_size * job.model.seq_length
+        self.flops_per_token = flops_per_token(job.model).total
+        self.peak_tflops = peak_tflops
+        self.step_num = 0
+
+    def step(self) -> StepMetrics:
+        """One optimizer step: data -> forward/backward schedule -> grad sync -> clip -> update."""
+        start = time.perf_counter()
+        micro_batches = self.data.next_step()
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        # Every virtual stage walks the same micro-batches; the schedule interleaves them.
+        iterators = [iter(micro_batches) for _ in self.model]
+        losses = self.forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=iterators if len(self.model) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(micro_batches),
+            seq_length=self.job.model.seq_length,
+            micro_batch_size=self.job.train.micro_batch_size,
+            forward_only=False,
+        )
+        # finalize_model_grads (registered by apply_ddp) has synced grads over DP, SP and the tied
+        # embedding; step() clips by the global norm and updates (all-gathering params if sharded).
+        updated, grad_norm, _ = self.optimizer.step()
+        if not updated:
+            raise FloatingPointError(f"step {self.step_num + 1}: non-finite gradients")
+        self.scheduler.step(increment=1)
+        lr = self.optimizer.param_groups[0]["lr"]
+        loss = self._mean_loss(losses)
+        self.step_num += 1
+        elapsed = time.perf_counter() - start
+        tokens_per_s = self.tokens_per_step / elapsed
+        mfu = None
+        if self.peak_tflops:
+            world = self.groups.layout.world_size
+            mfu = tokens_per_s * self.flops_per_token / (world * self.peak_tflops * 1e12)
+        return StepMetrics(
+            step=self.step_num,
+            loss=loss,
+            grad_norm=float(grad_norm),
+            lr=lr,
+            step_time_s=elapsed,
+            tokens_per_s=tokens_per_s,
+            mfu=mfu,
+        )
+
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        loss_mask = batch["loss_mask"].to(self.device, non_blocking=True)
+        position_ids = batch["position_ids"].to(self.device, non_blocking=True)
+        # On the last stage the model returns per-token cross entropy [b, s]; elsewhere activations.
+        output = model(tokens, position_ids, None, labels=labels)
+
+        def loss_func(per_token_loss: torch.Tensor):
+            loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
+            # The schedule divides the returned loss by the number of micro-batches.
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    def _mean_loss(self, losses: list[dict]) -> float:
+        """The step's loss on every rank: mean over micro-batches and DP ranks, sent along PP."""
+        if self.groups.is_last_stage:
+            local = torch.stack([d["lm loss"] for d in losses]).mean()
+        else:
+            local = torch.zeros((), device=self.device)
+        local = local.to(self.device, torch.float32).reshape(1)
+        dist.all_reduce(local, group=self.groups.pp)  # only the last stage contributes
+        dist.all_reduce(local, group=self.groups.dp)
+        value = float(local) / self.groups.layout.dp
+        if not math.isfinite(value):
+            raise FloatingPointError(f"step {self.step_num + 1}: loss is {value}")
+        return value
+
+
+def _token_file_prefix(job: JobConfig, cache_dir: Path) -> Path:
+    if job.data.path:
+        return Path(job.data.path)
+    # Each rank may build the default corpus at once; default_token_file renames atomically.
+    return default_token_file(cache_dir)
