@@ -90,17 +90,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``megascale data build``."""
     parser.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="text files")
     parser.add_argument(
-        "--output", "-o", required=True, type=Path, metavar="PREFIX",
+        "--output",
+        "-o",
+        required=True,
+        type=Path,
+        metavar="PREFIX",
         help="writes PREFIX.bin and PREFIX.idx",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--vocab-size", type=int, default=256,
+        "--vocab-size",
+        type=int,
+        default=256,
         help="vocabulary size recorded in the header (>= 256; default 256)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--split", choices=SPLITS, default="paragraph",
+        "--split",
+        choices=SPLITS,
+        default="paragraph",
         help="one document per blank-line-separated paragraph (default) or per file",
-    )  # fmt: skip
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,24 +31,32 @@ CORPUS_SEED = 20240226
 CORPUS_TARGET_BYTES = 300_000
 """The generator stops at the first paragraph boundary at or past this many bytes."""
 
-_NOUNS = ["cat", "dog", "bird", "farmer", "teacher", "robot", "king", "queen", "baker", "sailor",
-          "horse", "fox", "child", "doctor", "painter", "miner"]  # fmt: skip
-_THINGS = ["apple", "book", "cup", "stone", "star", "coin", "shell", "ball", "key", "pear",
-           "egg", "box"]  # fmt: skip
-_ADJS = ["red", "small", "big", "old", "quiet", "happy", "green", "fast", "tired", "brave",
-         "young", "kind"]  # fmt: skip
-_VERBS = ["sees", "likes", "follows", "helps", "finds", "watches", "calls", "meets", "greets",
-          "thanks"]  # fmt: skip
-_PLACES = ["in the garden", "near the river", "at the market", "under the tree", "on the hill",
-           "by the sea", "in the house", "at school"]  # fmt: skip
+_NOUNS = (
+    "cat dog bird farmer teacher robot king queen baker sailor horse fox child doctor painter miner"
+).split()
+_THINGS = "apple book cup stone star coin shell ball key pear egg box".split()
+_ADJS = "red small big old quiet happy green fast tired brave young kind".split()
+_VERBS = "sees likes follows helps finds watches calls meets greets thanks".split()
+_PLACES = [
+    "in the garden",
+    "near the river",
+    "at the market",
+    "under the tree",
+    "on the hill",
+    "by the sea",
+    "in the house",
+    "at school",
+]
 _TIMES = ["every morning", "at night", "on monday", "in the spring", "after lunch", "today"]
-_NAMES = ["anna", "ben", "carl", "dora", "emma", "finn", "gina", "hugo", "ida", "jack"]
-_NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
-                 "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen",
-                 "seventeen", "eighteen", "nineteen", "twenty"]  # fmt: skip
-_DAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
-_MONTHS = ["january", "february", "march", "april", "may", "june", "july", "august",
-           "september", "october", "november", "december"]  # fmt: skip
+_NAMES = "anna ben carl dora emma finn gina hugo ida jack".split()
+_NUMBER_WORDS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty"
+).split()
+_DAYS = "monday tuesday wednesday thursday friday saturday sunday".split()
+_MONTHS = (
+    "january february march april may june july august september october november december"
+).split()
 
 
 def _sentence(r: random.Random) -> str:

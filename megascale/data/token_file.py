@@ -1,4 +1,4 @@
-"""The megascale token file: ``PREFIX.bin`` (token ids) + ``PREFIX.idx`` (header and document offsets).
+"""The megascale token file: ``PREFIX.bin`` (token ids) + ``PREFIX.idx`` (header, offsets).
 
 Layout, all integers little-endian:
 
@@ -121,7 +121,7 @@ def _temp_name(directory: Path, name: str) -> Path:
 
 
 class TokenFile:
-    """Read-only view of a token file; the tokens are a ``numpy.memmap`` (nothing is loaded eagerly).
+    """Read-only view of a token file; the tokens are a ``numpy.memmap``, never loaded eagerly.
 
     Attributes: ``prefix``, ``vocab_size``, ``dtype``, ``num_documents``, ``offsets`` (int64 array
     of length num_documents + 1) and ``tokens`` (1-D array of all token ids, the file's dtype).

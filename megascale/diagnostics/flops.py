@@ -185,8 +185,8 @@ def lookup_peak(gpu_name: str) -> tuple[str, float]:
     words = set(re.split(r"[^A-Z0-9]+", gpu_name.upper())) - {"", "NVIDIA", "TESLA"}
     if "NVL" not in words:
         if "H100" in words:
-            return ("H100 PCIe", PEAK_TFLOPS["H100 PCIe"]) if "PCIE" in words else (
-                "H100 SXM", PEAK_TFLOPS["H100 SXM"])  # fmt: skip
+            key = "H100 PCIe" if "PCIE" in words else "H100 SXM"  # "H100 80GB HBM3" is SXM
+            return key, PEAK_TFLOPS[key]
         for key in ("H200", "H800", "A100", "A800", "L40S", "B200"):
             if key in words:
                 return key, PEAK_TFLOPS[key]
@@ -291,15 +291,17 @@ def mfu_report(
     lines.append(f"peak: {peak[1]}" if peak else "peak: none given (--gpu NAME or --peak-tflops P)")
     if tokens_per_s is not None:
         lines.append(
-            f"throughput: {tokens_per_s:,.6g} tokens/s on {gpus} GPU(s) = "
-            f"{tokens_per_s / gpus:,.6g} tokens/s/GPU, "
-            f"{_si(tokens_per_s * fl.total / gpus, 'FLOP/s')} model FLOP/s per GPU"
+            f"throughput: {tokens_per_s:,.1f} tokens/s on {gpus} GPU(s) = "
+            f"{tokens_per_s / gpus:,.1f} tokens/s per GPU, "
+            f"{_si(tokens_per_s * fl.total / gpus, 'FLOP/s')} of model FLOPs per GPU"
         )
         if peak:
+            value = mfu(tokens_per_s, gpus, fl.total, peak[0])
             lines.append(
-                f"MFU: {100 * mfu(tokens_per_s, gpus, fl.total, peak[0]):.1f}% "
+                f"MFU: {100 * value:.1f}% "
                 f"({100 * mfu(tokens_per_s, gpus, dense.total, peak[0]):.1f}% with the dense "
                 "s*s attention convention)"
+                + (" -- above 100%: check the throughput, GPU count and peak" if value > 1 else "")
             )
         else:
             lines.append("MFU: needs a peak (--gpu NAME or --peak-tflops P)")
@@ -309,18 +311,37 @@ def mfu_report(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``megascale mfu [CONFIG] [--set ...] --tokens-per-s X --gpus N
     (--peak-tflops P | --gpu NAME)``."""
-    parser.add_argument("config", nargs="?", default=None,
-                        help="TOML file or preset name (default: the default preset)")  # fmt: skip
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        dest="overrides", help="override a config value (repeatable)")  # fmt: skip
-    parser.add_argument("--tokens-per-s", type=float, default=None,
-                        help="measured throughput of the whole job, tokens per second")  # fmt: skip
+    parser.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="TOML file or preset name (default: the default preset)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        dest="overrides",
+        help="override a config value (repeatable)",
+    )
+    parser.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=None,
+        help="measured throughput of the whole job, tokens per second",
+    )
     parser.add_argument("--gpus", type=int, default=1, help="GPUs the throughput was measured on")
     peak = parser.add_mutually_exclusive_group()
-    peak.add_argument("--peak-tflops", type=float, default=None,
-                      help="dense bf16 peak per GPU in TFLOP/s (overrides the table)")  # fmt: skip
-    peak.add_argument("--gpu", default=None, metavar="NAME",
-                      help=f"GPU name to look up: {', '.join(PEAK_TFLOPS)}")  # fmt: skip
+    peak.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="dense bf16 peak per GPU in TFLOP/s (overrides the table)",
+    )
+    peak.add_argument(
+        "--gpu", default=None, metavar="NAME", help=f"GPU name to look up: {', '.join(PEAK_TFLOPS)}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

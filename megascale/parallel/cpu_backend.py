@@ -51,7 +51,7 @@ def _is_cuda_device(device: object) -> bool:
         return device.type == "cuda"
     if isinstance(device, str):
         return device.split(":")[0] == "cuda"
-    # torch.cuda.current_device() returns 0 here; a bare int device means a CUDA ordinal.
+    # A bare int device is a CUDA ordinal.
     return isinstance(device, int) and not isinstance(device, bool)
 
 
@@ -73,8 +73,10 @@ class _CpuDeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _current_device() -> int:
-    return 0
+def _current_device() -> torch.device:
+    # A device, not an ordinal: megatron-core passes it as ``device=`` also inside autograd
+    # backward functions, where no TorchFunctionMode is active to rewrite it.
+    return _CPU
 
 
 def _device_count() -> int:

@@ -137,13 +137,14 @@ class Lamb(torch.optim.Optimizer):
         # keys; fall back to the constructor's defaults.
         return group.get(key, self.defaults[key])
 
-    def _next_step(self, group: dict[str, Any], state: dict[str, Any]) -> float:
+    @staticmethod
+    def _next_step(state: dict[str, Any], group_step: int) -> float:
         if "step" in state:
             previous = float(state["step"])
         elif "exp_avg" in state:
             # Moments restored without a per-param step: megatron-core's distributed optimizer
             # restores the step into param_group["step"] when TE/apex are installed.
-            previous = float(group.get("step", 0))
+            previous = float(group_step)
         else:
             previous = 0.0
         step = previous + 1.0
@@ -153,16 +154,19 @@ class Lamb(torch.optim.Optimizer):
         return step
 
     @torch.no_grad()
-    def _adam_update(self, group: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
-        """Advance the moments of ``param`` and return ``u`` (Adam direction + decoupled decay)."""
+    def _adam_update(
+        self, group: dict[str, Any], param: torch.Tensor, group_step: int
+    ) -> tuple[torch.Tensor, float]:
+        """Advance the moments of ``param``; return ``u`` (Adam direction + decoupled decay) and
+        the param's new step count. ``group_step``: the group's step before this ``step()``."""
         grad = param.grad
         if grad.is_sparse:
             raise RuntimeError("Lamb does not support sparse gradients")
         state = self.state[param]
+        step = self._next_step(state, group_step)  # before the moments exist: it looks at them
         if "exp_avg" not in state:
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        step = self._next_step(group, state)
         beta1, beta2 = self._group_option(group, "betas")
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(grad, 1.0 - beta1)
@@ -177,8 +181,7 @@ class Lamb(torch.optim.Optimizer):
         weight_decay = group["weight_decay"]
         if weight_decay != 0.0:
             update.add_(param, alpha=weight_decay)
-        group["step"] = int(step)
-        return update
+        return update, step
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -194,11 +197,19 @@ class Lamb(torch.optim.Optimizer):
         lrs: list[float] = []
         adapt: list[bool] = []
         for group in self.param_groups:
+            group_step = int(group.get("step", 0))
+            steps = []
             for param in group["params"]:
+                update = None
+                if param.grad is not None:
+                    update, step = self._adam_update(group, param, group_step)
+                    steps.append(step)
                 params.append(param)
-                updates.append(None if param.grad is None else self._adam_update(group, param))
+                updates.append(update)
                 lrs.append(group["lr"])
                 adapt.append(bool(self._group_option(group, "layer_adaptation")))
+            if steps:
+                group["step"] = int(max(steps))
         w_sq, u_sq = self._partial_sq_norms(params, updates)
 
         # 2. Whole-parameter norms: the single collective of the step (inside the reducer).

@@ -12,12 +12,13 @@ import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 from megascale.config import JobConfig, to_toml
-from megascale.diagnostics.flops import PEAK_TFLOPS, peak_tflops_for
+from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.train import checkpoint
@@ -50,6 +51,13 @@ def setup_logging(rank: int, run_dir: Path) -> None:
     to_file.setFormatter(fmt)
     root.addHandler(console)
     root.addHandler(to_file)
+    # megatron-core logs every parameter and bucket at INFO; keep its warnings.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    # The distributed optimizer's fp32 shards are views of the parameters, and its zero_grad probes
+    # their .grad: torch warns on every step. Expected, not actionable.
+    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated")
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated")
 
 
 class Progress:
@@ -81,8 +89,8 @@ def _peak_tflops(device: str) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     try:
-        return peak_tflops_for(name)
-    except KeyError:
+        return lookup_peak(name)[1]
+    except ValueError:
         logger.warning("no dense bf16 peak known for %r (known: %s); MFU not reported", name, ", ".join(PEAK_TFLOPS))
         return None
 
@@ -90,6 +98,8 @@ def _peak_tflops(device: str) -> float | None:
 def run_rank(job: JobConfig, run_dir: Path) -> list[StepMetrics]:
     """Train ``job`` as this rank (env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Collective."""
     run_dir = Path(run_dir)
+    # Sequence parallelism relies on kernels being issued in order on one hardware queue.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     device = resolve_device(job.train.device)
     rank, _world = init_distributed(device)
     setup_logging(rank, run_dir)

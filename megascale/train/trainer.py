@@ -139,8 +139,9 @@ class Trainer:
 
         def loss_func(per_token_loss: torch.Tensor):
             loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
-            # The schedule divides the returned loss by the number of micro-batches.
-            return loss, {"lm loss": loss.detach()}
+            # The schedule divides the returned loss by the number of micro-batches in place, so
+            # the reported value must be a copy, not a view.
+            return loss, {"lm loss": loss.detach().clone()}
 
         return output, loss_func
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -327,3 +328,12 @@ def test_bad_batch_sizes(dataset):
         ShardedBatches(dataset, 6, 2, 0, 2, 0)
     with pytest.raises(ValueError, match="dp_rank=2, dp_size=2"):
         ShardedBatches(dataset, 8, 2, 2, 2, 0)
+
+
+def test_default_corpus_concurrent_builders(tmp_path):
+    # Every rank may call default_token_file at once: all must get a complete, identical file.
+    with ThreadPoolExecutor(4) as pool:
+        prefixes = list(pool.map(lambda _: default_token_file(tmp_path), range(4)))
+    assert len(set(prefixes)) == 1
+    assert TokenFile(prefixes[0]).num_tokens == CORPUS_TOKENS
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
