@@ -27,6 +27,9 @@ compare with numbers those codebases print. The two differ only in the attention
 MFU (model FLOPs utilisation) uses these model FLOPs: activation recomputation is *not* counted,
 since recomputed work is not model work. ``include_recompute=True`` adds one more forward of every
 layer (full recomputation; the LM head is not recomputed), which gives hardware FLOPs (HFU) instead.
+
+Parameter counts (``count_parameters``), unlike FLOPs, are of the model as built and so *include*
+the vocabulary padding (the embedding has ``padded_vocab(V, tp)`` rows): they are memory, not work.
 """
 
 from __future__ import annotations
@@ -149,19 +152,39 @@ def flops_per_token(
     )
 
 
-def count_parameters(model_cfg: ModelConfig) -> int:
-    """Parameters of the GPT that ``megascale.model`` builds, counted analytically.
+VOCAB_PAD_MULTIPLE = 128
+"""The embedding's rows are padded to a multiple of this times ``parallel.tp`` (Megatron's
+convention; ``megascale.model.gpt.padded_vocab_size``, restated here so that ``megascale mfu``
+does not import torch)."""
 
-    Assumes megatron-core's GPT defaults: a word embedding of ``vocab_size`` (unpadded) rows that
-    is *tied* with the LM head (counted once), learned absolute position embeddings
-    (``seq_length * h``), LayerNorm with weight and bias, biases on every linear layer, and a final
-    LayerNorm. Per layer: QKV ``h * (h + 2*g*d)`` + bias, output projection ``h * h`` + bias, MLP
-    ``h*f*2`` (GeLU) or ``h*f*3`` (SwiGLU) + biases, and two LayerNorms (one when
-    ``parallel_block``: attention and MLP read the same normalised input). Vocabulary padding adds
-    ``(padded - vocab_size) * h`` parameters that this count leaves out.
+
+def padded_vocab(vocab_size: int, tp: int = 1) -> int:
+    """``vocab_size`` rounded up to a multiple of ``128 * tp``: the rows ``build_gpt`` allocates."""
+    step = VOCAB_PAD_MULTIPLE * tp
+    return -(-vocab_size // step) * step
+
+
+def count_parameters(model_cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of the GPT that ``megascale.model.gpt.build_gpt`` builds, counted analytically.
+
+    The count is of the model *as built*, with ``parallel.tp = tp``: every tensor once (summed over
+    the tensor-parallel slices, the tied output layer not counted again on the last pipeline stage),
+    so it equals ``sum(p.numel())`` of the 1-process model. It therefore includes the vocabulary
+    padding: the word embedding has ``padded_vocab(vocab_size, tp)`` rows (a multiple of
+    ``128 * tp``), which are allocated, optimised and checkpointed like any other parameter even
+    though no token id reaches them. (FLOPs, in contrast, use the unpadded vocabulary; the padding
+    is ``(padded_vocab - vocab_size) * h``.)
+
+    The model: rotary position embeddings (no parameters), the word embedding *tied* with the LM
+    head (counted once, no output bias), megatron-core's local modules or Transformer Engine (the
+    same parameters: biases on every linear layer, LayerNorm with weight and bias). Per layer: QKV
+    ``h * (h + 2*g*d)`` + bias, output projection ``h * h`` + bias, MLP ``h*f*2`` (GeLU) or
+    ``h*f*3`` (SwiGLU, gate and up stacked in fc1) + biases, and two LayerNorms, or one with
+    ``parallel_block`` (attention and MLP read the same normalised input; ``pre_mlp_layernorm`` is
+    an ``IdentityOp``). Plus the final LayerNorm.
     """
     d, g, f, _ = _shape(model_cfg)
-    h, V = model_cfg.hidden_size, model_cfg.vocab_size
+    h = model_cfg.hidden_size
     qkv_out = h + 2 * g * d
     fc1_out = 2 * f if model_cfg.swiglu else f
     layer = (
@@ -171,8 +194,8 @@ def count_parameters(model_cfg: ModelConfig) -> int:
         + (f * h + h)  # linear_fc2
         + (1 if model_cfg.parallel_block else 2) * 2 * h  # LayerNorm weight + bias
     )
-    embeddings = V * h + model_cfg.seq_length * h
-    return embeddings + model_cfg.num_layers * layer + 2 * h
+    embedding = padded_vocab(model_cfg.vocab_size, tp) * h  # tied with the LM head
+    return embedding + model_cfg.num_layers * layer + 2 * h  # + final LayerNorm
 
 
 def lookup_peak(gpu_name: str) -> tuple[str, float]:
@@ -254,26 +277,30 @@ def mfu_report(
     gpus: int,
     peak_tflops: float | None,
     gpu_name: str | None,
+    tp: int = 1,
 ) -> str:
     """The text of ``megascale mfu``: shape, parameters, FLOPs/token by component, peak, MFU.
 
     MFU is given with our causal-keys count and, for comparison, with the dense s*s convention.
+    ``tp`` (``parallel.tp``) only sets the vocabulary padding in the parameter count.
     Raises ValueError for an unknown GPU name or a non-positive peak.
     """
     m = model_cfg
     d, g, f, w = _shape(m)
     fl = flops_per_token(m)
     dense = flops_per_token(m, dense_attention=True)
-    n_params = count_parameters(m)
-    non_embedding = n_params - m.vocab_size * m.hidden_size - m.seq_length * m.hidden_size
+    n_params = count_parameters(m, tp)
+    vocab_rows = padded_vocab(m.vocab_size, tp)
+    non_embedding = n_params - vocab_rows * m.hidden_size
     lines = [
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads "
         f"({g} query groups, head dim {d}), ffn {f} ({'SwiGLU' if m.swiglu else 'GeLU'}), "
-        f"seq {m.seq_length}, vocab {m.vocab_size} (unpadded), "
+        f"seq {m.seq_length}, vocab {m.vocab_size} (embedding padded to {vocab_rows} rows "
+        f"for tp {tp}), "
         f"window {'none' if m.window_size is None else w}, "
         f"{'parallel' if m.parallel_block else 'sequential'} block",
         f"parameters: {n_params:,} ({_count(n_params)}; {non_embedding:,} outside the embeddings;"
-        " tied input/output embedding, learned positions, biases, LayerNorm)",
+        " tied input/output embedding incl. padding, rotary positions, biases, LayerNorm)",
         "training FLOPs per token (forward + backward = 3 x forward; activation recomputation "
         "not counted):",
     ]
@@ -348,7 +375,9 @@ def run(args: argparse.Namespace) -> int:
     """Run ``megascale mfu``: write the report to stdout; 1 with a logged error on bad input."""
     try:
         cfg = config.load(args.config, args.overrides)
-        text = mfu_report(cfg.model, args.tokens_per_s, args.gpus, args.peak_tflops, args.gpu)
+        text = mfu_report(
+            cfg.model, args.tokens_per_s, args.gpus, args.peak_tflops, args.gpu, cfg.parallel.tp
+        )
     except ValueError as e:  # ConfigError is a ValueError
         logger.error("megascale mfu: %s", e)
         return 1

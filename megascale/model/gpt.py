@@ -91,7 +91,9 @@ def transformer_config(job: JobConfig, device: str) -> TransformerConfig:
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
-        perform_initialization=False,  # init_parameters() does it, keyed by global name
+        # megatron-core's own init also tags TP-split weights (tensor_model_parallel, partition_dim),
+        # which grad-norm and slicing rely on; init_parameters() then overwrites the values.
+        perform_initialization=True,
         use_cpu_initialization=not on_cuda,
         params_dtype=dtype,
         pipeline_dtype=dtype,

@@ -29,6 +29,7 @@ from megascale.diagnostics.flops import (
     mean_keys_per_query,
     mfu,
     mfu_report,
+    padded_vocab,
 )
 
 H, L, S, V = 12288, 96, 2048, 51200
@@ -150,19 +151,35 @@ def test_recompute_adds_one_layer_forward_not_the_head():
 def test_parameter_count_gpt3():
     # Per layer: 12 h^2 weights + 13 h (qkv bias 3h, proj bias h, fc1 bias 4h, fc2 bias h,
     # two LayerNorms 4h) = 1,811,939,328 + 159,744 = 1,812,099,072; x 96 = 173,961,510,912.
-    # Tied embedding V h = 629,145,600, positions s h = 25,165,824, final LayerNorm 2h = 24,576.
-    # Total 174,615,846,912: the familiar "175B".
-    assert count_parameters(GPT3) == 173_961_510_912 + 629_145_600 + 25_165_824 + 24_576
-    assert count_parameters(GPT3) == 174_615_846_912
+    # Tied embedding V h = 51,200 x 12,288 = 629,145,600 (51200 = 400 x 128: no padding at tp 1),
+    # rotary positions: no parameters; final LayerNorm 2h = 24,576.
+    # Total 174,590,681,088: the familiar "175B".
+    assert count_parameters(GPT3) == 173_961_510_912 + 629_145_600 + 24_576
+    assert count_parameters(GPT3) == 174_590_681_088
     # The parallel block shares one LayerNorm: 2h fewer per layer.
     parallel = dataclasses.replace(GPT3, parallel_block=True)
     assert count_parameters(GPT3) - count_parameters(parallel) == 96 * 2 * H
+    # GPT-2's 50,257 tokens pad to 51,200 rows at tp 8 (a multiple of 1024), as in the
+    # megascale-175b preset: the same count as V = 51200. At tp 1 (a multiple of 128) they pad to
+    # 50,304 rows only: 896 rows fewer.
+    gpt2_vocab = dataclasses.replace(GPT3, vocab_size=50_257)
+    assert count_parameters(gpt2_vocab, 8) == 174_590_681_088
+    assert count_parameters(gpt2_vocab) == 174_590_681_088 - (51_200 - 50_304) * H
+
+
+def test_padded_vocab():
+    assert padded_vocab(256) == 256 and padded_vocab(257) == 384 and padded_vocab(1) == 128
+    assert (
+        padded_vocab(256, 2) == 256 and padded_vocab(256, 4) == 512 and padded_vocab(257, 2) == 512
+    )
+    assert padded_vocab(50_257, 8) == 51_200 and padded_vocab(50_257, 3) == 50_304
 
 
 def test_parameter_count_tiny_by_hand():
     # h = 8, 2 heads, 1 query group (d = 4), f = 16 SwiGLU, 2 layers, s = 5, V = 11.
     # qkv: 8 * (8 + 2*4) + 16 = 144; proj: 64 + 8 = 72; fc1: 8 * 32 + 32 = 288; fc2: 16 * 8 + 8
-    # = 136; norms 2 * 16 = 32. Layer = 672; two layers 1344; + embeddings 88 + 40 + final 16.
+    # = 136; norms 2 * 16 = 32. Layer = 672; two layers 1344; + the embedding, V = 11 padded to
+    # 128 rows: 128 * 8 = 1024 (256 rows, 2048, at tp 2) + final LayerNorm 16. No positions.
     cfg = ModelConfig(
         num_layers=2,
         hidden_size=8,
@@ -173,7 +190,9 @@ def test_parameter_count_tiny_by_hand():
         vocab_size=11,
         swiglu=True,
     )
-    assert count_parameters(cfg) == 1344 + 88 + 40 + 16
+    assert count_parameters(cfg) == 1344 + 1024 + 16
+    assert count_parameters(cfg, 2) == 1344 + 2048 + 16
+    # The real model is checked against this in tests/unit/test_model_params.py.
 
 
 def test_bad_shapes_name_the_field():
@@ -245,7 +264,7 @@ def test_peak_table_is_dense_bf16():
 def test_report_names_the_peak_and_gives_mfu():
     text = mfu_report(GPT3, 1.984e6, 12_288, None, "NVIDIA A100-SXM4-80GB")
     assert "A100 dense bf16 312 TFLOP/s" in text
-    assert "parameters: 174,615,846,912" in text
+    assert "parameters: 174,590,681,088" in text
     assert "MFU: 55.0% (55.7% with the dense s*s attention convention)" in text
     assert "activation recomputation not counted" in text
     for label in ("qkv projection", "attention QK^T", "attention AV", "mlp", "lm head", "total"):
