@@ -75,7 +75,9 @@ def run_local(
                 outcomes[rank] = (status, value)
                 if status == "error":
                     failures[rank] = value
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcomes]
+            dead = [
+                r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcomes
+            ]
             for r in dead:
                 failures[r] = f"exit code {procs[r].exitcode}"
                 outcomes[r] = ("error", failures[r])

@@ -163,7 +163,9 @@ def _block_spec(
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm),
+        submodules=TransformerBlockSubmodules(
+            layer_specs=[layer] * num_layers, layer_norm=final_norm
+        ),
     )
 
 

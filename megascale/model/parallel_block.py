@@ -54,5 +54,7 @@ class ParallelTransformerLayer(TransformerLayer):
             hidden = self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
                 mlp_out, hidden, self.hidden_dropout
             )
-        output = make_viewless_tensor(inp=hidden, requires_grad=hidden.requires_grad, keep_graph=True)
+        output = make_viewless_tensor(
+            inp=hidden, requires_grad=hidden.requires_grad, keep_graph=True
+        )
         return output, None

@@ -64,7 +64,9 @@ def build_groups(parallel: ParallelConfig) -> Groups:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    layout = Layout(world_size=world, tp=parallel.tp, pp=parallel.pp, dp=world // (parallel.tp * parallel.pp))
+    layout = Layout(
+        world_size=world, tp=parallel.tp, pp=parallel.pp, dp=world // (parallel.tp * parallel.pp)
+    )
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(

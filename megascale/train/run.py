@@ -28,7 +28,7 @@ logger = logging.getLogger("megascale")
 
 
 def resolve_device(requested: str) -> str:
-    """"auto" -> "cuda" when a GPU is visible, else "cpu"."""
+    """ "auto" -> "cuda" when a GPU is visible, else "cpu"."""
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
@@ -91,12 +91,21 @@ def _peak_tflops(device: str) -> float | None:
     try:
         return lookup_peak(name)[1]
     except ValueError:
-        logger.warning("no dense bf16 peak known for %r (known: %s); MFU not reported", name, ", ".join(PEAK_TFLOPS))
+        logger.warning(
+            "no dense bf16 peak known for %r (known: %s); MFU not reported",
+            name,
+            ", ".join(PEAK_TFLOPS),
+        )
         return None
 
 
-def run_rank(job: JobConfig, run_dir: Path) -> list[StepMetrics]:
-    """Train ``job`` as this rank (env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Collective."""
+def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> list[StepMetrics]:
+    """Train ``job`` as this rank (env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Collective.
+
+    Resumes from the latest complete checkpoint in ``run_dir`` when ``checkpoint.resume`` is set.
+    ``stop_after`` ends this process's run after that global step (a planned preemption): the
+    schedule still follows ``train.steps``, so a later run resumes exactly where this one stopped.
+    """
     run_dir = Path(run_dir)
     # Sequence parallelism relies on kernels being issued in order on one hardware queue.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -105,10 +114,14 @@ def run_rank(job: JobConfig, run_dir: Path) -> list[StepMetrics]:
     setup_logging(rank, run_dir)
     if device == "cpu":
         cpu_backend.activate()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        torch.set_num_threads(
+            max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        )
     groups = build_groups(job.parallel)
     _seed(job.train.seed, groups.tp_rank, device)
-    trainer = Trainer(job, groups, device, data_cache_dir=run_dir / "data", peak_tflops=_peak_tflops(device))
+    trainer = Trainer(
+        job, groups, device, data_cache_dir=run_dir / "data", peak_tflops=_peak_tflops(device)
+    )
     ckpt_root = run_dir / "checkpoints"
     if job.checkpoint.resume and (start := checkpoint.load_latest(trainer, ckpt_root)) is not None:
         logger.info("resuming at step %d", start)
@@ -119,7 +132,8 @@ def run_rank(job: JobConfig, run_dir: Path) -> list[StepMetrics]:
     history: list[StepMetrics] = []
     metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     try:
-        while trainer.step_num < job.train.steps:
+        last = job.train.steps if stop_after is None else min(stop_after, job.train.steps)
+        while trainer.step_num < last:
             metrics = trainer.step()
             history.append(metrics)
             if metrics_file is not None:
@@ -128,7 +142,9 @@ def run_rank(job: JobConfig, run_dir: Path) -> list[StepMetrics]:
             if progress is not None:
                 progress.update(metrics)
             interval = job.checkpoint.interval
-            if interval and (trainer.step_num % interval == 0 or trainer.step_num == job.train.steps):
+            if interval and (
+                trainer.step_num % interval == 0 or trainer.step_num == job.train.steps
+            ):
                 checkpoint.save(trainer, ckpt_root, job.checkpoint.keep)
     finally:
         if metrics_file is not None:

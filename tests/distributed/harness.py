@@ -35,7 +35,9 @@ def _rank_steps(job: JobConfig, data_dir: Path, steps: int) -> list[tuple[float,
     return out
 
 
-def train_steps(job: JobConfig, world: int, data_dir: Path, steps: int = 3) -> list[tuple[float, float]]:
+def train_steps(
+    job: JobConfig, world: int, data_dir: Path, steps: int = 3
+) -> list[tuple[float, float]]:
     """(loss, grad_norm) per step as rank 0 sees them (every rank agrees on both)."""
     job = validate(job, world, "gloo")
     return run_local(_rank_steps, world, (job, data_dir, steps), timeout_s=300)[0]
@@ -44,6 +46,7 @@ def train_steps(job: JobConfig, world: int, data_dir: Path, steps: int = 3) -> l
 def with_changes(job: JobConfig, **sections: dict) -> JobConfig:
     """A copy of ``job`` with fields replaced per section: with_changes(job, parallel={"tp": 2})."""
     replaced = {
-        name: dataclasses.replace(getattr(job, name), **changes) for name, changes in sections.items()
+        name: dataclasses.replace(getattr(job, name), **changes)
+        for name, changes in sections.items()
     }
     return dataclasses.replace(job, **replaced)

@@ -77,8 +77,12 @@ def reference(variant: str, data_dir) -> list[tuple[float, float]]:
 
 def assert_close(got, want, what):
     for step, ((loss, gn), (ref_loss, ref_gn)) in enumerate(zip(got, want, strict=True), 1):
-        assert math.isclose(loss, ref_loss, rel_tol=RTOL), f"{what} step {step}: loss {loss} != {ref_loss}"
-        assert math.isclose(gn, ref_gn, rel_tol=RTOL), f"{what} step {step}: grad norm {gn} != {ref_gn}"
+        assert math.isclose(loss, ref_loss, rel_tol=RTOL), (
+            f"{what} step {step}: loss {loss} != {ref_loss}"
+        )
+        assert math.isclose(gn, ref_gn, rel_tol=RTOL), (
+            f"{what} step {step}: grad norm {gn} != {ref_gn}"
+        )
 
 
 @pytest.mark.parametrize(("layout", "variant"), CASES, ids=[f"{a}-{b}" for a, b in CASES])

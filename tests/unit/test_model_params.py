@@ -67,9 +67,7 @@ def _child(conn, port: int) -> None:
         from megascale.parallel import cpu_backend
         from megascale.parallel.groups import build_groups
 
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-        )
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         cpu_backend.activate()
         groups = build_groups(config.load("tiny").parallel)
         conn.send(("ok", {name: _inspect(o, groups) for name, o in CASES.items()}))
