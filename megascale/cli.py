@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from megascale.config import ConfigError
+from megascale.logs import quiet_expected_noise
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    quiet_expected_noise()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -104,6 +104,11 @@ def _ranges(cfg: JobConfig) -> list[str]:
             f"optim.min_lr = {o.min_lr}: must be <= optim.lr = {o.lr} "
             f"(the cosine decays from lr down to min_lr)"
         )
+    if t.steps > 0 and o.warmup_steps >= t.steps:
+        problems.append(
+            f"optim.warmup_steps = {o.warmup_steps}: must be < train.steps = {t.steps} "
+            f"(the warm-up has to end before the last step)"
+        )
     for name, value in [
         ("optim.beta1", o.beta1),
         ("optim.beta2", o.beta2),

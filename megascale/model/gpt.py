@@ -109,6 +109,7 @@ def transformer_config(job: JobConfig, device: str) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         deterministic_mode=not on_cuda,
+        cuda_graph_scope=[],  # the dataclass default "full" is deprecated and warns
     )
 
 

@@ -75,6 +75,9 @@ def build_groups(parallel: ParallelConfig) -> Groups:
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
         order="tp-cp-ep-dp-pp",  # the order megascale.parallel.layout computes
     )
+    from megatron.core.rerun_state_machine import initialize_rerun_state_machine
+
+    initialize_rerun_state_machine()  # explicit, or megatron-core warns on the first step
     coord = layout.coords(rank)
     groups = Groups(
         layout=layout,

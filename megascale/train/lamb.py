@@ -269,6 +269,7 @@ class SlotNormReducer:
 
     A group of ``None`` or of size 1 is skipped, so at most two collectives run per step, each of
     ``2 * n_slots`` floats. Must be called on every rank of both groups (``Lamb.step`` does).
+    ``device``: where the slot vectors live (the params' device; default: the inputs' device).
     """
 
     def __init__(
@@ -278,6 +279,7 @@ class SlotNormReducer:
         *,
         dp_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         n_slots = len(tp_split)
         bad = [s for s in slot_index if not 0 <= s < n_slots]
@@ -289,6 +291,9 @@ class SlotNormReducer:
         self.dp_group = dp_group if _size(dp_group) > 1 else None
         self.tp_group = tp_group if _size(tp_group) > 1 else None
         self._tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        # Where the collectives run. A rank holding no tensor of the optimizer (a distributed-
+        # optimizer range that is all padding) hands in empty CPU vectors; NCCL needs CUDA ones.
+        self.device = torch.device(device) if device is not None else None
 
     def __call__(self, w_sq: torch.Tensor, u_sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if w_sq.shape != self._slot_index.shape:
@@ -296,7 +301,8 @@ class SlotNormReducer:
                 f"got {w_sq.numel()} partial norms but this reducer maps "
                 f"{self._slot_index.numel()} tensors; rebuild it after changing param groups"
             )
-        device = w_sq.device
+        device = self.device or w_sq.device
+        w_sq, u_sq = w_sq.to(device), u_sq.to(device)
         if self._slot_index.device != device:
             self._slot_index = self._slot_index.to(device)
             self._tp_duplicate = self._tp_duplicate.to(device)

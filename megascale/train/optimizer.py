@@ -100,6 +100,9 @@ def build_optimizer(
     )
     if cfg.name == "lamb":
         install_lamb(optimizer)
+    for sub in _sub_optimizers(optimizer):
+        if isinstance(sub.optimizer, torch.optim.Optimizer):
+            sub.optimizer.register_load_state_dict_post_hook(_unshare_step_tensors)
     return optimizer
 
 
@@ -146,8 +149,7 @@ def install_lamb(optimizer: MegatronOptimizer) -> None:
     gets the norm reducer of :func:`make_norm_reducer` with the groups megatron-core recorded on it
     (``optimizer.tp_group``; the distributed optimizer's ``data_parallel_group``).
     """
-    subs = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    for sub in subs:
+    for sub in _sub_optimizers(optimizer):
         inner = sub.optimizer
         if inner is None:  # a stub: this rank has no trainable params in it
             continue
@@ -203,7 +205,8 @@ def make_norm_reducer(
     inner_params = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
     if not isinstance(optimizer, DistributedOptimizer):
         tp_split = [_is_tp_split(p) for p in inner_params]
-        return SlotNormReducer(range(len(inner_params)), tp_split, tp_group=tp_group)
+        device = inner_params[0].device if inner_params else None
+        return SlotNormReducer(range(len(inner_params)), tp_split, tp_group=tp_group, device=device)
 
     if not hasattr(optimizer, "buffers"):
         raise NotImplementedError("LAMB with megatron FSDP (use_megatron_fsdp) is not supported")
@@ -231,7 +234,30 @@ def make_norm_reducer(
         [_is_tp_split(p) for p in slots],
         dp_group=dp_group,
         tp_group=tp_group,
+        device=next(iter(slots)).device if slots else None,
     )
+
+
+def _sub_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    if isinstance(optimizer, ChainedOptimizer):
+        return list(optimizer.chained_optimizers)
+    return [optimizer]
+
+
+def _unshare_step_tensors(inner: torch.optim.Optimizer) -> None:
+    """Post-hook of the inner optimizer's ``load_state_dict``.
+
+    Without TE/apex, megatron-core 0.16's ``DistributedOptimizer.load_state_dict`` puts *one* step
+    tensor object into every param's state (``s["step"] = step``, distrib_optimizer.py:818-825)
+    and ``torch.optim.Optimizer.load_state_dict`` keeps the aliasing. torch's AdamW increments
+    steps in place, so after a resume the step grew by the number of params per step (seen: 1, 5,
+    9 with 4 params): wrong bias correction, and a resumed run no longer equals an uninterrupted
+    one. Give each param its own copy. (Lamb never increments in place; this is for AdamW.)
+    """
+    for state in inner.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            state["step"] = step.clone()
 
 
 def _is_tp_split(param: torch.Tensor) -> bool:

@@ -12,13 +12,13 @@ import logging
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 from megascale.config import JobConfig, to_toml
 from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
+from megascale.logs import setup_logging
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.train import checkpoint
@@ -34,30 +34,6 @@ def resolve_device(requested: str) -> str:
     if requested == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device='cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
     return requested
-
-
-def setup_logging(rank: int, run_dir: Path) -> None:
-    """Rank-prefixed lines to stderr (rank 0 at INFO, others WARNING) and to logs/rank_NNNNN.log."""
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter(f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
-    root = logging.getLogger()
-    root.handlers.clear()
-    root.setLevel(logging.INFO)
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    console.setFormatter(fmt)
-    to_file = logging.FileHandler(log_dir / f"rank_{rank:05d}.log")
-    to_file.setFormatter(fmt)
-    root.addHandler(console)
-    root.addHandler(to_file)
-    # megatron-core logs every parameter and bucket at INFO; keep its warnings.
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    # The distributed optimizer's fp32 shards are views of the parameters, and its zero_grad probes
-    # their .grad: torch warns on every step. Expected, not actionable.
-    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated")
-    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated")
 
 
 class Progress:

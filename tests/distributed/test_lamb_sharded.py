@@ -18,6 +18,7 @@ Workers are forked from the pytest process, which has already imported torch and
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import socket
 
@@ -97,24 +98,26 @@ def tp_local(tensor: torch.Tensor, spec_index: int, tp: int, tp_rank: int) -> to
     return tensor.chunk(tp, dim=0)[tp_rank] if SPECS[spec_index][1] and tp > 1 else tensor
 
 
-def dp_ranges(numels: list[int], dp: int):
+def dp_ranges(numels: list[int], dp: int, idle_last: bool = False):
     """Distributed-optimizer layout: each param's [start, end) in one flat buffer (filled in
-    reverse order, starts aligned), the padded buffer size, and each DP rank's [lo, hi) range."""
+    reverse order, starts aligned), the padded buffer size, and each DP rank's [lo, hi) range.
+    ``idle_last``: the last DP rank's range is empty (as when its range is all padding)."""
     starts, cursor = [0] * len(numels), 0
     for i in reversed(range(len(numels))):
         cursor = -(-cursor // ALIGN) * ALIGN
         starts[i] = cursor
         cursor += numels[i]
     size = -(-cursor // (ALIGN * dp)) * (ALIGN * dp)
-    per_rank = size // dp
-    ranks = [(r * per_rank, (r + 1) * per_rank) for r in range(dp)]
+    active = dp - 1 if idle_last else dp
+    per_rank = -(-size // active)
+    ranks = [(min(r * per_rank, size), min((r + 1) * per_rank, size)) for r in range(dp)]
     return [(s, s + n) for s, n in zip(starts, numels, strict=True)], size, ranks
 
 
-def shard_layout(numels: list[int], dp: int, dp_rank: int):
+def shard_layout(numels: list[int], dp: int, dp_rank: int, idle_last: bool = False):
     """For one DP rank: (param index, slice start, slice end) of every piece it holds, grouped by
     param group and, within a group, in buffer order (as DistributedOptimizer orders them)."""
-    spans, _, ranks = dp_ranges(numels, dp)
+    spans, _, ranks = dp_ranges(numels, dp, idle_last)
     lo, hi = ranks[dp_rank]
     pieces = {0: [], 1: []}
     for i in sorted(range(len(numels)), key=lambda i: spans[i][0]):
@@ -138,28 +141,29 @@ def reference_lamb(params, grads):
     return [w.detach() for w in weights]
 
 
-def check_layout_is_interesting(numels: list[int], dp: int) -> None:
+def check_layout_is_interesting(numels: list[int], dp: int, idle_last: bool) -> None:
     """The layout must split some param over ranks and give some rank pieces of several params."""
     holders: dict[int, set[int]] = {}
     held_per_rank = []
     for r in range(dp):
-        pieces = shard_layout(numels, dp, r)
+        pieces = shard_layout(numels, dp, r, idle_last)
         held_per_rank.append({i for group in pieces.values() for i, _, _ in group})
         for i in held_per_rank[-1]:
             holders.setdefault(i, set()).add(r)
     assert any(len(held) >= 2 for held in held_per_rank), "no rank holds pieces of several params"
     assert any(len(ranks) >= 2 for ranks in holders.values()), "no param is split over DP ranks"
+    assert not idle_last or not held_per_rank[-1], "the idle rank holds pieces"
 
 
-def run_sharded(tp: int, dp: int, groups, rank: int, reducer_kind: str) -> list[torch.Tensor]:
+def run_sharded(tp, dp, idle_last, groups, rank: int, reducer_kind: str) -> list[torch.Tensor]:
     """LAMB on this rank's shards; returns the reassembled whole params."""
     tp_rank, dp_rank = rank % tp, rank // tp
     tp_group, dp_group = groups
     params, grads = full_params_and_grads()
     local = [tp_local(p, i, tp, tp_rank) for i, p in enumerate(params)]
     numels = [p.numel() for p in local]
-    check_layout_is_interesting(numels, dp)
-    pieces = shard_layout(numels, dp, dp_rank)
+    check_layout_is_interesting(numels, dp, idle_last)
+    pieces = shard_layout(numels, dp, dp_rank, idle_last)
 
     shards, slot_index, opt_groups = [], [], []
     for g, opts in enumerate(GROUP_OPTIONS):
@@ -183,7 +187,7 @@ def run_sharded(tp: int, dp: int, groups, rank: int, reducer_kind: str) -> list[
         opt.step()
 
     # Reassemble: DP ranks fill their ranges of the flat buffer, sum over DP, then concat over TP.
-    spans, size, _ = dp_ranges(numels, dp)
+    spans, size, _ = dp_ranges(numels, dp, idle_last)
     flat = torch.zeros(size)
     for shard, (i, start, end) in zip(shards, order, strict=True):
         flat[spans[i][0] + start : spans[i][0] + end] = shard.detach()
@@ -199,29 +203,32 @@ def run_sharded(tp: int, dp: int, groups, rank: int, reducer_kind: str) -> list[
     return whole
 
 
-def _sharded_worker(rank: int, world: int, layouts: list[tuple[int, int]]) -> None:
+def _sharded_worker(rank: int, world: int, layouts: list[tuple[int, int, bool]]) -> None:
     params, grads = full_params_and_grads()
     expected = reference_lamb(params, grads)
-    for tp, dp in layouts:
+    for tp, dp, idle_last in layouts:
         assert tp * dp == world
         # Every rank creates every group, in the same order (new_group is collective).
         tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
         dp_groups = [dist.new_group(list(range(t, world, tp))) for t in range(tp)]
         groups = (tp_groups[rank // tp], dp_groups[rank % tp])
-        whole = run_sharded(tp, dp, groups, rank, "slots")
+        whole = run_sharded(tp, dp, idle_last, groups, rank, "slots")
         for i, (w, e) in enumerate(zip(whole, expected, strict=True)):
             err = max_rel_error(w, e)
             assert err < MAX_REL_ERROR, f"TP{tp}xDP{dp} param {i} {SPECS[i]}: rel error {err:.2e}"
         # Negative control: shard-local trust ratios must visibly differ from the reference.
-        local = run_sharded(tp, dp, groups, rank, "local")
+        local = run_sharded(tp, dp, idle_last, groups, rank, "local")
         worst = max(max_rel_error(w, e) for w, e in zip(local, expected, strict=True))
         assert worst > 1e-3, f"TP{tp}xDP{dp}: shard-local norms matched too ({worst:.1e})"
 
 
 @pytest.mark.parametrize(
-    ("world", "layouts"), [(2, [(1, 2)]), (4, [(1, 4), (2, 2)])], ids=["dp2", "dp4+tp2dp2"]
+    ("world", "layouts"),
+    [(2, [(1, 2, False)]), (4, [(1, 4, False), (2, 2, False), (1, 4, True)])],
+    ids=["dp2", "dp4+tp2dp2+dp4-idle-rank"],
 )
 def test_slot_reducer_on_shards_matches_one_process(world, layouts):
+    """(tp, dp, idle_last) layouts; an idle rank holds no piece yet joins the reduction."""
     spawn(_sharded_worker, world, layouts)
 
 
@@ -291,22 +298,47 @@ def _tp_whole(param: torch.nn.Parameter, tp: int) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
-def _reference_run(reference: torch.nn.Sequential, batches) -> list[torch.Tensor]:
+def _reference_run(reference: torch.nn.Sequential, batches, cfg: OptimConfig) -> list:
     weights = [p for p in reference.parameters() if p.ndim > 1]
     biases = [p for p in reference.parameters() if p.ndim == 1]
     # megatron-core's groups: wd_mult 0 for biases and 1-D params (get_standard_config_overrides).
-    opt = Lamb(
-        [{"params": weights, "wd_mult": 1.0}, {"params": biases, "wd_mult": 0.0}],
-        betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps,
-    )  # fmt: skip
-    scheduler = build_scheduler(OPTIM, opt, total_steps=10)
+    groups = [{"params": weights, "wd_mult": 1.0}, {"params": biases, "wd_mult": 0.0}]
+    optimizer_cls = Lamb if cfg.name == "lamb" else torch.optim.AdamW
+    opt = optimizer_cls(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    scheduler = build_scheduler(cfg, opt, total_steps=10)
     for x, target in batches:
         reference.zero_grad()
         (reference(x) - target).square().sum().backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), OPTIM.clip_grad)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.clip_grad)
         opt.step()
         scheduler.step(1)
     return [p.detach() for p in reference.parameters()]
+
+
+def _train(tp: int, cfg: OptimConfig, distributed: bool, batches):
+    """``STEPS`` steps of megatron-core DDP + ``build_optimizer``, with a checkpoint round trip
+    of the optimizer after step 2. Returns the whole params and the inner torch optimizer."""
+    module = build_model(tp, reference_mlp())
+    config = TransformerConfig(
+        num_layers=1, hidden_size=IN, num_attention_heads=2, tensor_model_parallel_size=tp
+    )
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
+    model = DistributedDataParallel(config, ddp_config, module)
+    opt = build_optimizer(cfg, [model], use_distributed_optimizer=distributed, bf16=False)
+    scheduler = build_scheduler(cfg, opt, total_steps=10)
+    for step, (x, target) in enumerate(batches):
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        (model(x) - target).square().sum().backward()
+        model.finish_grad_sync()
+        updated, _, _ = opt.step()
+        assert updated
+        scheduler.step(1)
+        if step == 1:
+            # Moments and step counts must survive (DistributedOptimizer.load_state_dict hands
+            # every param the same step tensor object).
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    return [_tp_whole(p, tp) for p in module.parameters()], opt.chained_optimizers[0].optimizer
 
 
 def _megatron_worker(rank: int, world: int, tp: int) -> None:
@@ -316,41 +348,22 @@ def _megatron_worker(rank: int, world: int, tp: int) -> None:
         gen = torch.Generator().manual_seed(1)
         batches = [(torch.randn(4, IN, generator=gen), torch.randn(4, OUT, generator=gen))
                    for _ in range(STEPS)]  # fmt: skip
-        expected = _reference_run(reference_mlp(), batches)
-        for distributed in (True, False):
-            module = build_model(tp, reference_mlp())
-            config = TransformerConfig(
-                num_layers=1, hidden_size=IN, num_attention_heads=2, tensor_model_parallel_size=tp
-            )
-            ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
-            model = DistributedDataParallel(config, ddp_config, module)
-            opt = build_optimizer(OPTIM, [model], use_distributed_optimizer=distributed, bf16=False)
-            inner = opt.chained_optimizers[0].optimizer
-            assert isinstance(inner, Lamb), type(inner)
-            scheduler = build_scheduler(OPTIM, opt, total_steps=10)
-            for step, (x, target) in enumerate(batches):
-                model.zero_grad_buffer()
-                opt.zero_grad()
-                (model(x) - target).square().sum().backward()
-                model.finish_grad_sync()
-                updated, _, _ = opt.step()
-                assert updated
-                scheduler.step(1)
-                if step == 1:
-                    # A checkpoint round trip in the middle: the step counter and moments survive
-                    # (and DistributedOptimizer's shared step tensor is not incremented per param).
-                    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-            got = [_tp_whole(p, tp) for p in module.parameters()]
-            kind = "DistributedOptimizer" if distributed else "FP32Optimizer"
-            for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-                err = max_rel_error(g, e)
-                assert err < MAX_REL_ERROR, f"TP{tp} {kind} param {i}: rel error {err:.2e}"
-            steps = {float(s["step"]) for s in inner.state.values()}
-            assert steps == {float(STEPS)}, steps
+        for cfg in (OPTIM, dataclasses.replace(OPTIM, name="adam")):
+            expected = _reference_run(reference_mlp(), batches, cfg)
+            for distributed in (True, False):
+                got, inner = _train(tp, cfg, distributed, batches)
+                assert isinstance(inner, Lamb if cfg.name == "lamb" else torch.optim.AdamW)
+                kind = f"TP{tp} {cfg.name} " + ("DistOpt" if distributed else "FP32Optimizer")
+                for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+                    err = max_rel_error(g, e)
+                    assert err < MAX_REL_ERROR, f"{kind} param {i}: rel error {err:.2e}"
+                steps = {float(s["step"]) for s in inner.state.values()}
+                assert steps == {float(STEPS)}, f"{kind}: steps {steps}"
     finally:
         parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.parametrize(("world", "tp"), [(2, 1), (4, 2)], ids=["dp2", "tp2dp2"])
-def test_megatron_lamb_matches_one_process(world, tp):
+def test_megatron_optimizer_matches_one_process(world, tp):
+    """build_optimizer: LAMB (and AdamW) through megatron-core's real wrappers."""
     spawn(_megatron_worker, world, tp)

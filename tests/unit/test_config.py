@@ -253,6 +253,7 @@ VALIDATION_CASES = [
     (["optim.lr=0"], 1, "gloo", ["optim.lr = 0.0", "must be > 0"]),
     (["optim.lr=nan"], 1, "gloo", ["optim.lr = nan", "must be > 0"]),
     (["optim.min_lr=0.1", "optim.lr=0.01"], 1, "gloo", ["optim.min_lr = 0.1", "<= optim.lr = 0.01"]),
+    (["optim.warmup_steps=5", "train.steps=5"], 1, "gloo", ["optim.warmup_steps = 5", "< train.steps = 5"]),
     (["optim.beta2=1.0"], 1, "gloo", ["optim.beta2 = 1.0", "in [0, 1)"]),
     (["optim.warmup_steps=-1"], 1, "gloo", ["optim.warmup_steps = -1", "must be >= 0"]),
     (["model.hidden_dropout=1.5"], 1, "gloo", ["model.hidden_dropout = 1.5", "in [0, 1)"]),

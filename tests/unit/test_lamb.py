@@ -185,6 +185,16 @@ def test_default_reducer_is_identity_and_called_once_per_step():
         torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)
 
 
+def test_rank_without_tensors_still_calls_the_reducer():
+    # A distributed-optimizer rank whose range is all padding holds no tensor of a group.
+    calls = []
+    opt = Lamb.adopting([{"params": []}, {"params": []}])
+    opt.norm_reducer = lambda w_sq, u_sq: calls.append(w_sq.shape) or (w_sq, u_sq)
+    opt.step()
+    assert calls == [(0,)]
+    assert all("step" not in group for group in opt.param_groups)
+
+
 def test_reducer_output_is_used_and_checked():
     params = make_params()
     grads = make_grads(1)
