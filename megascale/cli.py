@@ -33,11 +33,12 @@ def _train(args: argparse.Namespace) -> int:
     job = config_mod.load(args.config, args.overrides)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # torchrun
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc_per_node
-    device = job.train.device
-    if device == "auto":
-        import torch
+    from megascale.train.run import resolve_device
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = resolve_device(job.train.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     # Refuse bad config before any process group starts.
     job = config_mod.validate(job, world, "nccl" if device == "cuda" else "gloo")
     run_dir = Path(args.run_dir or _default_run_dir())
@@ -59,8 +60,19 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
 def _default_run_dir() -> str:
-    return os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{stamp}-{os.getpid()}")
 
 
 def _mfu(args: argparse.Namespace) -> int:
@@ -83,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a GPT (N local ranks, or one rank under torchrun)")
     _add_config_args(train)
-    train.add_argument("--nproc-per-node", type=int, default=1, help="local ranks to start")
+    train.add_argument(
+        "--nproc-per-node", type=_positive_int, default=1, help="local ranks to start"
+    )
     train.add_argument("--run-dir", default=None, help="output directory (default: runs/DATE)")
     train.set_defaults(func=_train)
 

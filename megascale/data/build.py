@@ -114,16 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``megascale data build``; 0 on success, 1 with a logged error on bad input."""
     try:
-        stats = build(args.inputs, args.output, args.vocab_size, split=args.split)
+        build(args.inputs, args.output, args.vocab_size, split=args.split)
     except (OSError, ValueError, TokenFileError) as e:
         logger.error("megascale data build: %s", e)
         return 1
-    logger.info(
-        "%s: %d documents, %d tokens, vocab_size %d, %s",
-        stats.prefix,
-        stats.num_documents,
-        stats.num_tokens,
-        stats.vocab_size,
-        stats.dtype,
-    )
     return 0

@@ -309,8 +309,10 @@ def mfu_report(
         lines.append(f"  {_LABELS[name]:<22} {_si(value, 'FLOP'):>14}  {share}")
     lines += [
         f"  (attention counted over {fl.keys_per_query:.6g} keys per query on average, the keys "
-        "the causal mask leaves)",
-        f"  dense s*s convention (Megatron, Narayanan et al. 2021): {_si(dense.total, 'FLOP')}",
+        f"the {'sliding-window ' if m.window_size is not None else ''}causal mask leaves)",
+        f"  dense s*s convention (Megatron, Narayanan et al. 2021"
+        f"{f'; every query against {w} keys' if m.window_size is not None else ''}): "
+        f"{_si(dense.total, 'FLOP')}",
         f"  6N rule of thumb (N = {non_embedding:,} non-embedding): "
         f"{_si(6 * non_embedding, 'FLOP')}",
     ]

@@ -105,6 +105,8 @@ def load_trainer_state(trainer: Trainer, state: dict) -> None:
         opt.optimizer.load_state_dict(opt_state)
         for param, saved in zip(_main_params(opt), mains, strict=True):
             param.copy_(saved)
+    # megatron-core's scheduler adds the saved step count to its current one: start from zero.
+    trainer.scheduler.num_steps = 0
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.data.load_state_dict(state["data"])
     _set_rng_state(state["rng"])

@@ -15,6 +15,10 @@ clipping over TP/PP/DP and checkpoint formats are megatron-core's own code.
   scheduler keep working) and gives it a norm reducer from :func:`make_norm_reducer`, so trust
   ratios use whole-parameter norms whatever the TP size and DP sharding.
 
+Both: the inner optimizer's ``load_state_dict`` gets a post-hook that un-aliases the per-param
+``step`` tensors megatron-core's distributed optimizer restores as one shared object (without it,
+torch AdamW's in-place increments make a resumed run drift from an uninterrupted one).
+
 apex ``FusedLAMB`` is never used, even where apex is installed: it computes each trust ratio from
 the tensor it is handed (a distributed-optimizer shard is not a parameter, and a TP-split weight is
 not the whole weight), offers no hook to reduce norms across ranks, and clips gradients by a norm it
@@ -113,9 +117,10 @@ def build_scheduler(
     ``cfg.min_lr`` at ``total_steps``; constant weight decay ``cfg.weight_decay`` times each
     group's ``wd_mult``.
 
-    Call ``scheduler.step(1)`` after every optimizer step (megatron-core's convention: the first
-    step runs at the lr of step 0, which is 0 with warm-up and ``cfg.lr`` without). Construction
-    already writes lr and weight decay into every param group.
+    Optimizer step ``k`` (1-based) runs at the schedule's value for ``k``: the returned scheduler is
+    already advanced to step 1 (megatron-core would start at step 0, i.e. lr 0 with warm-up, a
+    wasted step), and the trainer calls ``scheduler.step(1)`` after every optimizer step, so the
+    last step runs at ``cfg.min_lr``. Construction writes lr and weight decay into every group.
     """
     if total_steps <= cfg.warmup_steps:
         raise ValueError(
@@ -124,7 +129,7 @@ def build_scheduler(
         )
     if not 0.0 <= cfg.min_lr <= cfg.lr:
         raise ValueError(f"optim.min_lr={cfg.min_lr}: expected 0 <= min_lr <= lr ({cfg.lr})")
-    return OptimizerParamScheduler(
+    scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=cfg.lr,
@@ -140,6 +145,8 @@ def build_scheduler(
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=False,
     )
+    scheduler.step(increment=1)
+    return scheduler
 
 
 def install_lamb(optimizer: MegatronOptimizer) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from megascale.config import JobConfig, to_toml
+from megascale.data.corpus import default_token_file
 from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
 from megascale.logs import setup_logging
 from megascale.parallel import cpu_backend
@@ -75,6 +76,69 @@ def _peak_tflops(device: str) -> float | None:
         return None
 
 
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per step, written by rank 0.
+
+    On open it keeps only the lines up to ``resumed_step`` (0 for a fresh run), so steps redone after
+    a restart from an older checkpoint appear once, and a fresh run in an old directory starts clean.
+    """
+
+    def __init__(self, path: Path, resumed_step: int) -> None:
+        kept = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resumed_step:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line from a crash
+        path.write_text("".join(kept))
+        self._file = open(path, "a")
+
+    def write(self, metrics: StepMetrics) -> None:
+        self._file.write(json.dumps({**metrics.to_dict(), "time": time.time()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
+    """Join the job and build this rank's trainer (resumed when a checkpoint exists). Collective."""
+    # Sequence parallelism relies on kernels being issued in order on one hardware queue.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    device = resolve_device(job.train.device)
+    rank, _world = init_distributed(device)
+    setup_logging(rank, run_dir)
+    if rank == 0:
+        (run_dir / "config.toml").write_text(to_toml(job))
+    if device == "cpu":
+        cpu_backend.activate()
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    groups = build_groups(job.parallel)
+    _seed(job.train.seed, groups.tp_rank, device)
+    data_dir = run_dir / "data"
+    if job.data.path is None:
+        if rank == 0:
+            default_token_file(data_dir)  # once, before the other ranks open it
+        torch.distributed.barrier()
+    trainer = Trainer(
+        job, groups, device, data_cache_dir=data_dir, peak_tflops=_peak_tflops(device)
+    )
+    if job.checkpoint.resume:
+        checkpoint.load_latest(trainer, run_dir / "checkpoints")
+    if rank == 0:
+        logger.info(
+            "%s; world %d; step %d of %d",
+            groups.layout.describe(0),
+            groups.layout.world_size,
+            trainer.step_num,
+            job.train.steps,
+        )
+    return trainer, device
+
+
 def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> list[StepMetrics]:
     """Train ``job`` as this rank (env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Collective.
 
@@ -83,48 +147,26 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     schedule still follows ``train.steps``, so a later run resumes exactly where this one stopped.
     """
     run_dir = Path(run_dir)
-    # Sequence parallelism relies on kernels being issued in order on one hardware queue.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    device = resolve_device(job.train.device)
-    rank, _world = init_distributed(device)
-    setup_logging(rank, run_dir)
-    if device == "cpu":
-        cpu_backend.activate()
-        torch.set_num_threads(
-            max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        )
-    groups = build_groups(job.parallel)
-    _seed(job.train.seed, groups.tp_rank, device)
-    trainer = Trainer(
-        job, groups, device, data_cache_dir=run_dir / "data", peak_tflops=_peak_tflops(device)
-    )
-    ckpt_root = run_dir / "checkpoints"
-    if job.checkpoint.resume and (start := checkpoint.load_latest(trainer, ckpt_root)) is not None:
-        logger.info("resuming at step %d", start)
-    if rank == 0:
-        (run_dir / "config.toml").write_text(to_toml(job))
-        logger.info("%s; %d steps", groups.layout.describe(0), job.train.steps)
-    progress = Progress(job.train.steps, job.train.log_interval) if rank == 0 else None
+    trainer, _device = start_rank(job, run_dir)
+    is_rank0 = trainer.groups.rank == 0
+    log = MetricsLog(run_dir / "metrics.jsonl", trainer.step_num) if is_rank0 else None
+    progress = Progress(job.train.steps, job.train.log_interval) if is_rank0 else None
+    last = job.train.steps if stop_after is None else min(stop_after, job.train.steps)
+    interval = job.checkpoint.interval
     history: list[StepMetrics] = []
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None
     try:
-        last = job.train.steps if stop_after is None else min(stop_after, job.train.steps)
         while trainer.step_num < last:
             metrics = trainer.step()
             history.append(metrics)
-            if metrics_file is not None:
-                metrics_file.write(json.dumps({**metrics.to_dict(), "time": time.time()}) + "\n")
-                metrics_file.flush()
-            if progress is not None:
+            if log is not None and progress is not None:
+                log.write(metrics)
                 progress.update(metrics)
-            interval = job.checkpoint.interval
-            if interval and (
-                trainer.step_num % interval == 0 or trainer.step_num == job.train.steps
-            ):
-                checkpoint.save(trainer, ckpt_root, job.checkpoint.keep)
+            step = trainer.step_num
+            if interval and (step % interval == 0 or step == job.train.steps):
+                checkpoint.save(trainer, run_dir / "checkpoints", job.checkpoint.keep)
     finally:
-        if metrics_file is not None:
-            metrics_file.close()
+        if log is not None:
+            log.close()
     destroy_groups()
     return history
 

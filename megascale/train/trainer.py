@@ -105,11 +105,11 @@ class Trainer:
         )
         # finalize_model_grads (registered by apply_ddp) has synced grads over DP, SP and the tied
         # embedding; step() clips by the global norm and updates (all-gathering params if sharded).
+        lr = self.optimizer.param_groups[0]["lr"]  # the lr this step runs at
         updated, grad_norm, _ = self.optimizer.step()
         if not updated:
             raise FloatingPointError(f"step {self.step_num + 1}: non-finite gradients")
         self.scheduler.step(increment=1)
-        lr = self.optimizer.param_groups[0]["lr"]
         loss = self._mean_loss(losses)
         self.step_num += 1
         elapsed = time.perf_counter() - start

@@ -15,14 +15,14 @@ from megascale.train.run import run_rank
 pytestmark = pytest.mark.slow
 
 
-def _job():
-    # PP2 x DP2 with the distributed optimizer (sharded optimizer state), LAMB, and dropout so that
-    # the RNG state has to be restored too.
+def _job(optimizer: str = "lamb"):
+    # PP2 x DP2 with the distributed optimizer (sharded optimizer state), and dropout so that the
+    # RNG state has to be restored too.
     job = with_changes(
         load("tiny"),
         parallel={"pp": 2, "distributed_optimizer": True},
         model={"hidden_dropout": 0.1, "attention_dropout": 0.1, "seq_length": 32},
-        optim={"name": "lamb", "warmup_steps": 2},
+        optim={"name": optimizer, "warmup_steps": 2},
         train={"steps": 6, "global_batch_size": 8, "micro_batch_size": 2},
         checkpoint={"interval": 3, "keep": 2},
     )
@@ -33,8 +33,9 @@ def _losses(history):
     return [(m.step, m.loss, m.grad_norm) for m in history]
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
-    job = _job()
+@pytest.mark.parametrize("optimizer", ["adam", "lamb"])
+def test_resume_matches_uninterrupted_run(tmp_path, optimizer):
+    job = _job(optimizer)
     whole = run_local(run_rank, 4, (job, tmp_path / "whole"), timeout_s=300)[0]
 
     first = run_local(run_rank, 4, (job, tmp_path / "resumed", 3), timeout_s=300)[0]

@@ -275,6 +275,23 @@ def test_report_names_the_peak_and_gives_mfu():
     assert "MFU: needs a peak" in mfu_report(GPT3, 1e6, 8, None, None)
 
 
+def test_report_counts_the_padded_vocabulary_of_its_tp():
+    gpt2_vocab = dataclasses.replace(GPT3, vocab_size=50_257)
+    at_tp8 = mfu_report(gpt2_vocab, None, 1, None, None, tp=8)
+    assert "vocab 50257 (embedding padded to 51200 rows for tp 8)" in at_tp8
+    assert "parameters: 174,590,681,088" in at_tp8
+    # Outside the embeddings: the same at any tp (the padding is all in the embedding).
+    outside = f"{174_590_681_088 - 51_200 * H:,} outside the embeddings"
+    assert outside in at_tp8 and outside in mfu_report(gpt2_vocab, None, 1, None, None)
+
+    # The FLOPs use the unpadded vocabulary whatever tp is: the same breakdown lines.
+    def flop_lines(text):
+        return [line for line in text.splitlines() if line.startswith("  ")]
+
+    assert flop_lines(at_tp8) == flop_lines(mfu_report(gpt2_vocab, None, 1, None, None))
+    assert "lm head" in "".join(flop_lines(at_tp8))
+
+
 def test_cli_run(capsys, caplog):
     parser = argparse.ArgumentParser()
     F.add_arguments(parser)

@@ -331,14 +331,14 @@ def test_build_scheduler_warmup_then_cosine():
     cfg = OptimConfig(name="lamb", lr=1e-3, min_lr=1e-4, warmup_steps=2, weight_decay=0.1)
     # OptimizerParamScheduler only touches optimizer.param_groups, so a bare torch optimizer works.
     scheduler = build_scheduler(cfg, opt, total_steps=10)
-    lrs = []
-    for _ in range(11):
+    lrs = []  # lrs[k - 1] is the lr optimizer step k runs at
+    for _ in range(10):
         lrs.append(opt.param_groups[0]["lr"])
         scheduler.step(1)
-    assert lrs[:3] == pytest.approx([0.0, 5e-4, 1e-3])
+    assert lrs[:2] == pytest.approx([5e-4, 1e-3])  # no wasted step at lr 0
     mid = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * 4 / 8))
-    assert lrs[6] == pytest.approx(mid)
-    assert lrs[10] == pytest.approx(1e-4)
+    assert lrs[5] == pytest.approx(mid)
+    assert lrs[9] == pytest.approx(1e-4)  # the last step runs at min_lr
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     with pytest.raises(ValueError, match="total_steps=2"):
         build_scheduler(cfg, opt, total_steps=2)

@@ -1,0 +1,185 @@
+"""Tensor/sequence-parallel overlap: the FFN's SP collectives chunked and pipelined with its GEMMs.
+
+With sequence parallelism the FFN's column-parallel fc1 all-gathers its input along the sequence
+before the GEMM, and the row-parallel fc2 reduce-scatters its output after it. MegaScale hides both:
+
+* ``fc1``: the local input is split into ``k`` sequence chunks; all ``k`` all-gathers are issued at
+  once (asynchronously), then chunk ``j``'s GEMM runs as soon as chunk ``j`` arrives while chunks
+  ``j+1..k-1`` are still in flight.
+* ``fc2``: the GEMM is split into ``k`` chunks; chunk ``j``'s reduce-scatter is issued as soon as its
+  GEMM is done and runs while chunk ``j+1``'s GEMM computes.
+
+Backward mirrors them (fc1: chunked GEMM + reduce-scatter of the input gradient; fc2: chunked
+all-gather of the output gradient + GEMM). Device-agnostic: the collectives are asynchronous
+``torch.distributed`` calls (gloo runs them on its own threads; NCCL on its own stream), so the same
+code overlaps on CPU and GPU.
+
+Chunk layout. Rank ``r`` holds sequence rows ``[r*s/tp, (r+1)*s/tp)``. Chunk ``j`` of every rank is
+the sub-block ``j`` of that rank's rows, so all-gathering chunk ``j`` yields rows ``{r*s/tp + j*c ...}``
+for every ``r`` (``c = s/(tp*k)``), and reduce-scattering chunk ``j`` hands each rank its own
+sub-block ``j``: the chunked results land exactly where the unchunked collectives put them. In a
+``[s, ...]`` tensor viewed as ``[tp, k, c, ...]``, chunk ``j`` is ``[:, j]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def _gather_chunks(x_local: torch.Tensor, k: int, group) -> list[tuple[torch.Tensor, object]]:
+    """Issue the all-gather of each of ``k`` sequence chunks of ``x_local``; return (out, handle)."""
+    tp = dist.get_world_size(group)
+    pending = []
+    for chunk in x_local.chunk(k, dim=0):
+        out = torch.empty(
+            (tp * chunk.shape[0], *chunk.shape[1:]), dtype=chunk.dtype, device=chunk.device
+        )
+        pending.append(
+            (out, dist.all_gather_into_tensor(out, chunk.contiguous(), group=group, async_op=True))
+        )
+    return pending
+
+
+def _tp_chunk_view(full: torch.Tensor, tp: int, k: int) -> torch.Tensor:
+    """``[s, ...]`` as ``[tp, k, c, ...]``: chunk ``j`` of every rank is ``[:, j]``."""
+    return full.view(tp, k, full.shape[0] // (tp * k), *full.shape[1:])
+
+
+def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x, w.t())
+
+
+class _ChunkedAllGatherLinear(torch.autograd.Function):
+    """y = all_gather_seq(x) @ w^T, with the gather chunked and overlapped with the GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x_local, weight, k, group):
+        tp = dist.get_world_size(group)
+        s_local = x_local.shape[0]
+        out = torch.empty(
+            (s_local * tp, *x_local.shape[1:-1], weight.shape[0]),
+            dtype=x_local.dtype,
+            device=x_local.device,
+        )
+        gathered = torch.empty(
+            (s_local * tp, *x_local.shape[1:]), dtype=x_local.dtype, device=x_local.device
+        )
+        out_view, gathered_view = _tp_chunk_view(out, tp, k), _tp_chunk_view(gathered, tp, k)
+        # Every chunk's all-gather is in flight before the first GEMM starts (ordering relied on:
+        # chunk j+1's communication is issued before chunk j's GEMM).
+        pending = _gather_chunks(x_local, k, group)
+        for j, (chunk_full, handle) in enumerate(pending):
+            handle.wait()
+            chunk_full = chunk_full.view(tp, -1, *chunk_full.shape[1:])
+            gathered_view[:, j] = chunk_full
+            out_view[:, j] = _matmul(chunk_full, weight)
+        ctx.save_for_backward(gathered, weight)
+        ctx.k, ctx.group = k, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gathered, weight = ctx.saved_tensors
+        k, group = ctx.k, ctx.group
+        tp = dist.get_world_size(group)
+        grad_out = grad_out.contiguous()
+        grad_view, gathered_view = _tp_chunk_view(grad_out, tp, k), _tp_chunk_view(gathered, tp, k)
+        s_local = grad_out.shape[0] // tp
+        grad_x = torch.empty(
+            (s_local, *gathered.shape[1:]), dtype=grad_out.dtype, device=grad_out.device
+        )
+        grad_x_chunks = grad_x.chunk(k, dim=0)
+        grad_w = torch.zeros_like(weight)
+        handles = []
+        for j in range(k):
+            g = grad_view[:, j].reshape(-1, *grad_out.shape[1:])
+            gx = torch.matmul(g, weight).contiguous()
+            # Reduce-scatter chunk j while chunk j+1's GEMM runs.
+            handles.append(
+                (gx, dist.reduce_scatter_tensor(grad_x_chunks[j], gx, group=group, async_op=True))
+            )
+            x = gathered_view[:, j].reshape(-1, gathered.shape[-1])
+            grad_w += g.reshape(-1, g.shape[-1]).t().matmul(x)
+        for _, handle in handles:
+            handle.wait()
+        return grad_x, grad_w, None, None
+
+
+class _ChunkedReduceScatterLinear(torch.autograd.Function):
+    """y_local = reduce_scatter_seq(x @ w^T), with the GEMM chunked and the scatter overlapped."""
+
+    @staticmethod
+    def forward(ctx, x, weight, k, group):
+        tp = dist.get_world_size(group)
+        x_view = _tp_chunk_view(x, tp, k)
+        s_local = x.shape[0] // tp
+        out = torch.empty(
+            (s_local, *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device
+        )
+        out_chunks = out.chunk(k, dim=0)
+        handles = []
+        for j in range(k):
+            partial = _matmul(x_view[:, j].reshape(-1, *x.shape[1:]), weight).contiguous()
+            # Chunk j's reduce-scatter runs while chunk j+1's GEMM computes.
+            handles.append(
+                (
+                    partial,
+                    dist.reduce_scatter_tensor(out_chunks[j], partial, group=group, async_op=True),
+                )
+            )
+        for _, handle in handles:
+            handle.wait()
+        ctx.save_for_backward(x, weight)
+        ctx.k, ctx.group = k, group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out_local):
+        x, weight = ctx.saved_tensors
+        k, group = ctx.k, ctx.group
+        tp = dist.get_world_size(group)
+        grad_x = torch.empty_like(x)
+        grad_x_view, x_view = _tp_chunk_view(grad_x, tp, k), _tp_chunk_view(x, tp, k)
+        grad_w = torch.zeros_like(weight)
+        for j, (g_full, handle) in enumerate(_gather_chunks(grad_out_local.contiguous(), k, group)):
+            handle.wait()
+            g = g_full.view(tp, -1, *g_full.shape[1:])
+            grad_x_view[:, j] = torch.matmul(g, weight)
+            grad_w += g.reshape(-1, g.shape[-1]).t().matmul(x_view[:, j].reshape(-1, x.shape[-1]))
+        return grad_x, grad_w, None, None
+
+
+def _chunks_for(module, seq_local: int) -> int:
+    k = module.config.tp_overlap_chunks if hasattr(module.config, "tp_overlap_chunks") else 1
+    return k if k > 1 and seq_local % k == 0 else 1
+
+
+class OverlappedColumnParallelLinear(ColumnParallelLinear):
+    """megatron-core's ColumnParallelLinear; with sequence parallelism its all-gather is chunked and
+    overlapped with the GEMM (module docstring). Same parameters, same results."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        k = _chunks_for(self, input_.shape[0])
+        if not (self.sequence_parallel and k > 1 and weight is None and not self.gather_output):
+            return super().forward(input_, weight, runtime_gather_output)
+        output = _ChunkedAllGatherLinear.apply(input_, self.weight, k, self.tp_group)
+        if self.bias is not None and not self.skip_bias_add:
+            output = output + self.bias
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class OverlappedRowParallelLinear(RowParallelLinear):
+    """megatron-core's RowParallelLinear; with sequence parallelism the GEMM is chunked and each
+    chunk's reduce-scatter overlaps the next chunk's GEMM. Same parameters, same results."""
+
+    def forward(self, input_):
+        tp = self.tp_group.size()
+        k = _chunks_for(self, input_.shape[0] // max(tp, 1))
+        if not (self.sequence_parallel and k > 1 and self.input_is_parallel):
+            return super().forward(input_)
+        output = _ChunkedReduceScatterLinear.apply(input_, self.weight, k, self.tp_group)
+        if self.bias is not None and not self.skip_bias_add:
+            output = output + self.bias
+        return output, (self.bias if self.skip_bias_add else None)
