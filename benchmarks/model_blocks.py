@@ -51,7 +51,7 @@ from megascale.logs import quiet_expected_noise
 from megascale.model.gpt import te_available, use_te_spec
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.train.run import _peak_tflops, _seed, resolve_device
+from megascale.train.run import peak_tflops_for_device, resolve_device, seed_everything
 from megascale.train.trainer import Trainer
 
 logger = logging.getLogger("megascale.benchmarks.model_blocks")
@@ -125,21 +125,12 @@ def variant_job(job: JobConfig, variant: Variant, window: int) -> JobConfig:
     return dataclasses.replace(job, model=model)
 
 
-def _fresh_groups(job: JobConfig):
-    """``build_groups`` for the next variant. It destroys megatron-core's previous parallel state
-    itself, but (so far) not the rerun state machine, whose initialisation refuses a second run."""
-    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
-
-    destroy_rerun_state_machine()
-    return build_groups(job.parallel)
-
-
 def run_variant(
     job: JobConfig, device: str, data_dir: Path, warmup: int, steps: int
 ) -> list[float]:
     """Build ``job`` from scratch, train ``warmup`` + ``steps`` steps; the timed step times."""
-    groups = _fresh_groups(job)
-    _seed(job.train.seed, groups.tp_rank, device)
+    groups = build_groups(job.parallel)
+    seed_everything(job.train.seed, groups.tp_rank, device)
     trainer = Trainer(job, groups, device, data_cache_dir=data_dir)
     try:
         for _ in range(warmup):
@@ -265,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             results = measure(args, job, device, Path(tmp) / "data")
     finally:
         destroy_groups()
-    print(report(args, job, device, results, _peak_tflops(device), notes))
+    print(report(args, job, device, results, peak_tflops_for_device(device), notes))
     return 0
 
 

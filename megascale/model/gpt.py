@@ -67,6 +67,13 @@ def use_te_spec(model: ModelConfig, device: str) -> bool:
     return device == "cuda" and te_available()
 
 
+def _softmax_kernels_available() -> bool:
+    """megatron-core's fused masked softmax needs its CUDA extension (shipped with apex/Megatron)."""
+    import importlib.util
+
+    return importlib.util.find_spec("scaled_upper_triang_masked_softmax_cuda") is not None
+
+
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     """Pad the vocabulary so the embedding splits evenly over TP ranks (Megatron's convention)."""
     step = multiple * tp
@@ -105,7 +112,7 @@ def transformer_config(job: JobConfig, device: str) -> TransformerConfig:
         batch_p2p_comm=p.batch_p2p_comm,
         bias_activation_fusion=on_cuda and not m.swiglu,
         bias_dropout_fusion=on_cuda,
-        masked_softmax_fusion=on_cuda,
+        masked_softmax_fusion=on_cuda and _softmax_kernels_available(),
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         deterministic_mode=not on_cuda,

@@ -14,8 +14,8 @@ This module redirects exactly those to the CPU, and nothing else:
 * an RNG tracker that forks the CPU default generator instead of a CUDA one.
 
 It is activated only when training on CPU (``activate()``; the trainer decides), is idempotent, and
-is checked against the pinned megatron-core series: ``KNOWN_CUDA_CALL_SITES`` records the CUDA call
-sites on our paths, and ``tests/unit/test_cpu_backend.py`` fails loudly when a megatron-core upgrade
+is checked against the pinned megatron-core series: ``megascale.parallel.mcore_cuda_sites`` records
+the CUDA call sites on our paths, and ``tests/unit/test_cpu_backend.py`` fails loudly when a megatron-core upgrade
 adds or moves one.
 """
 
@@ -185,6 +185,7 @@ class CpuBackend:
         self.active = False
         self._mode: _CpuDeviceMode | None = None
         self._saved: dict[str, object] = {}
+        self._saved_tracker: tuple[object, bool] = (None, False)
 
     def activate(self) -> None:
         if self.active:
@@ -197,11 +198,16 @@ class CpuBackend:
             raise RuntimeError(
                 f"megatron-core {version} is installed; the CPU backend was checked against "
                 f"{CHECKED_MCORE_SERIES}x. Re-run tests/unit/test_cpu_backend.py and update "
-                "KNOWN_CUDA_CALL_SITES before training on CPU with it."
+                "the snapshot (python -m megascale.parallel.mcore_cuda_sites --write) before "
+                "training on CPU with it."
             )
         for name, replacement in _TORCH_CUDA_REPLACEMENTS.items():
             self._saved[name] = getattr(torch.cuda, name)
             setattr(torch.cuda, name, replacement)
+        self._saved_tracker = (
+            mcore_random._CUDA_RNG_STATE_TRACKER,
+            mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        )
         mcore_random._CUDA_RNG_STATE_TRACKER = _make_rng_tracker_class()()
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
         self._mode = _CpuDeviceMode()
@@ -217,6 +223,12 @@ class CpuBackend:
         for name, original in self._saved.items():
             setattr(torch.cuda, name, original)
         self._saved.clear()
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        (
+            mcore_random._CUDA_RNG_STATE_TRACKER,
+            mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        ) = self._saved_tracker
         self.active = False
 
 

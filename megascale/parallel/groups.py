@@ -67,16 +67,20 @@ def build_groups(parallel: ParallelConfig) -> Groups:
     layout = Layout(
         world_size=world, tp=parallel.tp, pp=parallel.pp, dp=world // (parallel.tp * parallel.pp)
     )
+    from megatron.core.rerun_state_machine import (
+        destroy_rerun_state_machine,
+        initialize_rerun_state_machine,
+    )
+
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    destroy_rerun_state_machine()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
         order="tp-cp-ep-dp-pp",  # the order megascale.parallel.layout computes
     )
-    from megatron.core.rerun_state_machine import initialize_rerun_state_machine
-
     initialize_rerun_state_machine()  # explicit, or megatron-core warns on the first step
     coord = layout.coords(rank)
     groups = Groups(
@@ -101,8 +105,10 @@ def build_groups(parallel: ParallelConfig) -> Groups:
 def destroy_groups() -> None:
     """Tear down megatron-core's groups and the default process group (end of a run, tests)."""
     from megatron.core import parallel_state as ps
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    destroy_rerun_state_machine()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -11,9 +11,10 @@ What is recorded:
   during CPU training. Measured with a call tracer on the ``tiny`` preset: 1 process; TP2 x PP2 x
   DP2 with sequence parallelism and the distributed optimizer (8 ranks); the same with interleaving
   (VPP2, unbatched p2p); PP2 with the parallel block, a sliding window and the plain optimizer (2
-  ranks). The union, minus nothing: helpers count (a helper module that starts allocating on CUDA
-  is as much a problem as ``schedules.py`` doing it). ``tests/unit/test_cpu_backend.py`` re-measures
-  the 1-process run and fails when megatron-core executes code in a file not listed here.
+  ranks). All of the union, helpers included: a helper module that starts allocating on CUDA is as
+  much a problem as ``schedules.py`` doing it. ``tests/unit/test_cpu_backend.py`` re-measures a
+  1-process and a TP2 x PP2 + SP run and fails when megatron-core executes code in a file not
+  listed here, or asks for CUDA on a line that is not a snapshot site.
 * ``SNAPSHOT``: for every file in ``MODULES``, each source line matching ``CUDA_SITE`` (comments
   and docstrings blanked first), stripped, with how many times that exact line occurs. Keyed by text,
   not line number, so unrelated edits that shift lines do not trip the guard; a new line, or one more

@@ -61,7 +61,7 @@ class Progress:
             self.stream.flush()
 
 
-def _peak_tflops(device: str) -> float | None:
+def peak_tflops_for_device(device: str) -> float | None:
     if device != "cuda":
         return None
     name = torch.cuda.get_device_name()
@@ -117,14 +117,14 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     groups = build_groups(job.parallel)
-    _seed(job.train.seed, groups.tp_rank, device)
+    seed_everything(job.train.seed, groups.tp_rank, device)
     data_dir = run_dir / "data"
     if job.data.path is None:
         if rank == 0:
             default_token_file(data_dir)  # once, before the other ranks open it
         torch.distributed.barrier()
     trainer = Trainer(
-        job, groups, device, data_cache_dir=data_dir, peak_tflops=_peak_tflops(device)
+        job, groups, device, data_cache_dir=data_dir, peak_tflops=peak_tflops_for_device(device)
     )
     if job.checkpoint.resume:
         checkpoint.load_latest(trainer, run_dir / "checkpoints")
@@ -171,7 +171,7 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     return history
 
 
-def _seed(seed: int, tp_rank: int, device: str) -> None:
+def seed_everything(seed: int, tp_rank: int, device: str) -> None:
     from megatron.core import tensor_parallel
 
     if device == "cpu":

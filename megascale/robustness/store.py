@@ -1,0 +1,772 @@
+"""The control plane's etcd client: a small synchronous facade over etcd v3's JSON gateway.
+
+Agents, the controller and the event log talk to etcd only through ``Store``::
+
+    store = Store(StoreConfig.parse("127.0.0.1:2379"))
+    lease = store.grant(ttl=5)
+    keepalive = store.keep_alive(lease)               # refreshes every ttl/3 in a thread
+    store.put(keys.node(name), {"host": ...}, lease=lease)
+    with store.watch_prefix(keys.commands_prefix) as watch:
+        for event in watch:                           # WatchEvent(kind, key, value, revision)
+            ...
+
+Why the JSON gateway over HTTP (``/v3/kv/*``, ``/v3/lease/*``, ``/v3/watch``) and not ``aetcd``
+(gRPC, asyncio): measured side by side on one etcd here, 1,000 leased puts took 0.49 s through the
+gateway with ``http.client`` (2,030 puts/s) and 0.64 s through aetcd (1,560/s behind a sync facade,
+1,600/s natively async). Beyond speed: ``aetcd`` 1.0 opens only insecure channels (no TLS), needs an
+asyncio loop thread in every synchronous process, and pulls in ``grpcio`` (unsafe across ``fork``,
+which the launcher uses); the gateway needs only the standard library and takes TLS from ``ssl``.
+etcd 3.4 and 3.5 serve it on the client port.
+
+Contracts:
+
+* Thread safety: every thread gets its own HTTP connection; a ``Store`` may be shared by threads.
+* Unavailability: an operation that cannot reach any endpoint (or gets "no leader") retries with
+  backoff for ``StoreConfig.retry_s`` (default 10 s), then raises ``StoreUnavailable``. A retried
+  transaction whose first attempt was applied but whose answer was lost reports the outcome of the
+  retry; ``compare_and_swap`` may then return False for a swap that happened (re-read if it matters).
+* Watches survive etcd restarts: the watch thread reconnects and re-watches from the last revision
+  it delivered + 1, so no event written after the restart is lost and none is delivered twice.
+  If that revision was compacted, events are lost; the watch logs an error and resumes from the
+  compaction revision (megascale never compacts).
+* Leases: the granted TTL may exceed the requested one (etcd's minimum is 1.5 x its election
+  timeout). A ``KeepAlive`` that finds its lease gone sets ``lost`` and calls ``on_lost``.
+* Security: ``https://`` endpoints use TLS, verified against ``ca_file`` (system CAs when None),
+  with a client certificate when ``cert_file``/``key_file`` are given; with ``username``/``password``
+  the store authenticates and re-authenticates when etcd says its token expired.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from queue import Empty, Queue
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Value = bytes | str | dict | list | int | float
+
+
+class StoreError(RuntimeError):
+    """etcd refused a request; ``code`` is the gRPC status code etcd gave (0 when none)."""
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StoreUnavailable(StoreError):
+    """No endpoint answered (or the cluster had no leader) for ``StoreConfig.retry_s`` seconds."""
+
+
+class LeaseNotFound(StoreError):
+    """The lease expired or was revoked."""
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where etcd is and how to reach it. ``parse`` builds one from a command-line string."""
+
+    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
+    """``host:port`` (plain HTTP) or ``http(s)://host:port``; tried in order, the next on failure."""
+    ca_file: str | None = None
+    """PEM CA bundle that signed the server certificates (https endpoints); system CAs when None."""
+    cert_file: str | None = None
+    """PEM client certificate, for servers started with ``--client-cert-auth``."""
+    key_file: str | None = None
+    """PEM private key of ``cert_file``."""
+    username: str | None = None
+    """etcd user (etcd auth enabled); needs ``password``."""
+    password: str | None = None
+    request_timeout_s: float = 5.0
+    """Socket timeout of one request."""
+    retry_s: float = 10.0
+    """How long an operation keeps retrying while etcd is unreachable before StoreUnavailable."""
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("StoreConfig.endpoints = (): give at least one host:port")
+        if (self.username is None) != (self.password is None):
+            raise ValueError("StoreConfig.username/password: give both or neither")
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("StoreConfig.cert_file/key_file: give both or neither")
+        for ep in self.endpoints:
+            _split_endpoint(ep)
+
+    @classmethod
+    def parse(cls, endpoints: str | Sequence[str], **kwargs: Any) -> StoreConfig:
+        """``"127.0.0.1:2379"``, ``"https://a:2379,https://b:2379"`` or a list of those."""
+        items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+        return cls(endpoints=tuple(e.strip() for e in items if e.strip()), **kwargs)
+
+
+def _split_endpoint(endpoint: str) -> tuple[bool, str, int]:
+    scheme, _, rest = endpoint.rpartition("://")
+    if scheme not in ("", "http", "https"):
+        raise ValueError(f"etcd endpoint {endpoint!r}: scheme must be http or https")
+    host, _, port = rest.rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"etcd endpoint {endpoint!r}: expected host:port or http(s)://host:port")
+    return scheme == "https", host, int(port)
+
+
+# -- values ------------------------------------------------------------------------------------
+
+
+def _b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def encode(value: Value) -> bytes:
+    """bytes as they are, str as UTF-8, anything else as compact JSON."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _prefix_end(prefix: str) -> str:
+    """The range end that selects every key starting with ``prefix`` (etcd's ``--prefix``)."""
+    raw = bytearray(prefix.encode())
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return _b64(b"\0")  # every key
+    raw[-1] += 1
+    return _b64(bytes(raw))
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as etcd returned it."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    version: int
+    lease: int
+
+    def text(self) -> str:
+        return self.value.decode()
+
+    def json(self) -> Any:
+        return json.loads(self.value)
+
+    @classmethod
+    def _from(cls, kv: dict) -> KeyValue:
+        return cls(
+            key=_unb64(kv.get("key")).decode(),
+            value=_unb64(kv.get("value")),
+            mod_revision=int(kv.get("mod_revision", 0)),
+            create_revision=int(kv.get("create_revision", 0)),
+            version=int(kv.get("version", 0)),
+            lease=int(kv.get("lease", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The keys under a prefix and the store revision they were read at (watch from ``+ 1``)."""
+
+    items: list[KeyValue]
+    revision: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A change to a watched key: ``put`` (value is the new value) or ``delete`` (value b"")."""
+
+    kind: Literal["put", "delete"]
+    key: str
+    value: bytes
+    revision: int
+    lease: int = 0
+
+    def json(self) -> Any:
+        return json.loads(self.value)
+
+
+# -- transactions ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Compare:
+    """One condition of a transaction; build with the helpers below (``value_is``, ``missing``)."""
+
+    key: str
+    target: Literal["VALUE", "VERSION", "CREATE", "MOD", "LEASE"]
+    result: Literal["EQUAL", "NOT_EQUAL", "LESS", "GREATER"]
+    operand: bytes | int
+
+    def _json(self) -> dict:
+        field_name = {
+            "VALUE": "value", "VERSION": "version", "CREATE": "create_revision",
+            "MOD": "mod_revision", "LEASE": "lease",
+        }[self.target]  # fmt: skip
+        operand = _b64(self.operand) if self.target == "VALUE" else str(self.operand)
+        return {"key": _b64(self.key), "target": self.target, "result": self.result,
+                field_name: operand}  # fmt: skip
+
+
+def value_is(key: str, value: Value) -> Compare:
+    """Holds when ``key`` exists with exactly this value."""
+    return Compare(key, "VALUE", "EQUAL", encode(value))
+
+
+def missing(key: str) -> Compare:
+    """Holds when ``key`` does not exist."""
+    return Compare(key, "CREATE", "EQUAL", 0)
+
+
+def created_at(key: str, revision: int) -> Compare:
+    """Holds while ``key`` is the same incarnation (not deleted and re-created) as at ``revision``."""
+    return Compare(key, "CREATE", "EQUAL", revision)
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: Value
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+    prefix: bool = False
+
+
+@dataclass(frozen=True)
+class Get:
+    key: str
+    prefix: bool = False
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """``succeeded``: whether every compare held; ``gets``: the KeyValues of each ``Get`` op that
+    ran, in order; ``revision``: the store revision after the transaction."""
+
+    succeeded: bool
+    gets: list[list[KeyValue]]
+    revision: int
+
+
+def _op_json(op: Put | Delete | Get) -> dict:
+    if isinstance(op, Put):
+        return {"request_put": {"key": _b64(op.key), "value": _b64(encode(op.value)),
+                                "lease": str(op.lease)}}  # fmt: skip
+    body = {"key": _b64(op.key)}
+    if op.prefix:
+        body["range_end"] = _prefix_end(op.key)
+    return {"request_delete_range" if isinstance(op, Delete) else "request_range": body}
+
+
+# -- leases ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A granted lease: keys put under it are deleted when it expires or is revoked."""
+
+    id: int
+    ttl: int
+    """Granted TTL in seconds."""
+
+
+class KeepAlive:
+    """Refreshes a lease every ``interval_s`` (default ttl/3) in a daemon thread until ``stop``.
+
+    If etcd says the lease is gone, ``lost`` is set, ``on_lost(lease)`` is called (in the thread)
+    and the thread ends. Failures to reach etcd are retried every ``interval_s`` (the lease may
+    expire meanwhile; that is then reported as lost once etcd answers).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        lease: Lease,
+        interval_s: float | None = None,
+        on_lost: Callable[[Lease], None] | None = None,
+    ) -> None:
+        self.store, self.lease = store, lease
+        self.interval_s = interval_s if interval_s is not None else max(lease.ttl / 3.0, 0.05)
+        self.on_lost = on_lost
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"etcd-keepalive-{lease.id:x}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.store.refresh(self.lease.id)
+            except LeaseNotFound:
+                logger.warning("lease %x is gone (expired or revoked)", self.lease.id)
+                self.lost.set()
+                if self.on_lost is not None and not self._stop.is_set():
+                    self.on_lost(self.lease)
+                return
+            except StoreError as e:
+                logger.warning("lease %x keepalive failed, retrying: %s", self.lease.id, e)
+
+    def stop(self, revoke: bool = False) -> None:
+        """Stop refreshing (idempotent); with ``revoke`` also delete the lease and its keys now.
+        Without it the lease expires after its TTL, as if this process had died."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.store.config.request_timeout_s + 1)
+        if revoke:
+            self.store.revoke(self.lease.id)
+
+
+# -- watches -----------------------------------------------------------------------------------
+
+
+class Watch:
+    """Events for a key or prefix, from a daemon thread that follows etcd across restarts.
+
+    Iterate it (blocks until ``cancel``), call ``get(timeout)``, or pass ``callback`` to
+    ``Store.watch*`` to be called in the watch thread instead. ``revision`` is the revision of
+    the last event delivered. Use as a context manager to cancel on exit.
+    """
+
+    _END = object()
+
+    def __init__(
+        self,
+        store: Store,
+        key: str,
+        range_end: str | None,
+        start_revision: int | None,
+        callback: Callable[[WatchEvent], None] | None,
+    ) -> None:
+        self._store, self._key, self._range_end = store, key, range_end
+        self._next_revision = start_revision
+        self._callback = callback
+        self._queue: Queue[Any] = Queue()
+        self._cancelled = threading.Event()
+        self._created = threading.Event()
+        self._conn: http.client.HTTPConnection | None = None
+        self._lock = threading.Lock()
+        self.revision = (start_revision - 1) if start_revision else 0
+        self.reconnects = 0
+        """How many times the stream was re-established (etcd restarts, dropped connections)."""
+        self._thread = threading.Thread(target=self._run, name=f"etcd-watch-{key}", daemon=True)
+        self._thread.start()
+
+    def wait_created(self, timeout: float | None = None) -> bool:
+        """Block until etcd confirmed the watch (events after this point are seen)."""
+        return self._created.wait(timeout)
+
+    def get(self, timeout: float | None = None) -> WatchEvent | None:
+        """The next event, or None after ``timeout`` seconds or once cancelled."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except Empty:
+            return None
+        if item is self._END:
+            self._queue.put(item)
+            return None
+        return item
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        while (event := self.get()) is not None:
+            yield event
+
+    def cancel(self) -> None:
+        """Stop the watch (idempotent); iteration ends."""
+        self._cancelled.set()
+        with self._lock:
+            if self._conn is not None and self._conn.sock is not None:
+                try:
+                    self._conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._thread.join(timeout=2)
+        self._queue.put(self._END)
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+    def _run(self) -> None:
+        backoff = 0.02
+        while not self._cancelled.is_set():
+            try:
+                self._stream()
+                backoff = 0.02
+            except (OSError, http.client.HTTPException, ValueError, StoreError) as e:
+                if self._cancelled.is_set():
+                    break
+                if isinstance(e, ConnectionError):
+                    self._store._rotate()
+                logger.debug("watch on %s dropped (%s); re-watching", self._key, e)
+            if self._cancelled.is_set():
+                break
+            self.reconnects += 1
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
+
+    def _stream(self) -> None:
+        request: dict[str, Any] = {"key": _b64(self._key)}
+        if self._range_end is not None:
+            request["range_end"] = self._range_end
+        if self._next_revision:
+            request["start_revision"] = str(self._next_revision)
+        conn = self._store._new_connection(stream=True)
+        with self._lock:
+            if self._cancelled.is_set():
+                return
+            self._conn = conn
+        try:
+            conn.request("POST", "/v3/watch", json.dumps({"create_request": request}),
+                         self._store._headers())  # fmt: skip
+            response = conn.getresponse()
+            if response.status != 200:
+                raise self._store._error(response.status, response.read())
+            while not self._cancelled.is_set():
+                line = response.readline()
+                if not line:
+                    return  # the server closed the stream: reconnect
+                self._handle(json.loads(line))
+        finally:
+            with self._lock:
+                self._conn = None
+            conn.close()
+
+    def _handle(self, message: dict) -> None:
+        if "error" in message:
+            raise self._store._error(0, json.dumps(message["error"]).encode())
+        result = message.get("result", {})
+        if int(result.get("compact_revision", 0)):
+            compacted = int(result["compact_revision"])
+            logger.error("watch on %s: revisions before %d were compacted; events between %s and "
+                         "%d are lost", self._key, compacted, self._next_revision, compacted)  # fmt: skip
+            self._next_revision = compacted
+            raise StoreError(f"watch start revision compacted at {compacted}")
+        if result.get("created"):
+            if not self._next_revision:
+                self._next_revision = int(result["header"]["revision"]) + 1
+            self._created.set()
+        for raw in result.get("events", ()):
+            kv = KeyValue._from(raw.get("kv", {}))
+            event = WatchEvent(
+                kind="delete" if raw.get("type") == "DELETE" else "put",
+                key=kv.key, value=kv.value, revision=kv.mod_revision, lease=kv.lease,
+            )  # fmt: skip
+            self._next_revision = event.revision + 1
+            self.revision = event.revision
+            if self._callback is not None:
+                try:
+                    self._callback(event)
+                except Exception:
+                    logger.exception("watch callback for %s failed on %s", self._key, event)
+            else:
+                self._queue.put(event)
+
+
+# -- the store ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Endpoint:
+    tls: bool
+    host: str
+    port: int
+    ssl_context: ssl.SSLContext | None = field(default=None, repr=False)
+
+
+_RETRYABLE_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE ("no leader", "leader changed")
+_AUTH_ERRORS = ("invalid auth token", "user name is empty", "authentication failed")
+
+
+class Store:
+    """Synchronous etcd v3 client (see the module docstring for its contracts)."""
+
+    def __init__(self, config: StoreConfig | str) -> None:
+        self.config = StoreConfig.parse(config) if isinstance(config, str) else config
+        self._endpoints = [self._endpoint(e) for e in self.config.endpoints]
+        self._current = 0
+        self._local = threading.local()
+        self._token: str | None = None
+        self._auth_lock = threading.Lock()
+        self._closed = False
+
+    def _endpoint(self, text: str) -> _Endpoint:
+        tls, host, port = _split_endpoint(text)
+        context = None
+        if tls:
+            context = ssl.create_default_context(cafile=self.config.ca_file)
+            if self.config.cert_file:
+                context.load_cert_chain(self.config.cert_file, self.config.key_file)
+        return _Endpoint(tls, host, port, context)
+
+    # -- key-value -----------------------------------------------------------------------------
+
+    def put(self, key: str, value: Value, *, lease: Lease | int | None = None) -> int:
+        """Set ``key`` (bytes as is, str as UTF-8, else JSON); returns the new store revision.
+        With ``lease`` the key is deleted when the lease ends (LeaseNotFound if already gone)."""
+        body = {"key": _b64(key), "value": _b64(encode(value)), "lease": str(_lease_id(lease))}
+        return int(self._call("/v3/kv/put", body)["header"]["revision"])
+
+    def get(self, key: str) -> KeyValue | None:
+        """The key, or None when it does not exist."""
+        kvs = self._call("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
+        return KeyValue._from(kvs[0]) if kvs else None
+
+    def get_prefix(
+        self, prefix: str, *, limit: int = 0, descending: bool = False
+    ) -> list[KeyValue]:
+        """Every key starting with ``prefix``, sorted by key (``descending`` reverses; ``limit``
+        caps the count, 0 = all)."""
+        return self.snapshot(prefix, limit=limit, descending=descending).items
+
+    def snapshot(self, prefix: str, *, limit: int = 0, descending: bool = False) -> Snapshot:
+        """``get_prefix`` plus the revision it was read at: list, then watch from revision + 1."""
+        body: dict[str, Any] = {"key": _b64(prefix), "range_end": _prefix_end(prefix),
+                                "sort_target": "KEY",
+                                "sort_order": "DESCEND" if descending else "ASCEND"}  # fmt: skip
+        if limit:
+            body["limit"] = str(limit)
+        reply = self._call("/v3/kv/range", body)
+        return Snapshot([KeyValue._from(kv) for kv in reply.get("kvs", [])],
+                        int(reply["header"]["revision"]))  # fmt: skip
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; True if it existed."""
+        return int(self._call("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0)) > 0
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key starting with ``prefix``; returns how many there were."""
+        body = {"key": _b64(prefix), "range_end": _prefix_end(prefix)}
+        return int(self._call("/v3/kv/deleterange", body).get("deleted", 0))
+
+    # -- transactions --------------------------------------------------------------------------
+
+    def txn(
+        self,
+        compare: Sequence[Compare],
+        success: Sequence[Put | Delete | Get] = (),
+        failure: Sequence[Put | Delete | Get] = (),
+    ) -> TxnResult:
+        """If every ``compare`` holds run ``success``, else ``failure``, atomically."""
+        reply = self._call("/v3/kv/txn", {
+            "compare": [c._json() for c in compare],
+            "success": [_op_json(op) for op in success],
+            "failure": [_op_json(op) for op in failure],
+        })  # fmt: skip
+        gets = [
+            [KeyValue._from(kv) for kv in r["response_range"].get("kvs", [])]
+            for r in reply.get("responses", [])
+            if "response_range" in r
+        ]
+        return TxnResult(bool(reply.get("succeeded")), gets, int(reply["header"]["revision"]))
+
+    def compare_and_swap(
+        self, key: str, expected: Value | None, new: Value, *, lease: Lease | int | None = None
+    ) -> bool:
+        """Set ``key`` to ``new`` only if its value is ``expected`` (None: only if it does not
+        exist); True if it was set."""
+        cond = missing(key) if expected is None else value_is(key, expected)
+        return self.txn([cond], [Put(key, new, _lease_id(lease))]).succeeded
+
+    def create(self, key: str, value: Value, *, lease: Lease | int | None = None) -> bool:
+        """Set ``key`` only if it does not exist; True if this call created it."""
+        return self.compare_and_swap(key, None, value, lease=lease)
+
+    # -- leases --------------------------------------------------------------------------------
+
+    def grant(self, ttl: int) -> Lease:
+        """A new lease of ``ttl`` seconds (etcd may grant more, never less)."""
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1:
+            raise ValueError(f"lease ttl = {ttl!r}: must be a whole number of seconds >= 1")
+        reply = self._call("/v3/lease/grant", {"TTL": str(ttl)})
+        if reply.get("error"):
+            raise StoreError(f"lease grant failed: {reply['error']}")
+        return Lease(id=int(reply["ID"]), ttl=int(reply["TTL"]))
+
+    def refresh(self, lease: Lease | int) -> int:
+        """Renew the lease once; returns its TTL. LeaseNotFound if it already ended."""
+        reply = self._call("/v3/lease/keepalive", {"ID": str(_lease_id(lease))})
+        ttl = int(reply.get("result", {}).get("TTL", 0))
+        if ttl <= 0:
+            raise LeaseNotFound(f"lease {_lease_id(lease):x} not found", code=5)
+        return ttl
+
+    def time_to_live(self, lease: Lease | int) -> int:
+        """Seconds the lease has left; -1 once it has ended."""
+        return int(self._call("/v3/lease/timetolive", {"ID": str(_lease_id(lease))})["TTL"])
+
+    def revoke(self, lease: Lease | int) -> None:
+        """End the lease now, deleting its keys (no error if it already ended)."""
+        try:
+            self._call("/v3/lease/revoke", {"ID": str(_lease_id(lease))})
+        except LeaseNotFound:
+            pass
+
+    def keep_alive(
+        self,
+        lease: Lease,
+        *,
+        interval_s: float | None = None,
+        on_lost: Callable[[Lease], None] | None = None,
+    ) -> KeepAlive:
+        """Start refreshing ``lease`` in a thread; see ``KeepAlive``."""
+        return KeepAlive(self, lease, interval_s, on_lost)
+
+    # -- watches -------------------------------------------------------------------------------
+
+    def watch(
+        self,
+        key: str,
+        *,
+        start_revision: int | None = None,
+        callback: Callable[[WatchEvent], None] | None = None,
+    ) -> Watch:
+        """Watch one key from ``start_revision`` (inclusive; None = changes after now)."""
+        return self._watch(key, None, start_revision, callback)
+
+    def watch_prefix(
+        self,
+        prefix: str,
+        *,
+        start_revision: int | None = None,
+        callback: Callable[[WatchEvent], None] | None = None,
+    ) -> Watch:
+        """Watch every key under ``prefix``; see ``Watch``."""
+        return self._watch(prefix, _prefix_end(prefix), start_revision, callback)
+
+    def _watch(self, key: str, range_end: str | None, start: int | None, callback: Any) -> Watch:
+        watch = Watch(self, key, range_end, start, callback)
+        if not watch.wait_created(self.config.retry_s):
+            watch.cancel()
+            raise StoreUnavailable(f"watch on {key} not established in {self.config.retry_s} s")
+        return watch
+
+    def close(self) -> None:
+        """Close this thread's connection (other threads' close when they end)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport -----------------------------------------------------------------------------
+
+    def _new_connection(self, stream: bool = False) -> http.client.HTTPConnection:
+        ep = self._endpoints[self._current]
+        timeout = None if stream else self.config.request_timeout_s
+        if ep.tls:
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                ep.host, ep.port, timeout=timeout, context=ep.ssl_context
+            )
+        else:
+            conn = http.client.HTTPConnection(ep.host, ep.port, timeout=timeout)
+        if stream:
+            # Connect with a timeout, then block on reads for as long as the stream is quiet.
+            conn.timeout = self.config.request_timeout_s
+            conn.connect()
+            conn.sock.settimeout(None)
+        return conn
+
+    def _rotate(self) -> None:
+        """Move on to the next endpoint (after a connection failure)."""
+        self._current = (self._current + 1) % len(self._endpoints)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.config.username is not None:
+            if self._token is None:
+                self._authenticate()
+            assert self._token is not None
+            headers["Authorization"] = self._token
+        return headers
+
+    def _authenticate(self) -> None:
+        with self._auth_lock:
+            body = {"name": self.config.username, "password": self.config.password}
+            self._token = None
+            self._token = self._request("/v3/auth/authenticate", body, auth=False)["token"]
+
+    def _call(self, path: str, body: dict) -> dict:
+        try:
+            return self._request(path, body)
+        except StoreError as e:
+            if self.config.username is None or not any(m in str(e) for m in _AUTH_ERRORS):
+                raise
+            self._authenticate()  # the token expired (etcd's simple tokens live 5 min idle)
+            return self._request(path, body)
+
+    def _request(self, path: str, body: dict, auth: bool = True) -> dict:
+        deadline = time.monotonic() + self.config.retry_s
+        payload = json.dumps(body)
+        backoff = 0.02
+        while True:
+            headers = self._headers() if auth else {"Content-Type": "application/json"}
+            try:
+                conn = getattr(self._local, "conn", None)
+                if conn is None:
+                    conn = self._local.conn = self._new_connection()
+                conn.request("POST", path, payload, headers)
+                response = conn.getresponse()
+                data = response.read()
+                if response.status == 200:
+                    return json.loads(data) if data else {}
+                error = self._error(response.status, data)
+                if error.code not in _RETRYABLE_CODES:
+                    raise error
+                reason: Exception = error
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                self._rotate()
+                reason = e
+            if time.monotonic() + backoff > deadline:
+                raise StoreUnavailable(
+                    f"etcd at {', '.join(self.config.endpoints)} unavailable for "
+                    f"{self.config.retry_s} s ({path}): {reason}",
+                    code=14,
+                ) from reason
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
+
+    @staticmethod
+    def _error(status: int, data: bytes) -> StoreError:
+        try:
+            detail = json.loads(data)
+        except ValueError:
+            detail = {"message": data.decode(errors="replace")}
+        message = detail.get("message") or detail.get("error") or f"HTTP {status}"
+        code = int(detail.get("code", 0))
+        cls = LeaseNotFound if "lease not found" in message else StoreError
+        return cls(f"etcd: {message}", code=code)
+
+
+def _lease_id(lease: Lease | int | None) -> int:
+    if lease is None:
+        return 0
+    return lease.id if isinstance(lease, Lease) else int(lease)
