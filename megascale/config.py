@@ -58,8 +58,40 @@ class ParallelConfig:
     """Data-parallel size. Derived as world_size / (tp * pp); when given it is checked against that."""
     distributed_optimizer: bool = True
     """Shard optimizer state and fp32 main weights over the data-parallel group (ZeRO-1)."""
-    batch_p2p_comm: bool = True
-    """Batch pipeline sends/receives into one call. Refused with pp == 2 and vpp > 1 on gloo."""
+    batch_p2p_comm: bool | None = None
+    """Batch pipeline sends/receives into one call. None (auto): unbatched when ``overlap.pp``
+    applies (interleaved schedule), batched otherwise. Refused with pp == 2 and vpp > 1 on gloo."""
+
+    def effective_batch_p2p_comm(self, overlap: OverlapConfig) -> bool:
+        """What the schedule will do: ``overlap.pp`` needs individual asynchronous sends."""
+        if self.batch_p2p_comm is None:
+            return not overlap.pp_active(self)
+        return self.batch_p2p_comm
+
+
+@dataclass
+class OverlapConfig:
+    """MegaScale's communication/computation overlap; each applies where the layout supports it."""
+
+    dp: bool = True
+    """Data parallel: bucketed grad reduce-scatter during backward, param all-gather during forward
+    (distributed optimizer), and the first all-gather prefetched at iteration start."""
+    pp: bool = True
+    """Pipeline parallel (interleaved schedule only): sends/receives decoupled in warm-up and
+    cool-down, asynchronous in the steady phase."""
+    tp: bool = True
+    """Tensor/sequence parallel (needs sequence_parallel): the FFN's all-gather and reduce-scatter
+    split into chunks pipelined with the GEMMs."""
+    tp_chunks: int = 4
+    """Chunks per FFN GEMM for ``tp``; the per-rank sequence length must be divisible by it."""
+    bucket_size: int | None = None
+    """Parameters per DP bucket; None uses megatron-core's default (max(40M, 1M * dp))."""
+
+    def pp_active(self, parallel: ParallelConfig) -> bool:
+        return self.pp and parallel.pp > 1 and parallel.vpp > 1
+
+    def tp_active(self, parallel: ParallelConfig) -> bool:
+        return self.tp and parallel.tp > 1 and parallel.sequence_parallel and self.tp_chunks > 1
 
 
 @dataclass
@@ -161,6 +193,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
         dp = _data_parallel_size(cfg, world_size, problems)
         problems += _model_shape(cfg)
         problems += _backend(cfg, backend)
+        problems += _overlap(cfg)
         if dp is not None:
             problems += _batch(cfg, dp)
     if problems:
@@ -217,7 +218,7 @@ def _backend(cfg: JobConfig, backend: str) -> list[str]:
                 "model.spec = 'te': Transformer Engine needs CUDA, not backend gloo "
                 "(CPU); use 'local' or 'auto'"
             )
-        if p.pp == 2 and p.vpp > 1 and p.batch_p2p_comm:
+        if p.pp == 2 and p.vpp > 1 and p.effective_batch_p2p_comm(cfg.overlap):
             problems.append(
                 f"parallel.batch_p2p_comm = true: with parallel.pp = 2 and "
                 f"parallel.vpp = {p.vpp} on gloo the previous and next pipeline peer "
@@ -227,6 +228,28 @@ def _backend(cfg: JobConfig, backend: str) -> list[str]:
     if backend == "nccl" and t.device == "cpu":
         problems.append(
             "train.device = 'cpu': backend nccl needs CUDA; use 'cuda' or 'auto', or backend gloo"
+        )
+    return problems
+
+
+def _overlap(cfg: JobConfig) -> list[str]:
+    """Overlap knobs against the layout."""
+    p, m, o = cfg.parallel, cfg.model, cfg.overlap
+    problems: list[str] = []
+    if o.tp_chunks < 1:
+        problems.append(f"overlap.tp_chunks = {o.tp_chunks}: must be >= 1")
+    elif o.tp_active(p) and (m.seq_length // p.tp) % o.tp_chunks:
+        problems.append(
+            f"overlap.tp_chunks = {o.tp_chunks}: the per-rank sequence "
+            f"(model.seq_length / parallel.tp = {m.seq_length // p.tp}) must be divisible by it; "
+            f"pick a divisor or set overlap.tp=false"
+        )
+    if o.bucket_size is not None and o.bucket_size < 1:
+        problems.append(f"overlap.bucket_size = {o.bucket_size}: must be >= 1 or none")
+    if o.pp_active(p) and p.batch_p2p_comm:
+        problems.append(
+            "parallel.batch_p2p_comm = true: overlap.pp needs individual asynchronous "
+            "sends/receives; leave parallel.batch_p2p_comm unset, or set overlap.pp=false"
         )
     return problems
 

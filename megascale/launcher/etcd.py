@@ -36,6 +36,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -101,6 +102,10 @@ class EmbeddedEtcd:
         unsafe_no_fsync: pass ``--unsafe-no-fsync`` (etcd >= 3.5; tests only).
         startup_timeout_s: how long ``start`` waits for ``/health`` before raising.
         name: the member name.
+        cert_file / key_file: serve clients over TLS with this PEM certificate and key (the
+            endpoint is then ``client_url``, ``https://...``).
+        ca_file: with ``cert_file``, require client certificates signed by this CA
+            (``--client-cert-auth``); the health check presents ``cert_file`` as its own.
     """
 
     def __init__(
@@ -113,12 +118,20 @@ class EmbeddedEtcd:
         unsafe_no_fsync: bool = False,
         startup_timeout_s: float = 15.0,
         name: str = "megascale",
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        ca_file: str | None = None,
     ) -> None:
         if election_timeout_ms < 5 * heartbeat_interval_ms:
             raise ValueError(
                 f"election_timeout_ms = {election_timeout_ms}: must be at least 5 x "
                 f"heartbeat_interval_ms = {5 * heartbeat_interval_ms} (etcd refuses otherwise)"
             )
+        if (cert_file is None) != (key_file is None) or (ca_file and not cert_file):
+            raise ValueError(
+                "EmbeddedEtcd: give cert_file and key_file together (ca_file needs them)"
+            )
+        self.cert_file, self.key_file, self.ca_file = cert_file, key_file, ca_file
         self.binary = find_etcd_binary(binary)
         self.host = "127.0.0.1"
         self.heartbeat_interval_ms = heartbeat_interval_ms
@@ -134,17 +147,21 @@ class EmbeddedEtcd:
         self._proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         """Seconds the last ``start`` took from spawn to healthy."""
+        _live.add(self)  # the atexit hook removes the temporary directory even if never started
 
     # -- addresses ---------------------------------------------------------------------------
 
     @property
     def endpoint(self) -> str:
-        """``"127.0.0.1:PORT"``: what ``StoreConfig.parse`` and ``--etcd`` options take."""
+        """``"127.0.0.1:PORT"``: what ``StoreConfig.parse`` and ``--etcd`` options take (use
+        ``client_url`` when serving TLS)."""
         return f"{self.host}:{self.client_port}"
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        """``http://127.0.0.1:PORT``, or ``https://`` with TLS."""
+        scheme = "https" if self.cert_file else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     @property
     def pid(self) -> int | None:
@@ -161,6 +178,7 @@ class EmbeddedEtcd:
         and kept by later ones. Retries twice with new ports if the first pick was taken."""
         if self.running:
             return self
+        _live.add(self)
         first_start = self.client_port == 0
         for attempt in range(3 if first_start else 1):
             if first_start:
@@ -172,7 +190,6 @@ class EmbeddedEtcd:
                 if not first_start or attempt == 2 or "address already in use" not in str(e):
                     raise
                 logger.warning("etcd ports were taken, retrying with new ones")
-        _live.add(self)
         return self
 
     def stop(self) -> None:
@@ -219,14 +236,23 @@ class EmbeddedEtcd:
         ]  # fmt: skip
         if self.unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
+        if self.cert_file:
+            cmd += ["--cert-file", self.cert_file, "--key-file", str(self.key_file)]
+        if self.ca_file:
+            cmd += ["--trusted-ca-file", self.ca_file, "--client-cert-auth"]
         return cmd
 
     def _spawn_and_wait(self) -> None:
         self._tmp.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         with open(self.log_path, "ab") as log:
+            # Own session: a Ctrl-C at the terminal reaches the launcher, which stops etcd last.
             self._proc = subprocess.Popen(
-                self._command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
             )
         deadline = started + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -241,8 +267,12 @@ class EmbeddedEtcd:
                 self.startup_s = time.monotonic() - started
                 logger.info(
                     "etcd %s healthy on %s in %.2f s (pid %d, data %s)",
-                    self.binary, self.endpoint, self.startup_s, self._proc.pid, self.data_dir,
-                )  # fmt: skip
+                    self.binary,
+                    self.endpoint,
+                    self.startup_s,
+                    self._proc.pid,
+                    self.data_dir,
+                )
                 return
             time.sleep(0.01)
         self._terminate(signal.SIGKILL)
@@ -252,8 +282,17 @@ class EmbeddedEtcd:
         )
 
     def _healthy(self) -> bool:
+        context = None
+        if self.cert_file:
+            # Our own child on loopback: check that it serves, not who it is.
+            context = ssl.create_default_context()
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+            if self.ca_file:
+                context.load_cert_chain(self.cert_file, self.key_file)
         try:
-            with urllib.request.urlopen(self.client_url + "/health", timeout=0.5) as r:
+            with urllib.request.urlopen(
+                self.client_url + "/health", timeout=0.5, context=context
+            ) as r:
                 return json.loads(r.read()).get("health") == "true"
         except (OSError, ValueError, urllib.error.URLError):
             return False

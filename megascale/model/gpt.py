@@ -38,6 +38,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megascale.config import JobConfig, ModelConfig
 from megascale.model.norm import LocalNorm
 from megascale.model.parallel_block import ParallelTransformerLayer
+from megascale.overlap.tp import OverlappedColumnParallelLinear, OverlappedRowParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,10 @@ def transformer_config(job: JobConfig, device: str) -> TransformerConfig:
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp if p.vpp > 1 else None,
         sequence_parallel=p.sequence_parallel,
-        batch_p2p_comm=p.batch_p2p_comm,
+        # overlap.pp (interleaved only): async steady-phase p2p, decoupled warm-up/cool-down.
+        batch_p2p_comm=p.effective_batch_p2p_comm(job.overlap),
+        overlap_p2p_comm=job.overlap.pp_active(p),
+        overlap_p2p_comm_warmup_flush=job.overlap.pp_active(p),
         bias_activation_fusion=on_cuda and not m.swiglu,
         bias_dropout_fusion=on_cuda,
         masked_softmax_fusion=on_cuda and _softmax_kernels_available(),
@@ -120,8 +124,10 @@ def transformer_config(job: JobConfig, device: str) -> TransformerConfig:
     )
 
 
-def layer_spec(model: ModelConfig, use_te: bool) -> ModuleSpec:
-    """The transformer layer spec: TE or local modules, serial or MegaScale's parallel block."""
+def layer_spec(model: ModelConfig, use_te: bool, tp_overlap_chunks: int = 1) -> ModuleSpec:
+    """The transformer layer spec: TE or local modules, serial or MegaScale's parallel block;
+    with ``tp_overlap_chunks > 1`` (local modules) the FFN's SP collectives are chunked and
+    overlapped with its GEMMs (``megascale.overlap.tp``)."""
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec()
         if model.parallel_block:
@@ -149,19 +155,37 @@ def layer_spec(model: ModelConfig, use_te: bool) -> ModuleSpec:
             )
         return spec
     spec = get_gpt_layer_local_spec()
+    mlp = spec.submodules.mlp
+    if tp_overlap_chunks > 1:
+        chunks = {"overlap_chunks": tp_overlap_chunks}
+        mlp = dataclasses.replace(
+            mlp,
+            submodules=dataclasses.replace(
+                mlp.submodules,
+                linear_fc1=ModuleSpec(module=OverlappedColumnParallelLinear, params=chunks),
+                linear_fc2=ModuleSpec(module=OverlappedRowParallelLinear, params=chunks),
+            ),
+        )
     sub = dataclasses.replace(
         spec.submodules,
         input_layernorm=LocalNorm,
         pre_mlp_layernorm=IdentityOp if model.parallel_block else LocalNorm,
+        mlp=mlp,
     )
     module = ParallelTransformerLayer if model.parallel_block else spec.module
     return ModuleSpec(module=module, submodules=sub)
 
 
 def _block_spec(
-    config: TransformerConfig, model: ModelConfig, use_te: bool, vp_stage: int | None
+    job: JobConfig, config: TransformerConfig, use_te: bool, vp_stage: int | None
 ) -> ModuleSpec:
-    layer = layer_spec(model, use_te)
+    tp_chunks = job.overlap.tp_chunks if job.overlap.tp_active(job.parallel) else 1
+    if use_te and tp_chunks > 1:
+        logger.info(
+            "overlap.tp: the TE spec keeps TE's own linears; chunked TP overlap not applied"
+        )
+        tp_chunks = 1
+    layer = layer_spec(job.model, use_te, tp_chunks)
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -190,7 +214,7 @@ def build_gpt(
     """Build this rank's GPTModel for one virtual pipeline stage (parameters not yet initialised)."""
     return GPTModel(
         config=config,
-        transformer_layer_spec=_block_spec(config, job.model, use_te, vp_stage),
+        transformer_layer_spec=_block_spec(job, config, use_te, vp_stage),
         vocab_size=padded_vocab_size(job.model.vocab_size, job.parallel.tp),
         max_sequence_length=job.model.seq_length,
         pre_process=pre_process,

@@ -62,3 +62,15 @@ class ParamGatherPrefetch:
             return
         # Dispatches the next bucket's gather too, exactly as the forward pre-hook would.
         group.finish_param_sync()
+
+
+def sync_params(model_chunks: list) -> None:
+    """Make this rank's parameters current before reading them (checkpoint, digest).
+
+    With an overlapped param all-gather, a rank holds only its own shard of the updated parameters
+    between the optimizer step and the forward pre-hooks of the next iteration. Collective.
+    """
+    for chunk in model_chunks:
+        config = getattr(chunk, "ddp_config", None)
+        if config is not None and config.use_distributed_optimizer and config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megascale.overlap import trace
+
 
 def _gather_chunks(x_local: torch.Tensor, k: int, group) -> list[tuple[torch.Tensor, object]]:
     """Issue the all-gather of each of ``k`` sequence chunks of ``x_local``; return (out, handle)."""
@@ -75,6 +77,7 @@ class _ChunkedAllGatherLinear(torch.autograd.Function):
             chunk_full = chunk_full.view(tp, -1, *chunk_full.shape[1:])
             gathered_view[:, j] = chunk_full
             out_view[:, j] = _matmul(chunk_full, weight)
+            trace.mark(f"tp.fc1.gemm_done.{j}")
         ctx.save_for_backward(gathered, weight)
         ctx.k, ctx.group = k, group
         return out
@@ -122,6 +125,7 @@ class _ChunkedReduceScatterLinear(torch.autograd.Function):
         handles = []
         for j in range(k):
             partial = _matmul(x_view[:, j].reshape(-1, *x.shape[1:]), weight).contiguous()
+            trace.mark(f"tp.fc2.gemm_done.{j}")
             # Chunk j's reduce-scatter runs while chunk j+1's GEMM computes.
             handles.append(
                 (
@@ -152,13 +156,17 @@ class _ChunkedReduceScatterLinear(torch.autograd.Function):
 
 
 def _chunks_for(module, seq_local: int) -> int:
-    k = module.config.tp_overlap_chunks if hasattr(module.config, "tp_overlap_chunks") else 1
+    k = module.overlap_chunks
     return k if k > 1 and seq_local % k == 0 else 1
 
 
 class OverlappedColumnParallelLinear(ColumnParallelLinear):
     """megatron-core's ColumnParallelLinear; with sequence parallelism its all-gather is chunked and
     overlapped with the GEMM (module docstring). Same parameters, same results."""
+
+    def __init__(self, *args, overlap_chunks: int = 1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.overlap_chunks = overlap_chunks
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         k = _chunks_for(self, input_.shape[0])
@@ -173,6 +181,10 @@ class OverlappedColumnParallelLinear(ColumnParallelLinear):
 class OverlappedRowParallelLinear(RowParallelLinear):
     """megatron-core's RowParallelLinear; with sequence parallelism the GEMM is chunked and each
     chunk's reduce-scatter overlaps the next chunk's GEMM. Same parameters, same results."""
+
+    def __init__(self, *args, overlap_chunks: int = 1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.overlap_chunks = overlap_chunks
 
     def forward(self, input_):
         tp = self.tp_group.size()

@@ -65,12 +65,19 @@ def build_model_chunks(
 def apply_ddp(
     chunks: list[torch.nn.Module], config: TransformerConfig, job: JobConfig, groups: Groups
 ) -> list[DistributedDataParallel]:
-    """Wrap each chunk in megatron-core DDP; grads reduce in fp32 into contiguous buckets."""
+    """Wrap each chunk in megatron-core DDP; grads reduce in fp32 into contiguous buckets.
+
+    With ``overlap.dp`` each bucket's reduce-scatter starts from a backward hook as soon as the
+    bucket is ready, and (distributed optimizer) parameter all-gathers are waited for in forward
+    pre-hooks one bucket ahead: see ``megascale.overlap.dp``.
+    """
+    overlap = job.overlap.dp
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=job.parallel.distributed_optimizer,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap and job.parallel.distributed_optimizer,
+        bucket_size=job.overlap.bucket_size,
         check_for_nan_in_grad=True,
     )
     wrapped = [
@@ -85,6 +92,11 @@ def apply_ddp(
         for i, chunk in enumerate(chunks)
     ]
     config.finalize_model_grads_func = finalize_model_grads
+    if overlap:
+        # The schedule suppresses grad sync for all but the last micro-batch through no_sync; without
+        # it every micro-batch's backward would launch the bucket reduce-scatters.
+        no_sync = [chunk.no_sync for chunk in wrapped]
+        config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
     return wrapped
 
 

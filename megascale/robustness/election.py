@@ -37,6 +37,7 @@ from megascale.robustness.store import (
     Get,
     KeepAlive,
     Lease,
+    LeaseNotFound,
     Put,
     Store,
     Watch,
@@ -96,13 +97,17 @@ class Election:
         if self.is_leader():
             return True
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._ensure_lease()
-        assert self._lease is not None
         while not self._closing.is_set():
+            self._ensure_lease()
+            assert self._lease is not None
             value = {"id": self.candidate_id, **self.info, "since": time.time()}
-            result = self.store.txn(
-                [missing(self.key)], [Put(self.key, value, self._lease.id)], [Get(self.key)]
-            )
+            try:
+                result = self.store.txn(
+                    [missing(self.key)], [Put(self.key, value, self._lease.id)], [Get(self.key)]
+                )
+            except LeaseNotFound:  # expired while we waited (e.g. etcd was down): a new one
+                self.lost.set()
+                continue
             if result.succeeded:
                 self._revision = result.revision
                 logger.info(
@@ -120,6 +125,8 @@ class Election:
     def _ensure_lease(self) -> None:
         if self._lease is not None and not self.lost.is_set():
             return
+        if self._keepalive is not None:
+            self._keepalive.stop()
         self.lost.clear()
         self._lease = self.store.grant(self.ttl)
         self._keepalive = self.store.keep_alive(self._lease, on_lost=self._on_lost)

@@ -100,8 +100,9 @@ class EventLog:
             if self.path is not None:
                 with open(self.path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(event, sort_keys=True, default=str) + "\n")
-        logger.info("event %s gen=%s node=%s rank=%s %s", kind, generation, node, rank,
-                    event["detail"])  # fmt: skip
+        logger.info(
+            "event %s gen=%s node=%s rank=%s %s", kind, generation, node, rank, event["detail"]
+        )
         return event
 
     def record(self, action: Any) -> dict[str, Any]:

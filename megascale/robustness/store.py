@@ -20,7 +20,9 @@ etcd 3.4 and 3.5 serve it on the client port.
 
 Contracts:
 
-* Thread safety: every thread gets its own HTTP connection; a ``Store`` may be shared by threads.
+* Thread safety: every thread gets its own HTTP connection; a ``Store`` may be shared by threads,
+  and used in a forked child (which opens its own connections; watches and keepalives, being
+  threads, do not cross a fork).
 * Unavailability: an operation that cannot reach any endpoint (or gets "no leader") retries with
   backoff for ``StoreConfig.retry_s`` (default 10 s), then raises ``StoreUnavailable``. A retried
   transaction whose first attempt was applied but whose answer was lost reports the outcome of the
@@ -33,7 +35,9 @@ Contracts:
   timeout). A ``KeepAlive`` that finds its lease gone sets ``lost`` and calls ``on_lost``.
 * Security: ``https://`` endpoints use TLS, verified against ``ca_file`` (system CAs when None),
   with a client certificate when ``cert_file``/``key_file`` are given; with ``username``/``password``
-  the store authenticates and re-authenticates when etcd says its token expired.
+  the store authenticates and re-authenticates when etcd says its token expired. With etcd auth
+  and ``--client-cert-auth`` both on, the client certificate must carry no Common Name: etcd's
+  gateway refuses such requests (identity comes from user/password, not the certificate's CN).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import base64
 import http.client
 import json
 import logging
+import os
 import socket
 import ssl
 import threading
@@ -197,6 +202,9 @@ class WatchEvent:
     revision: int
     lease: int = 0
 
+    def text(self) -> str:
+        return self.value.decode()
+
     def json(self) -> Any:
         return json.loads(self.value)
 
@@ -215,12 +223,19 @@ class Compare:
 
     def _json(self) -> dict:
         field_name = {
-            "VALUE": "value", "VERSION": "version", "CREATE": "create_revision",
-            "MOD": "mod_revision", "LEASE": "lease",
-        }[self.target]  # fmt: skip
+            "VALUE": "value",
+            "VERSION": "version",
+            "CREATE": "create_revision",
+            "MOD": "mod_revision",
+            "LEASE": "lease",
+        }[self.target]
         operand = _b64(self.operand) if self.target == "VALUE" else str(self.operand)
-        return {"key": _b64(self.key), "target": self.target, "result": self.result,
-                field_name: operand}  # fmt: skip
+        return {
+            "key": _b64(self.key),
+            "target": self.target,
+            "result": self.result,
+            field_name: operand,
+        }
 
 
 def value_is(key: str, value: Value) -> Compare:
@@ -269,8 +284,13 @@ class TxnResult:
 
 def _op_json(op: Put | Delete | Get) -> dict:
     if isinstance(op, Put):
-        return {"request_put": {"key": _b64(op.key), "value": _b64(encode(op.value)),
-                                "lease": str(op.lease)}}  # fmt: skip
+        return {
+            "request_put": {
+                "key": _b64(op.key),
+                "value": _b64(encode(op.value)),
+                "lease": str(op.lease),
+            }
+        }
     body = {"key": _b64(op.key)}
     if op.prefix:
         body["range_end"] = _prefix_end(op.key)
@@ -420,6 +440,13 @@ class Watch:
                     break
                 if isinstance(e, ConnectionError):
                     self._store._rotate()
+                elif isinstance(e, StoreError) and _is_auth_error(e):
+                    try:
+                        self._store._authenticate()
+                    except StoreError as auth_error:
+                        logger.warning(
+                            "watch on %s: re-authentication failed: %s", self._key, auth_error
+                        )
                 logger.debug("watch on %s dropped (%s); re-watching", self._key, e)
             if self._cancelled.is_set():
                 break
@@ -436,11 +463,13 @@ class Watch:
         conn = self._store._new_connection(stream=True)
         with self._lock:
             if self._cancelled.is_set():
+                conn.close()
                 return
             self._conn = conn
         try:
-            conn.request("POST", "/v3/watch", json.dumps({"create_request": request}),
-                         self._store._headers())  # fmt: skip
+            conn.request(
+                "POST", "/v3/watch", json.dumps({"create_request": request}), self._store._headers()
+            )
             response = conn.getresponse()
             if response.status != 200:
                 raise self._store._error(response.status, response.read())
@@ -460,10 +489,18 @@ class Watch:
         result = message.get("result", {})
         if int(result.get("compact_revision", 0)):
             compacted = int(result["compact_revision"])
-            logger.error("watch on %s: revisions before %d were compacted; events between %s and "
-                         "%d are lost", self._key, compacted, self._next_revision, compacted)  # fmt: skip
+            logger.error(
+                "watch on %s: revisions before %d were compacted; events between %s and "
+                "%d are lost",
+                self._key,
+                compacted,
+                self._next_revision,
+                compacted,
+            )
             self._next_revision = compacted
             raise StoreError(f"watch start revision compacted at {compacted}")
+        if result.get("canceled"):  # e.g. permission denied, or the token expired: re-watch
+            raise StoreError(f"etcd cancelled the watch: {result.get('cancel_reason', '')}")
         if result.get("created"):
             if not self._next_revision:
                 self._next_revision = int(result["header"]["revision"]) + 1
@@ -472,8 +509,11 @@ class Watch:
             kv = KeyValue._from(raw.get("kv", {}))
             event = WatchEvent(
                 kind="delete" if raw.get("type") == "DELETE" else "put",
-                key=kv.key, value=kv.value, revision=kv.mod_revision, lease=kv.lease,
-            )  # fmt: skip
+                key=kv.key,
+                value=kv.value,
+                revision=kv.mod_revision,
+                lease=kv.lease,
+            )
             self._next_revision = event.revision + 1
             self.revision = event.revision
             if self._callback is not None:
@@ -543,14 +583,18 @@ class Store:
 
     def snapshot(self, prefix: str, *, limit: int = 0, descending: bool = False) -> Snapshot:
         """``get_prefix`` plus the revision it was read at: list, then watch from revision + 1."""
-        body: dict[str, Any] = {"key": _b64(prefix), "range_end": _prefix_end(prefix),
-                                "sort_target": "KEY",
-                                "sort_order": "DESCEND" if descending else "ASCEND"}  # fmt: skip
+        body: dict[str, Any] = {
+            "key": _b64(prefix),
+            "range_end": _prefix_end(prefix),
+            "sort_target": "KEY",
+            "sort_order": "DESCEND" if descending else "ASCEND",
+        }
         if limit:
             body["limit"] = str(limit)
         reply = self._call("/v3/kv/range", body)
-        return Snapshot([KeyValue._from(kv) for kv in reply.get("kvs", [])],
-                        int(reply["header"]["revision"]))  # fmt: skip
+        return Snapshot(
+            [KeyValue._from(kv) for kv in reply.get("kvs", [])], int(reply["header"]["revision"])
+        )
 
     def delete(self, key: str) -> bool:
         """Delete ``key``; True if it existed."""
@@ -570,11 +614,14 @@ class Store:
         failure: Sequence[Put | Delete | Get] = (),
     ) -> TxnResult:
         """If every ``compare`` holds run ``success``, else ``failure``, atomically."""
-        reply = self._call("/v3/kv/txn", {
-            "compare": [c._json() for c in compare],
-            "success": [_op_json(op) for op in success],
-            "failure": [_op_json(op) for op in failure],
-        })  # fmt: skip
+        reply = self._call(
+            "/v3/kv/txn",
+            {
+                "compare": [c._json() for c in compare],
+                "success": [_op_json(op) for op in success],
+                "failure": [_op_json(op) for op in failure],
+            },
+        )
         gets = [
             [KeyValue._from(kv) for kv in r["response_range"].get("kvs", [])]
             for r in reply.get("responses", [])
@@ -670,6 +717,14 @@ class Store:
             conn.close()
             self._local.conn = None
 
+    def _connection(self) -> http.client.HTTPConnection:
+        # After a fork the child must not share the parent's socket: it opens its own.
+        if getattr(self._local, "pid", None) != os.getpid():
+            self._local.conn, self._local.pid = None, os.getpid()
+        if self._local.conn is None:
+            self._local.conn = self._new_connection()
+        return self._local.conn
+
     def __enter__(self) -> Store:
         return self
 
@@ -688,10 +743,17 @@ class Store:
         else:
             conn = http.client.HTTPConnection(ep.host, ep.port, timeout=timeout)
         if stream:
-            # Connect with a timeout, then block on reads for as long as the stream is quiet.
-            conn.timeout = self.config.request_timeout_s
-            conn.connect()
+            conn.timeout = self.config.request_timeout_s  # for connecting; reads then block
+        conn.connect()
+        # http.client sends headers and body in two writes: do not let Nagle hold the second.
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if stream:
+            # A quiet stream blocks on read; TCP keepalive notices a vanished server in ~25 s.
             conn.sock.settimeout(None)
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+                if hasattr(socket, option):
+                    conn.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
         return conn
 
     def _rotate(self) -> None:
@@ -717,21 +779,19 @@ class Store:
         try:
             return self._request(path, body)
         except StoreError as e:
-            if self.config.username is None or not any(m in str(e) for m in _AUTH_ERRORS):
+            if self.config.username is None or not _is_auth_error(e):
                 raise
             self._authenticate()  # the token expired (etcd's simple tokens live 5 min idle)
             return self._request(path, body)
 
     def _request(self, path: str, body: dict, auth: bool = True) -> dict:
         deadline = time.monotonic() + self.config.retry_s
-        payload = json.dumps(body)
+        payload = json.dumps(body).encode()  # bytes: headers and body go out in one send
         backoff = 0.02
         while True:
             headers = self._headers() if auth else {"Content-Type": "application/json"}
             try:
-                conn = getattr(self._local, "conn", None)
-                if conn is None:
-                    conn = self._local.conn = self._new_connection()
+                conn = self._connection()
                 conn.request("POST", path, payload, headers)
                 response = conn.getresponse()
                 data = response.read()
@@ -764,6 +824,10 @@ class Store:
         code = int(detail.get("code", 0))
         cls = LeaseNotFound if "lease not found" in message else StoreError
         return cls(f"etcd: {message}", code=code)
+
+
+def _is_auth_error(error: StoreError) -> bool:
+    return any(message in str(error) for message in _AUTH_ERRORS)
 
 
 def _lease_id(lease: Lease | int | None) -> int:

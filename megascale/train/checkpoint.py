@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megascale.overlap.dp import sync_params
+
 if TYPE_CHECKING:
     from megascale.train.trainer import Trainer
 
@@ -80,7 +82,8 @@ def _set_rng_state(state: dict) -> None:
 
 
 def trainer_state(trainer: Trainer) -> dict:
-    """This rank's complete training state, as tensors and plain data."""
+    """This rank's complete training state, as tensors and plain data. Collective."""
+    sync_params(trainer.model)
     return {
         "format_version": FORMAT_VERSION,
         "step": trainer.step_num,

@@ -22,6 +22,7 @@ from megascale.data.dataset import GPTDataset, ShardedBatches
 from megascale.data.token_file import TokenFile
 from megascale.diagnostics.flops import flops_per_token
 from megascale.model.gpt import transformer_config, use_te_spec
+from megascale.overlap.dp import ParamGatherPrefetch
 from megascale.parallel.groups import Groups
 from megascale.parallel.parallelize import forward_backward_func, parallelize
 from megascale.train.optimizer import build_optimizer, build_scheduler
@@ -80,6 +81,7 @@ class Trainer:
             seed=job.train.seed,
         )
         self.forward_backward = forward_backward_func()
+        self.param_prefetch = ParamGatherPrefetch(self.model)
         self.tokens_per_step = job.train.global_batch_size * job.model.seq_length
         self.flops_per_token = flops_per_token(job.model).total
         self.peak_tflops = peak_tflops
@@ -88,10 +90,13 @@ class Trainer:
     def step(self) -> StepMetrics:
         """One optimizer step: data -> forward/backward schedule -> grad sync -> clip -> update."""
         start = time.perf_counter()
-        micro_batches = self.data.next_step()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        # MegaScale: the first bucket's param all-gather is in flight while the batch is read; the
+        # first forward pre-hook waits for it (overlap.dp with the distributed optimizer).
+        self.param_prefetch.start()
+        micro_batches = self.data.next_step()
         # Every virtual stage walks the same micro-batches; the schedule interleaves them.
         iterators = [iter(micro_batches) for _ in self.model]
         losses = self.forward_backward(

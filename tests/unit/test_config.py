@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 
 import pytest
 
@@ -234,9 +235,14 @@ VALIDATION_CASES = [
     (["model.spec=te"], 1, "gloo", ["model.spec = 'te'", "needs CUDA", "'local'"]),
     (["train.device=cpu"], 1, "nccl", ["train.device = 'cpu'", "nccl needs CUDA"]),
     (["train.device=tpu"], 1, "gloo", ["train.device = 'tpu'", "auto, cpu, cuda"]),
-    (["parallel.pp=2", "parallel.vpp=2"], 2, "gloo",
+    (["parallel.pp=2", "parallel.vpp=2", "overlap.pp=false"], 2, "gloo",
      ["parallel.batch_p2p_comm = true", "parallel.pp = 2", "parallel.vpp = 2", "same rank",
       "set parallel.batch_p2p_comm=false"]),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.batch_p2p_comm=true"], 2, "nccl",
+     ["parallel.batch_p2p_comm = true", "overlap.pp needs individual", "overlap.pp=false"]),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "overlap.tp_chunks=3"], 2, "gloo",
+     ["overlap.tp_chunks = 3", "per-rank sequence", "= 32", "overlap.tp=false"]),
+    (["overlap.tp_chunks=0"], 1, "gloo", ["overlap.tp_chunks = 0", "must be >= 1"]),
     # interleaving: 6 / (micro 2 * dp 1) = 3 micro-batches per step, not divisible by pp = 2
     (["parallel.pp=2", "parallel.vpp=2", "parallel.batch_p2p_comm=false",
       "train.global_batch_size=6"], 2, "gloo",
@@ -276,8 +282,13 @@ def test_each_validation_case_is_otherwise_valid():
     assert validate(load(None, ["parallel.tp=2", "parallel.pp=2"]), 8, "gloo").parallel.dp == 2
 
 
+def test_pp_overlap_makes_pp2_interleaving_unbatched_by_default():
+    job = validate(load(None, ["parallel.pp=2", "parallel.vpp=2"]), 2, "gloo")
+    assert job.parallel.effective_batch_p2p_comm(job.overlap) is False
+
+
 def test_batch_p2p_comm_false_fixes_pp2_interleaving_on_gloo_and_nccl_allows_it():
-    overrides = ["parallel.pp=2", "parallel.vpp=2"]
+    overrides = ["parallel.pp=2", "parallel.vpp=2", "overlap.pp=false"]
     assert validate(load(None, [*overrides, "parallel.batch_p2p_comm=false"]), 2, "gloo")
     assert validate(load(None, [*overrides, "train.device=cuda"]), 2, "nccl")  # distinct peers
     assert validate(load(None, ["parallel.pp=4", "parallel.vpp=1"]), 4, "gloo")
@@ -321,8 +332,9 @@ def test_to_toml_omits_none_and_load_restores_it(tmp_path):
     cfg = load()
     assert cfg.model.window_size is None and cfg.data.path is None and cfg.parallel.dp is None
     text = to_toml(cfg)
-    for key in ("window_size", "num_query_groups", "ffn_hidden_size", "path", "dp ="):
+    for key in ("window_size", "num_query_groups", "ffn_hidden_size", "path"):
         assert key not in text
+    assert "dp" not in tomllib.loads(text)["parallel"]
     assert load(write(tmp_path, text)) == cfg
 
 
@@ -338,7 +350,7 @@ def test_to_dict():
     d = to_dict(load())
     assert d["model"]["hidden_size"] == 64
     assert d["model"]["window_size"] is None
-    assert list(d) == ["parallel", "model", "optim", "train", "data", "checkpoint"]
+    assert list(d) == ["parallel", "model", "optim", "train", "data", "checkpoint", "overlap"]
 
 
 # --- presets ----------------------------------------------------------------------------------------

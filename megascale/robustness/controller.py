@@ -1,0 +1,852 @@
+"""The robust-training controller's decisions: a pure state machine (no I/O, no clock, no sleeps).
+
+The I/O shell (the ``megascale controller`` process) turns what it sees in etcd into events, calls
+one ``on_*`` method per event with the current time, and executes the returned actions in order::
+
+    fsm = ControllerFSM(ControllerPolicy(nodes=2, nproc_per_node=4, tp=2))
+    for action in fsm.on_start(now=clock()):
+        shell.execute(action)      # SendCommand -> commands/<node>, Evict -> blocklist/<node>,
+                                   # StartGeneration -> generation, RecordEvent -> EventLog
+
+Lifecycle (``TRANSITIONS`` is the table of every allowed (state, event) -> states)::
+
+    INIT -start-> WAITING_FOR_NODES -enough nodes-> STARTING -all started-> RUNNING
+    RUNNING -fault-> STOPPING -all stopped-> DIAGNOSING -all checked-> STARTING (generation G+1)
+                                                          \\-too few healthy nodes-> RESTARTING
+    RESTARTING -replacement registered-> STARTING;  RUNNING -training done-> FINISHED
+    STOPPING -restarts exhausted-> FAILED;  WAITING/RESTARTING -node_wait_timeout_s-> FAILED
+
+Faults: a worker exiting non-zero, an error keyword, an active node lost (lease expiry) or silent
+(no heartbeat for ``heartbeat_timeout_s``), a generation not started within ``start_timeout_s``,
+and a stall: the highest step reported stops advancing for longer than the current section's
+timeout (``SectionTimeouts``: learned from observed gaps between progress x a safety factor, with
+a floor). A stall names its suspects with ``stall_suspects`` over the ranks' flight records.
+A worker exiting 0 is not a fault; when every rank has, training is finished.
+
+On a fault: stop every active node; self-check every live node; evict (blocklist) nodes that fail
+it, do not answer in time, or were named culprit in ``evict_repeat_culprit`` faults; fill the
+slots of missing nodes with spares (registered nodes beyond ``nodes``, in registration order),
+keeping every other node in its slot so that each rank stays where it was; start generation G+1
+from the latest checkpoint. Node i of a generation runs ranks ``i*K .. i*K+K-1`` (tensor-parallel
+groups are adjacent ranks, so they stay within a node).
+
+Protocol events (``on_start``, ``on_all_stopped``, ``on_selfcheck_result``,
+``on_generation_started``, ``on_training_finished``, ``on_stall_detected``) in a state that does
+not expect them raise ``IllegalTransition``; observations (heartbeats, acks, node and worker
+events, ticks) are accepted in every state and ignored where they do not matter. Acks whose
+command id is not awaited are stale and ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from megascale.parallel.layout import Layout
+from megascale.robustness.keys import make_command
+
+
+class State(enum.Enum):
+    INIT = "init"
+    WAITING_FOR_NODES = "waiting_for_nodes"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    DIAGNOSING = "diagnosing"
+    RESTARTING = "restarting"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class Event(enum.Enum):
+    START = "start"
+    NODE_REGISTERED = "node_registered"
+    NODE_LOST = "node_lost"
+    HEARTBEAT = "heartbeat"
+    WORKER_EXIT = "worker_exit"
+    ERROR_KEYWORD = "error_keyword"
+    STALL_DETECTED = "stall_detected"
+    ACK = "ack"
+    ALL_STOPPED = "all_stopped"
+    SELFCHECK_RESULT = "selfcheck_result"
+    GENERATION_STARTED = "generation_started"
+    TRAINING_FINISHED = "training_finished"
+    TICK = "tick"
+
+
+S, E = State, Event
+# After a fault the stop / self-check / restart protocol may run through several states within one
+# event (e.g. the last stop ack, with no node left to self-check, restarts at once).
+_FAULT = frozenset({S.STOPPING, S.DIAGNOSING, S.STARTING, S.RESTARTING, S.FAILED})
+_CHECKED = frozenset({S.DIAGNOSING, S.STARTING, S.RESTARTING})
+# (state, event) -> every state the machine may be in once the event is handled. A pair that is
+# missing is an illegal transition; observations (below) default to "stay" in every state.
+TRANSITIONS: dict[tuple[State, Event], frozenset[State]] = {
+    (S.INIT, E.START): frozenset({S.WAITING_FOR_NODES, S.STARTING}),
+    (S.WAITING_FOR_NODES, E.NODE_REGISTERED): frozenset({S.WAITING_FOR_NODES, S.STARTING}),
+    (S.WAITING_FOR_NODES, E.TICK): frozenset({S.WAITING_FOR_NODES, S.FAILED}),
+    (S.STARTING, E.GENERATION_STARTED): frozenset({S.RUNNING}),
+    (S.STARTING, E.ACK): _FAULT | {S.RUNNING},
+    (S.STARTING, E.TRAINING_FINISHED): frozenset({S.FINISHED}),
+    (S.RUNNING, E.TRAINING_FINISHED): frozenset({S.FINISHED}),
+    **{
+        (state, event): _FAULT | {state, S.FINISHED}
+        for state in (S.STARTING, S.RUNNING)
+        for event in (E.NODE_LOST, E.WORKER_EXIT, E.ERROR_KEYWORD, E.STALL_DETECTED, E.TICK)
+    },
+    **{(S.STOPPING, event): _FAULT for event in (E.ACK, E.NODE_LOST, E.TICK)},
+    (S.STOPPING, E.ALL_STOPPED): _FAULT - {S.STOPPING},
+    **{(S.DIAGNOSING, event): _CHECKED for event in (E.ACK, E.NODE_LOST, E.TICK)},
+    (S.DIAGNOSING, E.SELFCHECK_RESULT): _CHECKED,
+    (S.RESTARTING, E.NODE_REGISTERED): frozenset({S.RESTARTING, S.STARTING}),
+    (S.RESTARTING, E.TICK): frozenset({S.RESTARTING, S.FAILED}),
+    (S.FINISHED, E.TRAINING_FINISHED): frozenset({S.FINISHED}),
+    **{
+        (state, E.STALL_DETECTED): frozenset({state})
+        for state in (S.STOPPING, S.DIAGNOSING, S.RESTARTING)
+    },
+}
+OBSERVATIONS = (
+    E.NODE_REGISTERED,
+    E.NODE_LOST,
+    E.HEARTBEAT,
+    E.WORKER_EXIT,
+    E.ERROR_KEYWORD,
+    E.ACK,
+    E.TICK,
+)
+for _state in State:
+    for _event in OBSERVATIONS:
+        TRANSITIONS.setdefault((_state, _event), frozenset({_state}))
+
+
+class IllegalTransition(RuntimeError):
+    """An event arrived in a state that does not allow it (a bug in the caller or the table)."""
+
+
+# -- actions (what the shell executes, in order) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendCommand:
+    """Write ``commands/<node>``; the agent acks ``id`` under ``acks/<node>``."""
+
+    node: str
+    kind: str  # "stop" | "selfcheck" | "start"
+    generation: int
+    id: str
+    rank_assignment: Mapping[str, Any] | None = None
+
+    def message(self, job_id: str) -> dict[str, Any]:
+        """The JSON value for ``commands/<node>`` (see ``keys.make_command``)."""
+        return make_command(job_id, self.generation, self.kind, self.id, self.rank_assignment)
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Put the node on the blocklist (``blocklist/<node>``); it is never used again."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class StartGeneration:
+    """Record generation ``generation`` and its assignment (node -> global ranks) under
+    ``generation``, before its start commands."""
+
+    generation: int
+    assignment: Mapping[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class RecordEvent:
+    """Append to the event log (``EventLog.record``)."""
+
+    kind: str
+    generation: int
+    node: str | None = None
+    rank: int | None = None
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+Action = SendCommand | Evict | StartGeneration | RecordEvent
+
+
+# -- policy -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ControllerPolicy:
+    """What the controller aims for and how patient it is."""
+
+    nodes: int
+    """Nodes per generation (M); registered nodes beyond M are spares."""
+    nproc_per_node: int
+    """Worker processes (ranks) per node (K)."""
+    tp: int = 1
+    """Tensor-parallel size, to name ranks as (dp, pp, tp)."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    max_restarts: int = 3
+    """Generations started after a fault, at most; the next fault fails the job."""
+    heartbeat_timeout_s: float = 10.0
+    """An active node silent this long is faulty (its lease may still be alive)."""
+    init_timeout_s: float = 600.0
+    """Longest a generation may take to make its first step of progress (start-up, restore)."""
+    step_timeout_s: float = 300.0
+    """Stall timeout between steps until ``stall_min_samples`` gaps have been observed."""
+    checkpoint_timeout_s: float = 600.0
+    """Stall timeout in a checkpoint section until enough checkpoints have been observed."""
+    stall_floor_s: float = 10.0
+    """Learned timeouts are never below this (progress is seen at heartbeat granularity)."""
+    stall_safety_factor: float = 4.0
+    """Learned timeout = factor x the longest recent observed duration."""
+    stall_min_samples: int = 3
+    """Observations needed before a section's timeout is learned rather than the default."""
+    start_timeout_s: float = 120.0
+    """Every node must ack a start command within this."""
+    stop_timeout_s: float = 30.0
+    """Every node must ack a stop command within this, or it is evicted."""
+    selfcheck_timeout_s: float = 300.0
+    """Every node must report its self-check within this, or it is evicted."""
+    node_wait_timeout_s: float | None = None
+    """Longest to wait for enough (replacement) nodes before failing; None waits forever."""
+    evict_repeat_culprit: int = 2
+    """A node named culprit in this many faults is evicted even if its self-check passes."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "nodes",
+            "nproc_per_node",
+            "tp",
+            "pp",
+            "stall_min_samples",
+            "evict_repeat_culprit",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ControllerPolicy.{name} = {value!r}: must be an integer >= 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"ControllerPolicy.max_restarts = {self.max_restarts}: must be >= 0")
+        self.layout  # noqa: B018  (validates that tp * pp divides the world size)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.from_world(self.world_size, tp=self.tp, pp=self.pp)
+
+
+# -- stall analysis -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlightRecord:
+    """A rank's flight-recorder state: the last collective it entered and whether it left it."""
+
+    seq: int
+    """Sequence number of that collective within ``group`` (every member counts the same calls)."""
+    kind: str
+    """e.g. "all_reduce", "reduce_scatter", "send"."""
+    left: bool
+    """Whether the rank has left (completed) it."""
+    group: tuple[int, ...] | None = None
+    """Global ranks of the process group; None when one sequence spans all ranks."""
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> FlightRecord:
+        group = d.get("group")
+        return cls(
+            int(d["seq"]),
+            str(d.get("kind", "")),
+            bool(d.get("left", False)),
+            tuple(int(r) for r in group) if group is not None else None,
+        )
+
+
+def stall_suspects(records: Mapping[int, FlightRecord], *, ranks: Iterable[int] = ()) -> list[int]:
+    """The ranks that never entered the collective the others wait in.
+
+    The awaited collective is the (group, seq) in which most ranks wait (have entered, not left),
+    ties going to the higher seq. Its participants are ``group`` (or, for group None, every rank in
+    ``records`` and ``ranks``); a participant is a suspect if its last record is an older seq,
+    another group, or missing (its recorder could not be read). [] when no rank waits.
+    """
+    waiting = Counter((rec.group, rec.seq) for rec in records.values() if not rec.left)
+    if not waiting:
+        return []
+    (group, seq), _ = max(waiting.items(), key=lambda item: (item[1], item[0][1]))
+    participants = set(group) if group is not None else set(records) | set(ranks)
+    return sorted(
+        r
+        for r in participants
+        if (rec := records.get(r)) is None or rec.group != group or rec.seq < seq
+    )
+
+
+class SectionTimeouts:
+    """Per-section stall timeouts learned from observed durations (STYLE.md #9): ``factor`` x the
+    longest of the last ``window`` observations, at least ``floor``; the section's default until
+    ``min_samples`` observations exist."""
+
+    def __init__(
+        self,
+        defaults: Mapping[str, float],
+        floor: float,
+        factor: float,
+        min_samples: int,
+        window: int = 32,
+    ) -> None:
+        self.defaults, self.floor, self.factor = dict(defaults), floor, factor
+        self.min_samples, self.window = min_samples, window
+        self.samples: dict[str, deque[float]] = {s: deque(maxlen=window) for s in defaults}
+
+    def observe(self, section: str, seconds: float) -> None:
+        self.samples[section].append(seconds)
+
+    def timeout(self, section: str) -> float:
+        samples = self.samples[section]
+        if len(samples) < self.min_samples:
+            return self.defaults[section]
+        return max(self.floor, self.factor * max(samples))
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A detected fault: its kind, where, and the ranks suspected (stalls)."""
+
+    kind: str
+    node: str | None = None
+    rank: int | None = None
+    detail: Mapping[str, Any] = field(default_factory=dict)
+    suspects: tuple[int, ...] = ()
+
+
+# -- the state machine -------------------------------------------------------------------------
+
+
+class ControllerFSM:
+    """The controller's decisions (see the module docstring). Every ``on_*`` method takes the
+    current time as ``now`` (seconds, any monotonic origin) and returns the actions to execute."""
+
+    def __init__(self, policy: ControllerPolicy, now: float = 0.0) -> None:
+        self.policy = policy
+        self.state = State.INIT
+        self.now = now
+        self.generation = 0
+        self.registered: dict[str, None] = {}  # live, not evicted, in registration order
+        self.blocklist: dict[str, str] = {}  # node -> reason
+        self.order: list[str] = []  # the current generation's nodes; slot i runs ranks i*K..
+        self.awaiting: dict[str, str] = {}  # node -> id of the command it has not acked
+        self.awaiting_kind: str | None = None
+        self.phase_since = now  # when the current state was entered
+        self.fault: Fault | None = None
+        self.faults: list[Fault] = []
+        self.culprits: Counter[str] = Counter()
+        self.timeouts = SectionTimeouts(
+            {
+                "init": policy.init_timeout_s,
+                "step": policy.step_timeout_s,
+                "checkpoint": policy.checkpoint_timeout_s,
+            },
+            policy.stall_floor_s,
+            policy.stall_safety_factor,
+            policy.stall_min_samples,
+        )
+        self._commands = 0
+        self._reset_generation_tracking()
+
+    def _reset_generation_tracking(self) -> None:
+        self.step: int | None = None  # highest step reported in this generation
+        self.step_at = self.now  # when it was first seen
+        self.stepped = False  # whether the step advanced in this generation (init is over)
+        self.sections: dict[str, str] = {}
+        self.checkpoint_since: float | None = None
+        self.last_seen: dict[str, float] = {n: self.now for n in self.order}
+        self.flight: dict[int, FlightRecord] = {}
+        self.clean_exits: set[int] = set()
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def restarts(self) -> int:
+        return max(self.generation - 1, 0)
+
+    @property
+    def spares(self) -> list[str]:
+        return [n for n in self.registered if n not in self.order]
+
+    @property
+    def assignment(self) -> dict[str, tuple[int, ...]]:
+        k = self.policy.nproc_per_node
+        return {node: tuple(range(i * k, (i + 1) * k)) for i, node in enumerate(self.order)}
+
+    def node_of(self, rank: int) -> str | None:
+        i = rank // self.policy.nproc_per_node
+        return self.order[i] if 0 <= rank < self.policy.world_size and i < len(self.order) else None
+
+    def section(self) -> str:
+        """What the job is doing: "init" until its step first advances, "checkpoint" while any
+        node says so, else "step"."""
+        if not self.stepped or "init" in self.sections.values():
+            return "init"
+        return "checkpoint" if "checkpoint" in self.sections.values() else "step"
+
+    def stall_timeout(self) -> float:
+        return self.timeouts.timeout(self.section())
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a standby controller needs to continue, as JSON (mirrored to ``state``)."""
+        fault = self.fault
+        return {
+            "state": self.state.value,
+            "generation": self.generation,
+            "restarts": self.restarts,
+            "order": list(self.order),
+            "assignment": {n: list(r) for n, r in self.assignment.items()},
+            "registered": list(self.registered),
+            "spares": self.spares,
+            "blocklist": dict(self.blocklist),
+            "awaiting": dict(self.awaiting),
+            "awaiting_kind": self.awaiting_kind,
+            "step": self.step,
+            "section": self.section(),
+            "stall_timeout_s": self.stall_timeout(),
+            "fault": None
+            if fault is None
+            else {
+                "kind": fault.kind,
+                "node": fault.node,
+                "rank": fault.rank,
+                "detail": dict(fault.detail),
+                "suspects": list(fault.suspects),
+            },
+            "faults": len(self.faults),
+            "culprits": dict(self.culprits),
+            "samples": {k: list(v) for k, v in self.timeouts.samples.items()},
+            "commands": self._commands,
+        }
+
+    @classmethod
+    def restore(
+        cls, policy: ControllerPolicy, snapshot: Mapping[str, Any], now: float
+    ) -> ControllerFSM:
+        """A controller continuing from ``snapshot()`` (a standby taking over). Its timers start
+        at ``now``: every node gets a fresh heartbeat allowance and the step a fresh timeout."""
+        fsm = cls(policy, now)
+        fsm.state = State(snapshot["state"])
+        fsm.generation = int(snapshot["generation"])
+        fsm.order = list(snapshot["order"])
+        fsm.registered = dict.fromkeys(snapshot["registered"])
+        fsm.blocklist = dict(snapshot["blocklist"])
+        fsm.awaiting = dict(snapshot["awaiting"])
+        fsm.awaiting_kind = snapshot["awaiting_kind"]
+        fsm.culprits = Counter(snapshot["culprits"])
+        fsm._commands = int(snapshot["commands"])
+        for section, samples in snapshot["samples"].items():
+            fsm.timeouts.samples[section].extend(samples)
+        if snapshot.get("fault"):
+            f = snapshot["fault"]
+            fsm.fault = Fault(f["kind"], f["node"], f["rank"], f["detail"], tuple(f["suspects"]))
+        fsm._reset_generation_tracking()
+        fsm.step = snapshot.get("step")
+        fsm.stepped = snapshot.get("section") != "init"
+        return fsm
+
+    # -- transitions ---------------------------------------------------------------------------
+
+    def _begin(self, event: Event, now: float | None) -> None:
+        if (self.state, event) not in TRANSITIONS:
+            allowed = sorted(e.value for (s, e) in TRANSITIONS if s is self.state)
+            raise IllegalTransition(
+                f"event {event.value!r} is not allowed in state {self.state.value!r} "
+                f"(generation {self.generation}); allowed there: {', '.join(allowed)}"
+            )
+        self._event, self._origin = event, self.state
+        if now is not None:
+            self.now = now
+
+    def _enter(self, state: State) -> None:
+        allowed = TRANSITIONS[(self._origin, self._event)]
+        if state not in allowed:
+            raise IllegalTransition(
+                f"{self._origin.value} -> {state.value} on event {self._event.value!r} is not in "
+                f"the transition table (allowed: {sorted(s.value for s in allowed)})"
+            )
+        if state is not self.state:
+            self.state, self.phase_since = state, self.now
+
+    def _record(
+        self, kind: str, node: str | None = None, rank: int | None = None, **detail: Any
+    ) -> RecordEvent:
+        return RecordEvent(kind, self.generation, node, rank, detail)
+
+    def _send(self, nodes: Iterable[str], kind: str, generation: int) -> list[Action]:
+        actions: list[Action] = []
+        self.awaiting, self.awaiting_kind = {}, kind
+        assignment = self.assignment
+        for node in nodes:
+            self._commands += 1
+            command_id = f"g{generation}-{kind}-{self._commands}"
+            ranks = None
+            if kind == "start":
+                ranks = {
+                    "ranks": list(assignment[node]),
+                    "world_size": self.policy.world_size,
+                    "nodes": {n: list(r) for n, r in assignment.items()},
+                    "master_node": self.order[0],
+                }
+            self.awaiting[node] = command_id
+            actions.append(SendCommand(node, kind, generation, command_id, ranks))
+        return actions
+
+    # -- events: nodes -------------------------------------------------------------------------
+
+    def on_start(self, now: float | None = None) -> list[Action]:
+        """The shell became leader and loaded the registered nodes: begin."""
+        self._begin(E.START, now)
+        self._enter(S.WAITING_FOR_NODES)
+        actions: list[Action] = [
+            self._record(
+                "controller_start",
+                nodes=self.policy.nodes,
+                nproc_per_node=self.policy.nproc_per_node,
+            )
+        ]
+        started = self._try_start()
+        if not started:
+            return actions + [
+                self._record("waiting_for_nodes", need=self.policy.nodes, have=len(self.registered))
+            ]
+        return actions + started
+
+    def on_node_registered(self, node: str, now: float | None = None) -> list[Action]:
+        """``nodes/<node>`` appeared (an agent registered)."""
+        self._begin(E.NODE_REGISTERED, now)
+        if node in self.blocklist:
+            return [self._record("node_rejected", node, reason=self.blocklist[node])]
+        if node in self.registered:
+            return []
+        self.registered[node] = None
+        actions: list[Action] = [self._record("node_registered", node)]
+        if self.state in (S.WAITING_FOR_NODES, S.RESTARTING):
+            actions += self._try_start()
+        return actions
+
+    def on_node_lost(
+        self, node: str, reason: str = "lease expired", now: float | None = None
+    ) -> list[Action]:
+        """``nodes/<node>`` was deleted (its agent's lease expired) or the node went silent."""
+        self._begin(E.NODE_LOST, now)
+        if node not in self.registered:
+            return []
+        del self.registered[node]
+        if self.state in (S.STARTING, S.RUNNING) and node in self.order:
+            return self._on_fault(Fault("node_lost", node, detail={"reason": reason}))
+        actions: list[Action] = [self._record("node_lost", node, reason=reason)]
+        if node in self.awaiting:
+            del self.awaiting[node]
+            actions += self._maybe_phase_done()
+        return actions
+
+    def on_heartbeat(self, node: str, payload: Mapping[str, Any], now: float) -> list[Action]:
+        """``heartbeats/<node>`` changed (see ``keys.py`` for the payload)."""
+        self._begin(E.HEARTBEAT, now)
+        if (
+            node not in self.order
+            or int(payload.get("generation", self.generation)) != self.generation
+        ):
+            return []
+        self.last_seen[node] = now
+        section = str(payload.get("section", "step"))
+        was_checkpointing = "checkpoint" in self.sections.values()
+        self.sections[node] = section
+        if section == "checkpoint" and not was_checkpointing:
+            self.checkpoint_since = now
+        elif was_checkpointing and "checkpoint" not in self.sections.values():
+            if self.checkpoint_since is not None:
+                self.timeouts.observe("checkpoint", now - self.checkpoint_since)
+            self.checkpoint_since = None
+        for rank, record in (payload.get("flight") or {}).items():
+            self.flight[int(rank)] = FlightRecord.from_json(record)
+        step = payload.get("step")
+        if step is not None and (self.step is None or int(step) > self.step):
+            if self.step is not None:
+                if self.stepped:  # the gap after init; the first one includes start-up
+                    self.timeouts.observe("step", now - self.step_at)
+                self.stepped = True
+            self.step, self.step_at = int(step), now
+        return []
+
+    # -- events: faults ------------------------------------------------------------------------
+
+    def on_worker_exit(
+        self,
+        node: str,
+        rank: int,
+        code: int,
+        now: float | None = None,
+        generation: int | None = None,
+    ) -> list[Action]:
+        """A worker process ended with ``code`` (negative: killed by signal -code)."""
+        self._begin(E.WORKER_EXIT, now)
+        stale = generation is not None and generation != self.generation
+        if stale or self.state not in (S.STARTING, S.RUNNING) or node not in self.order:
+            return []
+        if code != 0:
+            return self._on_fault(Fault("worker_exit", node, rank, {"exit_code": code}))
+        self.clean_exits.add(rank)
+        if len(self.clean_exits) < self.policy.world_size:
+            return [self._record("worker_exit_clean", node, rank)]
+        self._enter(S.FINISHED)
+        return [self._record("finished", step=self.step, reason="every rank exited 0")]
+
+    def on_error_keyword(
+        self, node: str, text: str, rank: int | None = None, now: float | None = None
+    ) -> list[Action]:
+        """The agent found an error keyword (CUDA error, NCCL error, segfault, OOM) in a worker's
+        output."""
+        self._begin(E.ERROR_KEYWORD, now)
+        if self.state not in (S.STARTING, S.RUNNING) or node not in self.order:
+            return []
+        return self._on_fault(Fault("error_keyword", node, rank, {"text": text[:500]}))
+
+    def on_stall_detected(
+        self,
+        suspects: Iterable[int],
+        now: float | None = None,
+        detail: Mapping[str, Any] | None = None,
+    ) -> list[Action]:
+        """A stall found outside this machine (on_tick finds its own); ``suspects`` are ranks."""
+        self._begin(E.STALL_DETECTED, now)
+        if self.state not in (S.STARTING, S.RUNNING):
+            return []
+        return self._stall(tuple(sorted(suspects)), dict(detail or {}))
+
+    def _stall(self, suspects: tuple[int, ...], detail: dict[str, Any]) -> list[Action]:
+        layout = self.policy.layout
+        nodes = sorted({n for r in suspects if (n := self.node_of(r)) is not None})
+        detail.update(suspects=[layout.describe(r) for r in suspects], suspect_nodes=nodes)
+        node = nodes[0] if len(nodes) == 1 else None
+        rank = suspects[0] if len(suspects) == 1 else None
+        return self._on_fault(Fault("stall", node, rank, detail, suspects))
+
+    def _on_fault(self, fault: Fault) -> list[Action]:
+        self.fault = fault
+        self.faults.append(fault)
+        culprits = {fault.node} if fault.node else set()
+        culprits |= {n for r in fault.suspects if (n := self.node_of(r)) is not None}
+        self.culprits.update(culprits)
+        where = self.policy.layout.describe(fault.rank) if fault.rank is not None else None
+        detail = {**fault.detail, "fault": fault.kind, "where": where, "step": self.step}
+        actions: list[Action] = [
+            RecordEvent("fault", self.generation, fault.node, fault.rank, detail)
+        ]
+        self._enter(S.STOPPING)
+        live = [n for n in self.order if n in self.registered]
+        actions += self._send(live, "stop", self.generation)
+        return actions + self._maybe_phase_done()
+
+    # -- events: the stop / self-check / start protocol ---------------------------------------
+
+    def on_ack(
+        self,
+        node: str,
+        command_id: str,
+        ok: bool = True,
+        detail: str = "",
+        now: float | None = None,
+    ) -> list[Action]:
+        """``acks/<node>`` changed: the node finished command ``command_id`` (a self-check's
+        ``ok``/``detail`` are its result). Acks of commands not awaited are ignored."""
+        self._begin(E.ACK, now)
+        if self.awaiting.get(node) != command_id:
+            return []
+        if self.awaiting_kind == "selfcheck":
+            return self._selfcheck_result(node, ok, detail)
+        del self.awaiting[node]
+        if self.awaiting_kind == "start" and not ok:
+            return self._on_fault(Fault("start_failed", node, detail={"detail": detail}))
+        return self._maybe_phase_done()
+
+    def _maybe_phase_done(self) -> list[Action]:
+        if self.awaiting:
+            return []
+        if self.state is S.STOPPING:
+            return self._after_stopped()
+        if self.state is S.DIAGNOSING:
+            return self._after_diagnosis()
+        if self.state is S.STARTING:
+            return self._generation_running()
+        return []
+
+    def on_all_stopped(self, now: float | None = None) -> list[Action]:
+        """Every active node's workers are stopped (``on_ack`` calls this by itself)."""
+        self._begin(E.ALL_STOPPED, now)
+        return self._after_stopped()
+
+    def _after_stopped(self) -> list[Action]:
+        self.awaiting = {}
+        actions: list[Action] = [self._record("all_stopped")]
+        if self.restarts >= self.policy.max_restarts:
+            self._enter(S.FAILED)
+            return actions + [
+                self._record(
+                    "failed",
+                    reason=f"max_restarts = {self.policy.max_restarts} exhausted",
+                    fault=self.fault.kind if self.fault else None,
+                )
+            ]
+        self._enter(S.DIAGNOSING)
+        actions += self._send(list(self.registered), "selfcheck", self.generation)
+        return actions + self._maybe_phase_done()
+
+    def on_selfcheck_result(
+        self, node: str, ok: bool, detail: str = "", now: float | None = None
+    ) -> list[Action]:
+        """A node's self-check result (``on_ack`` calls this for self-check acks)."""
+        self._begin(E.SELFCHECK_RESULT, now)
+        if node not in self.awaiting:
+            return []
+        return self._selfcheck_result(node, ok, detail)
+
+    def _selfcheck_result(self, node: str, ok: bool, detail: str) -> list[Action]:
+        del self.awaiting[node]
+        actions: list[Action] = [self._record("selfcheck", node, ok=ok, detail=detail)]
+        if not ok:
+            actions += self._evict(node, f"self-check failed: {detail}")
+        return actions + self._maybe_phase_done()
+
+    def _evict(self, node: str, reason: str) -> list[Action]:
+        self.blocklist[node] = reason
+        self.registered.pop(node, None)
+        self.awaiting.pop(node, None)
+        return [Evict(node, reason), self._record("evict", node, reason=reason)]
+
+    def _after_diagnosis(self) -> list[Action]:
+        actions: list[Action] = []
+        for node, count in sorted(self.culprits.items()):
+            if count >= self.policy.evict_repeat_culprit and node not in self.blocklist:
+                actions += self._evict(node, f"named culprit in {count} faults")
+        return actions + self._try_start()
+
+    def _plan(self) -> list[str] | None:
+        """The next generation's nodes: each slot keeps its node while healthy, else takes the
+        first spare; None when there are too few healthy nodes."""
+        spares = deque(n for n in self.registered if n not in self.order)
+        order = [
+            n if n in self.registered else (spares.popleft() if spares else "") for n in self.order
+        ]
+        while len(order) < self.policy.nodes and spares:
+            order.append(spares.popleft())
+        return order if "" not in order and len(order) == self.policy.nodes else None
+
+    def _try_start(self) -> list[Action]:
+        """Start the next generation if there are enough healthy nodes, else wait for more."""
+        order = self._plan()
+        if order is None:
+            if self.state in (S.DIAGNOSING, S.RESTARTING):
+                self._enter(S.RESTARTING)
+                return [
+                    self._record(
+                        "waiting_for_nodes", need=self.policy.nodes, have=len(self.registered)
+                    )
+                ]
+            return []
+        previous, self.order = self.order, order
+        self.generation += 1
+        self._reset_generation_tracking()
+        replaced = {old: new for old, new in zip(previous, order, strict=False) if old != new}
+        self._enter(S.STARTING)
+        return [
+            StartGeneration(self.generation, self.assignment),
+            self._record("generation_start", nodes=list(order), replaced=replaced,
+                         restarts=self.restarts, spares=self.spares),
+            *self._send(order, "start", self.generation),
+        ]  # fmt: skip
+
+    def on_generation_started(self, generation: int, now: float | None = None) -> list[Action]:
+        """Every node acked the start of ``generation`` (``on_ack`` calls this by itself)."""
+        self._begin(E.GENERATION_STARTED, now)
+        if generation != self.generation:
+            return []
+        return self._generation_running()
+
+    def _generation_running(self) -> list[Action]:
+        self.awaiting, self.awaiting_kind = {}, None
+        self._enter(S.RUNNING)
+        self.step_at = self.now
+        self.last_seen = {n: self.now for n in self.order}
+        return [self._record("generation_running", nodes=list(self.order))]
+
+    def on_training_finished(
+        self, now: float | None = None, step: int | None = None
+    ) -> list[Action]:
+        """The training reached its last step (reported by rank 0's agent)."""
+        self._begin(E.TRAINING_FINISHED, now)
+        if self.state is S.FINISHED:
+            return []
+        self._enter(S.FINISHED)
+        return [self._record("finished", step=step if step is not None else self.step)]
+
+    # -- events: time --------------------------------------------------------------------------
+
+    def on_tick(self, now: float) -> list[Action]:
+        """Call every ~0.5 s: checks every timeout of the current state."""
+        self._begin(E.TICK, now)
+        waited = now - self.phase_since
+        p = self.policy
+        if self.state in (S.STARTING, S.RUNNING):
+            for node in self.order:
+                silent = now - self.last_seen.get(node, self.phase_since)
+                if silent > p.heartbeat_timeout_s:
+                    return self._on_fault(
+                        Fault("heartbeat_timeout", node, detail={"silent_s": round(silent, 3)})
+                    )
+        if self.state is S.STARTING and waited > p.start_timeout_s:
+            late = sorted(self.awaiting)
+            return self._on_fault(
+                Fault(
+                    "start_timeout",
+                    late[0] if len(late) == 1 else None,
+                    detail={"nodes": late, "waited_s": round(waited, 3)},
+                )
+            )
+        if self.state is S.RUNNING:
+            stalled, timeout = now - self.step_at, self.stall_timeout()
+            if stalled > timeout:
+                return self._stall(
+                    tuple(stall_suspects(self.flight)),
+                    {
+                        "section": self.section(),
+                        "stalled_s": round(stalled, 3),
+                        "timeout_s": round(timeout, 3),
+                    },
+                )
+        if self.state in (S.STOPPING, S.DIAGNOSING):
+            limit = p.stop_timeout_s if self.state is S.STOPPING else p.selfcheck_timeout_s
+            if waited > limit and self.awaiting:
+                actions: list[Action] = []
+                for node in sorted(self.awaiting):
+                    actions += self._evict(node, f"no {self.awaiting_kind} ack in {limit} s")
+                return actions + self._maybe_phase_done()
+        if (
+            self.state in (S.WAITING_FOR_NODES, S.RESTARTING)
+            and p.node_wait_timeout_s is not None
+            and waited > p.node_wait_timeout_s
+        ):
+            self._enter(S.FAILED)
+            return [
+                self._record(
+                    "failed",
+                    reason=f"fewer than {p.nodes} healthy nodes for {p.node_wait_timeout_s} s",
+                    have=len(self.registered),
+                )
+            ]
+        return []

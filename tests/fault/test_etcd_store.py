@@ -1,0 +1,267 @@
+"""The control plane's store against a real etcd: key-value, leases reaching watchers, watches that
+survive an etcd restart, compare-and-swap, leader election failover, job isolation, event log,
+TLS with client certificates and user/password auth."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+
+from megascale.launcher.etcd import EmbeddedEtcd, EtcdStartError
+from megascale.robustness.election import Election
+from megascale.robustness.events import EventLog, read_events
+from megascale.robustness.keys import JobKeys
+from megascale.robustness.store import (
+    Get,
+    LeaseNotFound,
+    Put,
+    Store,
+    StoreConfig,
+    StoreError,
+    StoreUnavailable,
+    missing,
+    value_is,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def drain(watch, n, timeout=5.0):
+    """The next ``n`` events of ``watch`` (fails if they do not come within ``timeout``)."""
+    events, deadline = [], time.monotonic() + timeout
+    while len(events) < n:
+        event = watch.get(timeout=max(deadline - time.monotonic(), 0.01))
+        assert event is not None, f"got {len(events)} of {n} events: {events}"
+        events.append(event)
+    return events
+
+
+def test_put_get_prefix_delete(store, job):
+    rev = store.put(job.node("n0"), {"host": "h0", "nproc": 2})
+    store.put(job.node("n1"), "plain text")
+    store.put(job.node("n2"), b"\x00\xffbytes")
+    kv = store.get(job.node("n0"))
+    assert kv.json() == {"host": "h0", "nproc": 2} and kv.mod_revision == rev
+    snap = store.snapshot(job.nodes_prefix)
+    assert [job.name_of(k.key) for k in snap.items] == ["n0", "n1", "n2"]
+    assert snap.items[1].text() == "plain text" and snap.items[2].value == b"\x00\xffbytes"
+    assert snap.revision >= rev + 2
+    newest = store.get_prefix(job.nodes_prefix, limit=1, descending=True)
+    assert [k.key for k in newest] == [job.node("n2")]
+    assert store.delete(job.node("n0")) and not store.delete(job.node("n0"))
+    assert store.get(job.node("n0")) is None
+    assert store.delete_prefix(job.prefix) == 2
+
+
+def test_lease_expiry_reaches_a_watcher(store, job):
+    lease = store.grant(1)
+    with store.watch_prefix(job.nodes_prefix) as watch:
+        t0 = time.monotonic()
+        store.put(job.node("n0"), {"up": True}, lease=lease)
+        put, gone = drain(watch, 2, timeout=4.0)
+        latency = time.monotonic() - t0
+    assert (put.kind, gone.kind, gone.key) == ("put", "delete", job.node("n0"))
+    logger.info("TTL 1 s lease expiry reached the watcher %.2f s after the put", latency)
+    assert 0.9 <= latency <= 2.1
+    with pytest.raises(LeaseNotFound):
+        store.refresh(lease)
+    with pytest.raises(LeaseNotFound):
+        store.put(job.node("n0"), "late", lease=lease)
+
+
+def test_keepalive_holds_a_lease_and_reports_its_loss(store, job):
+    lease = store.grant(1)
+    store.put(job.heartbeat("n0"), {"step": 1}, lease=lease)
+    keepalive = store.keep_alive(lease)
+    time.sleep(1.6)
+    assert store.get(job.heartbeat("n0")) is not None and not keepalive.lost.is_set()
+    keepalive.stop(revoke=True)
+    assert store.get(job.heartbeat("n0")) is None and store.time_to_live(lease) == -1
+    # a keepalive whose lease is revoked behind its back reports the loss
+    lost = threading.Event()
+    other = store.grant(5)
+    keepalive = store.keep_alive(other, interval_s=0.05, on_lost=lambda _: lost.set())
+    store.revoke(other)
+    assert lost.wait(2.0) and keepalive.lost.is_set()
+    keepalive.stop()
+
+
+def test_watch_survives_an_etcd_restart(etcd, store, job):
+    with store.watch_prefix(job.commands_prefix) as watch:
+        store.put(job.command("n0"), {"generation": 1})
+        assert drain(watch, 1)[0].json() == {"generation": 1}
+        etcd.restart()
+        # written at once, before the watch has reconnected: it must re-watch from revision + 1
+        for g in (2, 3, 4):
+            store.put(job.command("n0"), {"generation": g})
+        events = drain(watch, 3)
+        assert [e.json()["generation"] for e in events] == [2, 3, 4]
+        assert watch.get(timeout=0.3) is None  # nothing twice
+        assert watch.reconnects >= 1
+        etcd.kill()  # a crash, not a clean stop; the store waits for etcd to come back
+        threading.Timer(0.3, etcd.start).start()
+        store.put(job.command("n0"), {"generation": 5})
+        assert drain(watch, 1)[0].json() == {"generation": 5}
+
+
+def test_compare_and_swap_and_transactions(store, job):
+    key = job.generation
+    assert store.create(key, {"generation": 1})
+    assert not store.create(key, {"generation": 9})
+    assert store.compare_and_swap(key, {"generation": 1}, {"generation": 2})
+    assert not store.compare_and_swap(key, {"generation": 1}, {"generation": 3})
+    assert store.get(key).json() == {"generation": 2}
+    result = store.txn(
+        [value_is(key, {"generation": 2}), missing(job.state)],
+        [Put(job.state, "running"), Get(key)],
+        [Get(job.state)],
+    )
+    assert result.succeeded and result.gets[0][0].json() == {"generation": 2}
+    result = store.txn([missing(job.state)], [Put(job.state, "x")], [Get(job.state)])
+    assert not result.succeeded and result.gets[0][0].text() == "running"
+
+
+def test_election_failover_when_the_leader_stops_renewing(store, job):
+    a = Election(store, job.controller_leader, "controller-a", ttl=1)
+    b = Election(store, job.controller_leader, "controller-b", ttl=1)
+    assert a.campaign(timeout_s=5)
+    assert a.leader().id == "controller-a" and a.check()
+    seen = []
+    observer = b.observe(lambda leader: seen.append(leader.id if leader else None))
+    won = threading.Event()
+    threading.Thread(target=lambda: b.campaign(timeout_s=10) and won.set(), daemon=True).start()
+    time.sleep(0.3)
+    assert not won.is_set()  # a standby while a leads
+    fence = a.guard()
+    t0 = time.monotonic()
+    a.abandon()  # a "dies": its lease is no longer renewed
+    assert won.wait(5.0)
+    takeover = time.monotonic() - t0
+    logger.info("standby took over %.2f s after the leader stopped renewing (TTL 1 s)", takeover)
+    assert takeover <= 1 + 1.5
+    assert b.is_leader() and b.leader().id == "controller-b"
+    # the deposed leader's fenced writes fail
+    assert not store.txn([fence], [Put(job.state, "from a")]).succeeded
+    assert store.txn([b.guard()], [Put(job.state, "from b")]).succeeded
+    time.sleep(0.1)
+    observer.cancel()
+    assert seen[-2:] == [None, "controller-b"]
+    # resigning hands over at once
+    c = Election(store, job.controller_leader, "controller-c", ttl=1)
+    b.resign()
+    assert not b.is_leader() and c.campaign(timeout_s=0.5)
+    c.resign()
+
+
+def test_jobs_are_isolated_by_prefix(store):
+    a, ab = JobKeys("job-a"), JobKeys("job-ab")  # one job id a prefix of the other
+    store.delete_prefix(a.prefix)
+    with store.watch_prefix(a.prefix) as watch:
+        store.put(ab.command("n0"), {"generation": 1})
+        store.put(ab.node("n0"), "x")
+        store.put(a.node("n0"), "y")
+        (event,) = drain(watch, 1)
+        assert event.key == a.node("n0")
+        assert watch.get(timeout=0.2) is None
+    assert [k.key for k in store.get_prefix(a.prefix)] == [a.node("n0")]
+    with pytest.raises(ValueError, match="not under job prefix"):
+        a.name_of(ab.node("n0"))
+
+
+def test_event_log_writes_file_and_etcd_and_continues_after_takeover(store, job, tmp_path):
+    log = EventLog(tmp_path, store, job)
+    log.append("fault", generation=1, node="n1", rank=3, detail={"exit_code": -9})
+    log.append("evict", generation=1, node="n1", detail={"reason": "self-check failed"})
+    # a standby controller takes over and appends after its predecessor
+    EventLog(tmp_path, store, job).append("generation_start", generation=2)
+    events = read_events(tmp_path)
+    assert [(e["seq"], e["kind"]) for e in events] == [
+        (0, "fault"),
+        (1, "evict"),
+        (2, "generation_start"),
+    ]
+    assert events[0]["node"] == "n1" and events[0]["rank"] == 3
+    mirrored = [kv.json() for kv in store.get_prefix(job.events_prefix)]
+    assert mirrored == events
+    # etcd unreachable: the file still gets the event
+    offline = EventLog(tmp_path, Store(StoreConfig.parse("127.0.0.1:1", retry_s=0.1)), job)
+    offline.append("fault", generation=2, node="n0")
+    assert read_events(tmp_path)[-1]["kind"] == "fault"
+
+
+def test_unreachable_etcd_raises_store_unavailable_naming_the_endpoint():
+    store = Store(StoreConfig.parse("127.0.0.1:1", retry_s=0.3))
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=r"127\.0\.0\.1:1 unavailable for 0\.3 s"):
+        store.get("/x")
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_bad_configuration_is_refused():
+    with pytest.raises(ValueError, match="scheme must be http or https"):
+        StoreConfig.parse("grpc://127.0.0.1:2379")
+    with pytest.raises(ValueError, match="username/password"):
+        StoreConfig.parse("127.0.0.1:2379", username="root")
+    with pytest.raises(ValueError, match="lease ttl = 0"):
+        Store("127.0.0.1:1").grant(0)
+
+
+def test_start_failure_reports_the_server_log(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with pytest.raises(EtcdStartError, match="log ends with"):
+        EmbeddedEtcd(data_dir=not_a_dir / "data", startup_timeout_s=5).start()
+
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_tls_with_client_certificates_and_user_password(tmp_path):
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+             "-subj", "/CN=megascale-test-ca", cwd=tmp_path)  # fmt: skip
+    # With etcd auth on, its gateway refuses client certificates that carry a Common Name.
+    for name, subject in (("server", "/CN=megascale-server"), ("client", "/O=megascale-client")):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", subject, cwd=tmp_path)  # fmt: skip
+        (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
+                 "-extfile", "san.ext", cwd=tmp_path)  # fmt: skip
+    p = {k: str(tmp_path / v) for k, v in dict(ca="ca.pem", cert="server.pem", key="server.key",
+                                              ccert="client.pem", ckey="client.key").items()}  # fmt: skip
+    with EmbeddedEtcd(unsafe_no_fsync=True, cert_file=p["cert"], key_file=p["key"],
+                      ca_file=p["ca"]) as server:  # fmt: skip
+        assert server.client_url.startswith("https://127.0.0.1:")
+        tls = dict(ca_file=p["ca"], cert_file=p["ccert"], key_file=p["ckey"], retry_s=0.5)
+        admin = Store(StoreConfig.parse(server.client_url, **tls))
+        admin.put("/megascale/t/x", "over tls")
+        assert admin.get("/megascale/t/x").text() == "over tls"
+        # without the client certificate the server refuses the handshake
+        no_cert = Store(StoreConfig.parse(server.client_url, ca_file=p["ca"], retry_s=0.3))
+        with pytest.raises(StoreUnavailable):
+            no_cert.get("/megascale/t/x")
+        # enable etcd auth, then use user/password over TLS
+        admin._call("/v3/auth/role/add", {"name": "root"})
+        admin._call("/v3/auth/user/add", {"name": "root", "password": "s3cret"})
+        admin._call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+        admin._call("/v3/auth/enable", {})
+        user = Store(
+            StoreConfig.parse(server.client_url, username="root", password="s3cret", **tls)
+        )
+        user.put("/megascale/t/y", "authenticated")
+        with user.watch("/megascale/t/y") as watch:
+            user.put("/megascale/t/y", "watched")
+            assert drain(watch, 1)[0].text() == "watched"
+        wrong = Store(StoreConfig.parse(server.client_url, username="root", password="no", **tls))
+        with pytest.raises(StoreError, match="authentication failed"):
+            wrong.get("/megascale/t/y")
+        with pytest.raises(StoreError, match="permission denied"):
+            admin.get("/megascale/t/y")  # a certificate alone is no etcd identity

@@ -1,0 +1,431 @@
+"""The controller's pure state machine, driven by a fake clock: every fault kind leads to the right
+actions and names the right node and rank; spares, evictions, max restarts, illegal transitions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megascale.robustness.controller import (
+    TRANSITIONS,
+    ControllerFSM,
+    ControllerPolicy,
+    Event,
+    Evict,
+    FlightRecord,
+    IllegalTransition,
+    RecordEvent,
+    SectionTimeouts,
+    SendCommand,
+    StartGeneration,
+    State,
+    stall_suspects,
+)
+from megascale.robustness.keys import JobKeys, is_current, make_command
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self, advance: float = 0.0) -> float:
+        self.t += advance
+        return self.t
+
+
+def commands(actions, kind=None):
+    return [a for a in actions if isinstance(a, SendCommand) and kind in (None, a.kind)]
+
+
+def records(actions, kind):
+    return [a for a in actions if isinstance(a, RecordEvent) and a.kind == kind]
+
+
+def ack_all(fsm, actions, clock, *, ok=True, skip=()):
+    """Ack every command in ``actions`` (except to ``skip`` nodes); returns the actions produced."""
+    out = []
+    for c in commands(actions):
+        if c.node not in skip:
+            out += fsm.on_ack(c.node, c.id, ok=ok, now=clock())
+    return out
+
+
+def policy(**kw):
+    base = dict(
+        nodes=2,
+        nproc_per_node=2,
+        tp=2,
+        max_restarts=3,
+        heartbeat_timeout_s=5.0,
+        init_timeout_s=30.0,
+        step_timeout_s=20.0,
+        stall_floor_s=2.0,
+        stall_safety_factor=4.0,
+        stall_min_samples=3,
+        start_timeout_s=10.0,
+        stop_timeout_s=5.0,
+        selfcheck_timeout_s=8.0,
+    )
+    base.update(kw)
+    return ControllerPolicy(**base)
+
+
+def running(nodes=("n0", "n1", "n2"), **kw):
+    """An FSM in RUNNING generation 1 on n0, n1 with the rest spares."""
+    clock = Clock()
+    fsm = ControllerFSM(policy(**kw), now=clock())
+    for n in nodes:
+        fsm.on_node_registered(n, now=clock())
+    start = fsm.on_start(now=clock())
+    ack_all(fsm, start, clock)
+    assert fsm.state is State.RUNNING
+    return fsm, clock
+
+
+def beat(fsm, clock, step, advance=1.0, section="step", flight=None, nodes=None):
+    now = clock(advance)
+    for n in nodes or fsm.order:
+        payload = {"generation": fsm.generation, "step": step, "section": section}
+        if flight:
+            payload["flight"] = {str(r): rec for r, rec in flight.items() if fsm.node_of(r) == n}
+        fsm.on_heartbeat(n, payload, now)
+    return now
+
+
+def test_start_assigns_k_consecutive_ranks_per_node_and_keeps_spares():
+    clock = Clock()
+    fsm = ControllerFSM(policy(), now=clock())
+    actions = fsm.on_start(now=clock())
+    assert fsm.state is State.WAITING_FOR_NODES and records(actions, "waiting_for_nodes")
+    fsm.on_node_registered("n0", now=clock())
+    actions = fsm.on_node_registered("n1", now=clock())
+    assert fsm.state is State.STARTING
+    assert actions[1] == StartGeneration(1, {"n0": (0, 1), "n1": (2, 3)})
+    starts = commands(actions, "start")
+    assert [c.node for c in starts] == ["n0", "n1"]
+    assert starts[1].rank_assignment == {
+        "ranks": [2, 3],
+        "world_size": 4,
+        "nodes": {"n0": [0, 1], "n1": [2, 3]},
+        "master_node": "n0",
+    }
+    assert starts[0].message("job-a")["job"] == "job-a"
+    fsm.on_node_registered("n2", now=clock())
+    assert fsm.spares == ["n2"]
+    done = ack_all(fsm, actions, clock)
+    assert fsm.state is State.RUNNING and records(done, "generation_running")
+
+
+def test_clean_exit_of_every_rank_finishes_without_a_fault():
+    fsm, clock = running()
+    beat(fsm, clock, step=10)
+    out = []
+    for rank in range(3):
+        out += fsm.on_worker_exit(fsm.node_of(rank), rank, 0, now=clock(0.1))
+    assert fsm.state is State.RUNNING and not records(out, "fault")
+    out = fsm.on_worker_exit("n1", 3, 0, now=clock(0.1))
+    assert fsm.state is State.FINISHED and records(out, "finished")
+    assert not fsm.faults
+    # the stragglers of a finished job change nothing
+    assert fsm.on_worker_exit("n1", 3, 1, now=clock()) == []
+
+
+def test_worker_crash_stops_diagnoses_and_restarts_on_the_same_nodes():
+    fsm, clock = running()
+    out = fsm.on_worker_exit("n1", 3, -9, now=clock())
+    assert fsm.state is State.STOPPING
+    (fault,) = records(out, "fault")
+    assert (fault.node, fault.rank, fault.detail["fault"]) == ("n1", 3, "worker_exit")
+    assert fault.detail["where"] == "rank 3 (dp=1, pp=0, tp=1)"
+    assert fault.detail["exit_code"] == -9
+    stops = commands(out, "stop")
+    assert [c.node for c in stops] == ["n0", "n1"] and {c.generation for c in stops} == {1}
+    out = ack_all(fsm, out, clock)
+    assert fsm.state is State.DIAGNOSING
+    checks = commands(out, "selfcheck")
+    assert sorted(c.node for c in checks) == ["n0", "n1", "n2"]  # spares are checked too
+    out = ack_all(fsm, out, clock)
+    assert fsm.state is State.STARTING and fsm.generation == 2 and fsm.restarts == 1
+    assert StartGeneration(2, {"n0": (0, 1), "n1": (2, 3)}) in out
+    assert {c.generation for c in commands(out, "start")} == {2}
+
+
+def test_failed_selfcheck_evicts_and_a_spare_takes_the_slot():
+    fsm, clock = running()
+    out = ack_all(fsm, fsm.on_worker_exit("n0", 1, 1, now=clock()), clock)
+    out2 = []
+    for c in commands(out, "selfcheck"):
+        ok = c.node != "n0"
+        out2 += fsm.on_ack(c.node, c.id, ok=ok, detail="" if ok else "gpu 1: ECC", now=clock())
+    assert Evict("n0", "self-check failed: gpu 1: ECC") in out2
+    assert fsm.blocklist == {"n0": "self-check failed: gpu 1: ECC"}
+    start = next(a for a in out2 if isinstance(a, StartGeneration))
+    assert start.assignment == {"n2": (0, 1), "n1": (2, 3)}  # n2 took n0's slot: same ranks
+    assert records(out2, "generation_start")[0].detail["replaced"] == {"n0": "n2"}
+    # an evicted node that comes back is refused
+    out3 = fsm.on_node_registered("n0", now=clock())
+    assert records(out3, "node_rejected") and "n0" not in fsm.registered
+
+
+def test_error_keyword_is_a_fault_naming_the_node():
+    fsm, clock = running()
+    out = fsm.on_error_keyword("n0", "NCCL error: unhandled system error", rank=0, now=clock())
+    (fault,) = records(out, "fault")
+    assert fault.detail["fault"] == "error_keyword" and fault.node == "n0" and fault.rank == 0
+    assert "NCCL error" in fault.detail["text"]
+    assert fsm.state is State.STOPPING
+
+
+def test_node_lost_while_running_uses_the_spare():
+    fsm, clock = running()
+    out = fsm.on_node_lost("n1", now=clock())
+    (fault,) = records(out, "fault")
+    assert fault.detail["fault"] == "node_lost" and fault.node == "n1"
+    assert [c.node for c in commands(out, "stop")] == ["n0"]  # nobody left to stop on n1
+    out = ack_all(fsm, out, clock)
+    assert sorted(c.node for c in commands(out, "selfcheck")) == ["n0", "n2"]
+    out = ack_all(fsm, out, clock)
+    assert next(a for a in out if isinstance(a, StartGeneration)).assignment == {
+        "n0": (0, 1),
+        "n2": (2, 3),
+    }
+
+
+def test_silent_node_is_a_heartbeat_timeout():
+    fsm, clock = running()
+    beat(fsm, clock, step=1)
+    for _ in range(6):  # n1 keeps beating, n0 is silent
+        out = fsm.on_tick(beat(fsm, clock, step=1, nodes=["n1"]))
+    (fault,) = records(out, "fault")
+    assert fault.detail["fault"] == "heartbeat_timeout" and fault.node == "n0"
+
+
+def test_stall_timeout_is_learned_and_the_rank_that_never_entered_is_named():
+    fsm, clock = running(nodes=("n0", "n1"))
+    assert fsm.section() == "init" and fsm.stall_timeout() == 30.0
+    for step in range(1, 6):  # a step every second
+        fsm.on_tick(beat(fsm, clock, step=step))
+    assert fsm.section() == "step"
+    assert fsm.stall_timeout() == pytest.approx(4.0)  # 4 x 1 s, above the 2 s floor
+    # ranks 0, 1, 3 wait in all_reduce #10; rank 2 never entered it
+    flight = {
+        0: {"seq": 10, "kind": "all_reduce", "left": False},
+        1: {"seq": 10, "kind": "all_reduce", "left": False},
+        2: {"seq": 9, "kind": "all_reduce", "left": True},
+        3: {"seq": 10, "kind": "all_reduce", "left": False},
+    }
+    last = clock.t
+    out = []
+    while not out:
+        out = fsm.on_tick(beat(fsm, clock, step=5, advance=0.5, flight=flight))
+    assert clock.t - last == pytest.approx(4.5)  # first tick past the learned 4 s
+    (fault,) = records(out, "fault")
+    assert fault.detail["fault"] == "stall" and fault.node == "n1" and fault.rank == 2
+    assert fault.detail["suspects"] == ["rank 2 (dp=1, pp=0, tp=0)"]
+    assert fault.detail["suspect_nodes"] == ["n1"]
+    assert fsm.faults[-1].suspects == (2,)
+    assert fsm.state is State.STOPPING
+
+
+def test_checkpoint_section_has_its_own_timeout():
+    fsm, clock = running(nodes=("n0", "n1"), checkpoint_timeout_s=15.0)
+    for step in range(1, 6):
+        fsm.on_tick(beat(fsm, clock, step=step))
+    for _ in range(20):  # a 10 s checkpoint: longer than the 4 s step timeout, no fault
+        assert fsm.on_tick(beat(fsm, clock, step=5, advance=0.5, section="checkpoint")) == []
+    assert fsm.section() == "checkpoint" and fsm.stall_timeout() == 15.0
+    assert fsm.on_tick(beat(fsm, clock, step=6, section="step")) == []
+    assert list(fsm.timeouts.samples["checkpoint"]) == [pytest.approx(10.5)]
+
+
+def test_external_stall_detection_names_suspects_by_coordinates():
+    fsm, clock = running(nodes=("n0", "n1"), pp=2, tp=1)
+    out = fsm.on_stall_detected([3], now=clock())
+    (fault,) = records(out, "fault")
+    assert fault.detail["suspects"] == ["rank 3 (dp=1, pp=1, tp=0)"] and fault.node == "n1"
+
+
+def test_stall_suspects():
+    def rec(seq, left=False, kind="all_reduce", group=None):
+        return FlightRecord(seq, kind, left, group)
+
+    # one global sequence
+    assert stall_suspects({0: rec(7), 1: rec(7), 2: rec(6, left=True), 3: rec(7)}) == [2]
+    # nobody waits: not a collective hang
+    assert stall_suspects({0: rec(7, left=True), 1: rec(7, left=True)}) == []
+    # a rank whose recorder could not be read is a suspect too
+    assert stall_suspects({0: rec(7), 1: rec(7)}, ranks=range(3)) == [2]
+    # per-group sequences: rank 0 waits in DP group (0, 2) #4; rank 2, its peer there, is busy
+    # in its TP group (2, 3): it never entered DP #4
+    dp02, tp23 = (0, 2), (2, 3)
+    assert stall_suspects({0: rec(4, group=dp02), 2: rec(9, group=tp23, left=True)}) == [2]
+    waiting_in_dp = {0: rec(4, group=dp02), 3: rec(4, group=dp02), 2: rec(3, group=dp02)}
+    assert stall_suspects(waiting_in_dp) == [2]
+
+
+def test_section_timeouts_floor_and_default():
+    t = SectionTimeouts({"step": 60.0}, floor=10.0, factor=4.0, min_samples=2)
+    assert t.timeout("step") == 60.0
+    t.observe("step", 0.5)
+    t.observe("step", 1.0)
+    assert t.timeout("step") == 10.0  # 4 x 1.0 is below the floor
+    t.observe("step", 5.0)
+    assert t.timeout("step") == 20.0
+
+
+def test_crash_while_diagnosing():
+    fsm, clock = running()
+    out = ack_all(fsm, fsm.on_worker_exit("n0", 0, 134, now=clock()), clock)
+    assert fsm.state is State.DIAGNOSING
+    # a worker exit report arriving now is stale (workers are stopped); n1 dies mid-check
+    assert fsm.on_worker_exit("n0", 1, -15, now=clock()) == []
+    lost = fsm.on_node_lost("n1", now=clock())
+    assert records(lost, "node_lost") and fsm.state is State.DIAGNOSING
+    out2 = ack_all(fsm, out, clock, skip=("n1",))
+    assert fsm.state is State.STARTING
+    assert fsm.assignment == {"n0": (0, 1), "n2": (2, 3)}
+    assert not [a for a in out2 if isinstance(a, Evict)]  # lost, not evicted: may come back
+
+
+def test_unanswered_stop_and_selfcheck_evict_the_node():
+    fsm, clock = running()
+    out = fsm.on_error_keyword("n1", "CUDA error: an illegal memory access", now=clock())
+    ack_all(fsm, out, clock, skip=("n1",))
+    assert fsm.state is State.STOPPING
+    assert fsm.on_tick(clock(4.0)) == []
+    out = fsm.on_tick(clock(2.0))
+    assert Evict("n1", "no stop ack in 5.0 s") in out and fsm.state is State.DIAGNOSING
+    checks = commands(out, "selfcheck")
+    assert sorted(c.node for c in checks) == ["n0", "n2"]
+    ack_all(fsm, out, clock, skip=("n2",))
+    out = fsm.on_tick(clock(9.0))
+    assert Evict("n2", "no selfcheck ack in 8.0 s") in out
+    assert fsm.state is State.RESTARTING and records(out, "waiting_for_nodes")
+    out = fsm.on_node_registered("n3", now=clock())
+    assert fsm.state is State.STARTING and fsm.assignment == {"n0": (0, 1), "n3": (2, 3)}
+
+
+def test_max_restarts_exhausted_fails_the_job():
+    fsm, clock = running(max_restarts=1)
+    out = ack_all(fsm, fsm.on_worker_exit("n0", 0, 1, now=clock()), clock)
+    ack_all(fsm, ack_all(fsm, out, clock), clock)
+    assert fsm.state is State.RUNNING and fsm.generation == 2
+    out = ack_all(fsm, fsm.on_worker_exit("n1", 2, 1, now=clock()), clock)
+    assert fsm.state is State.FAILED
+    (failed,) = records(out, "failed")
+    assert "max_restarts = 1" in failed.detail["reason"]
+    assert not commands(out, "selfcheck")
+    assert fsm.on_tick(clock(100.0)) == []  # terminal
+
+
+def test_repeat_culprit_is_evicted_even_if_its_selfcheck_passes():
+    fsm, clock = running(evict_repeat_culprit=2)
+    for generation in (1, 2):
+        out = ack_all(fsm, fsm.on_worker_exit("n1", 2, 1, now=clock()), clock)
+        out = ack_all(fsm, out, clock)  # every self-check passes
+        evicted = [a for a in out if isinstance(a, Evict)]
+        if generation == 1:
+            assert not evicted and fsm.assignment == {"n0": (0, 1), "n1": (2, 3)}
+            ack_all(fsm, out, clock)
+        else:
+            assert evicted == [Evict("n1", "named culprit in 2 faults")]
+            assert fsm.assignment == {"n0": (0, 1), "n2": (2, 3)}
+
+
+def test_waiting_for_nodes_times_out():
+    clock = Clock()
+    fsm = ControllerFSM(policy(node_wait_timeout_s=60.0), now=clock())
+    fsm.on_start(now=clock())
+    fsm.on_node_registered("n0", now=clock())
+    assert fsm.on_tick(clock(59.0)) == []
+    out = fsm.on_tick(clock(2.0))
+    assert (
+        fsm.state is State.FAILED and "fewer than 2" in records(out, "failed")[0].detail["reason"]
+    )
+
+
+def test_start_timeout_names_the_node_that_did_not_ack():
+    clock = Clock()
+    fsm = ControllerFSM(policy(), now=clock())
+    for n in ("n0", "n1"):
+        fsm.on_node_registered(n, now=clock())
+    out = fsm.on_start(now=clock())
+    ack_all(fsm, out, clock, skip=("n1",))
+    for _ in range(4):  # both heartbeat, but n1 never acks its start
+        fsm.on_heartbeat("n0", {"generation": 1}, clock(3.0))
+        fsm.on_heartbeat("n1", {"generation": 1}, clock())
+        out = fsm.on_tick(clock())
+    (fault,) = records(out, "fault")
+    assert fault.detail["fault"] == "start_timeout" and fault.node == "n1"
+
+
+def test_stale_messages_are_ignored():
+    fsm, clock = running()
+    beat(fsm, clock, step=3)
+    assert fsm.on_ack("n0", "g0-start-999", now=clock()) == []
+    fsm.on_heartbeat("n0", {"generation": 0, "step": 99}, clock())
+    assert fsm.step == 3
+    assert fsm.on_worker_exit("n0", 0, 1, generation=0, now=clock()) == []
+    assert fsm.on_worker_exit("n2", 4, 1, now=clock()) == []  # a spare runs no ranks
+    assert fsm.state is State.RUNNING
+
+
+def test_illegal_transitions_raise_with_a_clear_message():
+    fsm, clock = running()
+    with pytest.raises(IllegalTransition, match="'all_stopped' is not allowed in state 'running'"):
+        fsm.on_all_stopped(now=clock())
+    with pytest.raises(IllegalTransition, match="'start' is not allowed in state 'running'"):
+        fsm.on_start(now=clock())
+    with pytest.raises(IllegalTransition, match="selfcheck_result"):
+        fsm.on_selfcheck_result("n0", True, now=clock())
+    fresh = ControllerFSM(policy())
+    with pytest.raises(IllegalTransition, match="generation_started.*'init'"):
+        fresh.on_generation_started(1)
+    with pytest.raises(IllegalTransition, match="training_finished"):
+        fresh.on_training_finished()
+
+
+def test_transition_table_covers_every_state_and_observation():
+    for state in State:
+        for event in (Event.HEARTBEAT, Event.TICK, Event.ACK, Event.NODE_LOST):
+            assert state in TRANSITIONS[(state, event)]  # observations may always be ignored
+    assert all(isinstance(t, State) for targets in TRANSITIONS.values() for t in targets)
+
+
+def test_snapshot_restores_a_standby_mid_recovery():
+    fsm, clock = running()
+    out = fsm.on_worker_exit("n1", 3, -6, now=clock())
+    snap = json.loads(json.dumps(fsm.snapshot()))  # it is plain JSON
+    assert snap["state"] == "stopping" and snap["fault"]["rank"] == 3
+    standby = ControllerFSM.restore(fsm.policy, snap, now=clock(5.0))
+    assert standby.state is State.STOPPING and standby.assignment == fsm.assignment
+    out = ack_all(standby, out, clock)  # acks written before the takeover, replayed
+    assert standby.state is State.DIAGNOSING
+    out = ack_all(standby, out, clock)
+    assert standby.generation == 2
+    ids = {c.id for c in commands(out)}
+    assert not ids & set(snap["awaiting"].values())  # command ids never repeat
+
+
+def test_policy_validation_names_the_field():
+    with pytest.raises(ValueError, match="nproc_per_node = 0"):
+        ControllerPolicy(nodes=1, nproc_per_node=0)
+    with pytest.raises(ValueError, match="tp \\* pp"):
+        ControllerPolicy(nodes=1, nproc_per_node=2, tp=4)
+
+
+def test_commands_are_scoped_to_job_and_generation():
+    keys = JobKeys("job-a")
+    assert keys.command("n1") == "/megascale/job-a/commands/n1"
+    assert keys.event(7) == "/megascale/job-a/events/000000000007"
+    assert keys.name_of(keys.heartbeat("n1")) == "n1"
+    cmd = make_command("job-a", 3, "stop", "g3-stop-1")
+    assert is_current(cmd, "job-a", 3) and is_current(cmd, "job-a", 2)
+    assert not is_current(cmd, "job-a", 4)  # older generation
+    assert not is_current(cmd, "job-b", 3)  # another job
+    assert not is_current({"job": "job-a", "kind": "stop"}, "job-a", 0)  # malformed
+    with pytest.raises(ValueError, match="node = 'a/b'"):
+        keys.node("a/b")
+    with pytest.raises(ValueError, match="kind = 'reboot'"):
+        make_command("job-a", 1, "reboot", "x")
