@@ -22,13 +22,12 @@ data). The server's log (warnings and errors) goes to ``<tmp>/etcd.log``; a star
 Contract: ``start()`` returns once the server answers ``/health`` with ``true`` (or raises);
 ``stop()`` is idempotent, terminates the process (SIGTERM, SIGKILL after 5 s) and removes the
 temporary directory (a caller-provided ``data_dir`` is kept); ``kill()`` SIGKILLs the process and
-keeps the data for a later ``start()``/``restart()``. An ``atexit`` hook stops servers the program
-forgot to stop.
+keeps the data for a later ``start()``/``restart()``. A server the program forgot to stop is
+killed, and its temporary directory removed, when the object is collected or the interpreter exits.
 """
 
 from __future__ import annotations
 
-import atexit
 import importlib.util
 import json
 import logging
@@ -49,7 +48,16 @@ logger = logging.getLogger(__name__)
 
 _DEBIAN_BINARY = "/usr/bin/etcd"
 _LOG_TAIL_CHARS = 4000
-_live: weakref.WeakSet[EmbeddedEtcd] = weakref.WeakSet()
+
+
+def _cleanup(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill what is still running and remove ``tmp`` (``weakref.finalize`` of an EmbeddedEtcd)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    procs.clear()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 class EtcdStartError(RuntimeError):
@@ -147,7 +155,8 @@ class EmbeddedEtcd:
         self._proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         """Seconds the last ``start`` took from spawn to healthy."""
-        _live.add(self)  # the atexit hook removes the temporary directory even if never started
+        self._procs: list[subprocess.Popen[bytes]] = []  # shared with the finalizer
+        self._finalizer = weakref.finalize(self, _cleanup, self._tmp, self._procs)
 
     # -- addresses ---------------------------------------------------------------------------
 
@@ -178,7 +187,8 @@ class EmbeddedEtcd:
         and kept by later ones. Retries twice with new ports if the first pick was taken."""
         if self.running:
             return self
-        _live.add(self)
+        if not self._finalizer.alive:  # stopped before: arm the cleanup again
+            self._finalizer = weakref.finalize(self, _cleanup, self._tmp, self._procs)
         first_start = self.client_port == 0
         for attempt in range(3 if first_start else 1):
             if first_start:
@@ -195,8 +205,7 @@ class EmbeddedEtcd:
     def stop(self) -> None:
         """Terminate the server (idempotent) and remove the temporary directory."""
         self._terminate(signal.SIGTERM)
-        _live.discard(self)
-        shutil.rmtree(self._tmp, ignore_errors=True)  # the log, and the data unless caller-given
+        self._finalizer()  # removes the log, and the data unless the caller gave data_dir
 
     def kill(self) -> None:
         """SIGKILL the server, keeping its data dir and ports, as a crash would."""
@@ -254,6 +263,7 @@ class EmbeddedEtcd:
                 stderr=log,
                 start_new_session=True,
             )
+        self._procs[:] = [self._proc]
         deadline = started + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -306,6 +316,7 @@ class EmbeddedEtcd:
 
     def _terminate(self, sig: signal.Signals) -> None:
         proc, self._proc = self._proc, None
+        self._procs.clear()
         if proc is None or proc.poll() is not None:
             return
         proc.send_signal(sig)
@@ -314,9 +325,3 @@ class EmbeddedEtcd:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-@atexit.register
-def _stop_forgotten() -> None:
-    for etcd in list(_live):
-        etcd.stop()

@@ -124,14 +124,20 @@ class _Wrapped:
 
     def __call__(self, *args, **kwargs):
         trace = self.trace
+        if trace.reentered:
+            # torch's handle_torch_function (a TorchFunctionMode is active on CPU) calls the
+            # function again through the patched module name: already recorded by the outer call.
+            return self.original(*args, **kwargs)
         if trace.passthrough:  # inside a coalescing manager or batch: counted there
             trace.state.events.append(CommEvent(self.name, time.perf_counter(), coalesced=True))
-            return self.original(*args, **kwargs)
+            with trace.entered():
+                return self.original(*args, **kwargs)
         is_async = self.name in _P2P_ASYNC or kwargs.get("async_op", False)
         issued = time.perf_counter()
         event = CommEvent(self.name, issued)
         trace.state.events.append(event)
-        result = self.original(*args, **kwargs)
+        with trace.entered():
+            result = self.original(*args, **kwargs)
         if is_async:
             return _DelayedWork(result, event, issued + trace.latency_s, trace)
         remaining = issued + trace.latency_s - time.perf_counter()
@@ -155,6 +161,18 @@ class CommTrace:
     @property
     def passthrough(self) -> bool:
         return getattr(self._local, "depth", 0) > 0
+
+    @property
+    def reentered(self) -> bool:
+        return getattr(self._local, "entered", False)
+
+    @contextlib.contextmanager
+    def entered(self):
+        self._local.entered = True
+        try:
+            yield
+        finally:
+            self._local.entered = False
 
     def mark(self, name: str) -> None:
         """Record a named point in time (e.g. "forward_start") next to the comm events."""

@@ -766,10 +766,15 @@ class ControllerFSM:
         self._enter(S.STARTING)
         return [
             StartGeneration(self.generation, self.assignment),
-            self._record("generation_start", nodes=list(order), replaced=replaced,
-                         restarts=self.restarts, spares=self.spares),
+            self._record(
+                "generation_start",
+                nodes=list(order),
+                replaced=replaced,
+                restarts=self.restarts,
+                spares=self.spares,
+            ),
             *self._send(order, "start", self.generation),
-        ]  # fmt: skip
+        ]
 
     def on_generation_started(self, generation: int, now: float | None = None) -> list[Action]:
         """Every node acked the start of ``generation`` (``on_ack`` calls this by itself)."""
@@ -822,7 +827,7 @@ class ControllerFSM:
             stalled, timeout = now - self.step_at, self.stall_timeout()
             if stalled > timeout:
                 return self._stall(
-                    tuple(stall_suspects(self.flight)),
+                    tuple(stall_suspects(self.flight, ranks=range(self.policy.world_size))),
                     {
                         "section": self.section(),
                         "stalled_s": round(stalled, 3),

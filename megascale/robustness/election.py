@@ -1,4 +1,4 @@
-"""Leader election on one etcd key, so that a standby controller takes over when the active one dies.
+"""Leader election on one etcd key: a standby controller takes over when the active one dies.
 
 Protocol: each candidate holds a lease of ``ttl`` seconds, kept alive in a thread. To campaign it
 creates the election key under its lease in a transaction that succeeds only if the key does not

@@ -11,12 +11,12 @@ Agents, the controller and the event log talk to etcd only through ``Store``::
             ...
 
 Why the JSON gateway over HTTP (``/v3/kv/*``, ``/v3/lease/*``, ``/v3/watch``) and not ``aetcd``
-(gRPC, asyncio): measured side by side on one etcd here, 1,000 leased puts took 0.49 s through the
-gateway with ``http.client`` (2,030 puts/s) and 0.64 s through aetcd (1,560/s behind a sync facade,
-1,600/s natively async). Beyond speed: ``aetcd`` 1.0 opens only insecure channels (no TLS), needs an
-asyncio loop thread in every synchronous process, and pulls in ``grpcio`` (unsafe across ``fork``,
-which the launcher uses); the gateway needs only the standard library and takes TLS from ``ssl``.
-etcd 3.4 and 3.5 serve it on the client port.
+(gRPC, asyncio): it is at least as fast here -- 2,000 leased puts, the two clients alternating on
+one etcd 3.5 on 2 shared cores: 1.02-1.25x aetcd's rate behind a sync facade (1,440-1,760 vs
+1,400-1,590 puts/s) -- and ``aetcd`` 1.0 opens only insecure channels (no TLS), needs an asyncio
+loop thread in every synchronous process, and pulls in ``grpcio``, which is unsafe across
+``fork`` (the launcher forks). The gateway needs only the standard library and takes TLS from
+``ssl``; etcd 3.4 and 3.5 serve it on the client port.
 
 Contracts:
 
@@ -26,7 +26,7 @@ Contracts:
 * Unavailability: an operation that cannot reach any endpoint (or gets "no leader") retries with
   backoff for ``StoreConfig.retry_s`` (default 10 s), then raises ``StoreUnavailable``. A retried
   transaction whose first attempt was applied but whose answer was lost reports the outcome of the
-  retry; ``compare_and_swap`` may then return False for a swap that happened (re-read if it matters).
+  retry: ``compare_and_swap`` may then return False for a swap that happened (re-read to be sure).
 * Watches survive etcd restarts: the watch thread reconnects and re-watches from the last revision
   it delivered + 1, so no event written after the restart is lost and none is delivered twice.
   If that revision was compacted, events are lost; the watch logs an error and resumes from the
@@ -34,10 +34,10 @@ Contracts:
 * Leases: the granted TTL may exceed the requested one (etcd's minimum is 1.5 x its election
   timeout). A ``KeepAlive`` that finds its lease gone sets ``lost`` and calls ``on_lost``.
 * Security: ``https://`` endpoints use TLS, verified against ``ca_file`` (system CAs when None),
-  with a client certificate when ``cert_file``/``key_file`` are given; with ``username``/``password``
-  the store authenticates and re-authenticates when etcd says its token expired. With etcd auth
-  and ``--client-cert-auth`` both on, the client certificate must carry no Common Name: etcd's
-  gateway refuses such requests (identity comes from user/password, not the certificate's CN).
+  with a client certificate when ``cert_file``/``key_file`` are given. With ``username`` and
+  ``password`` the store authenticates, and again when etcd says its token expired. With etcd
+  auth and ``--client-cert-auth`` both on, the client certificate must carry no Common Name:
+  etcd's gateway refuses such requests (identity is the user, never the certificate's CN).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class StoreConfig:
     """Where etcd is and how to reach it. ``parse`` builds one from a command-line string."""
 
     endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
-    """``host:port`` (plain HTTP) or ``http(s)://host:port``; tried in order, the next on failure."""
+    """``host:port`` (plain HTTP) or ``http(s)://host:port``; on failure the next one is tried."""
     ca_file: str | None = None
     """PEM CA bundle that signed the server certificates (https endpoints); system CAs when None."""
     cert_file: str | None = None
@@ -249,7 +249,7 @@ def missing(key: str) -> Compare:
 
 
 def created_at(key: str, revision: int) -> Compare:
-    """Holds while ``key`` is the same incarnation (not deleted and re-created) as at ``revision``."""
+    """Holds while ``key`` is the incarnation created at ``revision`` (not deleted, re-created)."""
     return Compare(key, "CREATE", "EQUAL", revision)
 
 

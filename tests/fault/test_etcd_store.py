@@ -214,38 +214,50 @@ def test_bad_configuration_is_refused():
 def test_start_failure_reports_the_server_log(tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    with pytest.raises(EtcdStartError, match="log ends with"):
-        EmbeddedEtcd(data_dir=not_a_dir / "data", startup_timeout_s=5).start()
+    server = EmbeddedEtcd(data_dir=not_a_dir / "data", startup_timeout_s=5)
+    try:
+        with pytest.raises(EtcdStartError, match="log ends with"):
+            server.start()
+    finally:
+        server.stop()
+    assert not server.log_path.parent.exists()
 
 
 def _openssl(*args, cwd):
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
+def _make_certificates(directory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA.
+    The client's has no Common Name: with etcd auth on, etcd's gateway refuses one that has."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ca = ["-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+             "-subj", "/CN=megascale-test-ca", cwd=directory)  # fmt: skip
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name, subject in (("server", "/CN=megascale-server"), ("client", "/O=megascale-client")):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject,
+                 cwd=directory)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", *ca, "-out", f"{name}.pem",
+                 "-extfile", "san.ext", cwd=directory)  # fmt: skip
+    return {name: str(directory / name) for name in
+            ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}  # fmt: skip
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_tls_with_client_certificates_and_user_password(tmp_path):
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-             "-subj", "/CN=megascale-test-ca", cwd=tmp_path)  # fmt: skip
-    # With etcd auth on, its gateway refuses client certificates that carry a Common Name.
-    for name, subject in (("server", "/CN=megascale-server"), ("client", "/O=megascale-client")):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", subject, cwd=tmp_path)  # fmt: skip
-        (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
-                 "-extfile", "san.ext", cwd=tmp_path)  # fmt: skip
-    p = {k: str(tmp_path / v) for k, v in dict(ca="ca.pem", cert="server.pem", key="server.key",
-                                              ccert="client.pem", ckey="client.key").items()}  # fmt: skip
-    with EmbeddedEtcd(unsafe_no_fsync=True, cert_file=p["cert"], key_file=p["key"],
-                      ca_file=p["ca"]) as server:  # fmt: skip
+    p = _make_certificates(tmp_path)
+    server_tls = dict(cert_file=p["server.pem"], key_file=p["server.key"], ca_file=p["ca.pem"])
+    with EmbeddedEtcd(unsafe_no_fsync=True, **server_tls) as server:
         assert server.client_url.startswith("https://127.0.0.1:")
-        tls = dict(ca_file=p["ca"], cert_file=p["ccert"], key_file=p["ckey"], retry_s=0.5)
+        tls = dict(
+            ca_file=p["ca.pem"], cert_file=p["client.pem"], key_file=p["client.key"], retry_s=0.5
+        )
         admin = Store(StoreConfig.parse(server.client_url, **tls))
         admin.put("/megascale/t/x", "over tls")
         assert admin.get("/megascale/t/x").text() == "over tls"
         # without the client certificate the server refuses the handshake
-        no_cert = Store(StoreConfig.parse(server.client_url, ca_file=p["ca"], retry_s=0.3))
+        no_cert = Store(StoreConfig.parse(server.client_url, ca_file=p["ca.pem"], retry_s=0.3))
         with pytest.raises(StoreUnavailable):
             no_cert.get("/megascale/t/x")
         # enable etcd auth, then use user/password over TLS

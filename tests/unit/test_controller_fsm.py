@@ -228,6 +228,19 @@ def test_stall_timeout_is_learned_and_the_rank_that_never_entered_is_named():
     assert fsm.state is State.STOPPING
 
 
+def test_stall_without_flight_records_names_nobody_and_checks_every_node():
+    fsm, clock = running()
+    out = []
+    while not out:  # no step reported at all: the init timeout (30 s) applies
+        out = fsm.on_tick(beat(fsm, clock, step=None, advance=1.0))
+    (fault,) = records(out, "fault")
+    assert fault.detail["fault"] == "stall" and fault.detail["section"] == "init"
+    assert fault.node is None and fault.detail["suspects"] == []
+    assert fault.detail["timeout_s"] == 30.0
+    checks = commands(ack_all(fsm, out, clock), "selfcheck")
+    assert sorted(c.node for c in checks) == ["n0", "n1", "n2"]
+
+
 def test_checkpoint_section_has_its_own_timeout():
     fsm, clock = running(nodes=("n0", "n1"), checkpoint_timeout_s=15.0)
     for step in range(1, 6):
