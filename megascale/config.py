@@ -80,8 +80,9 @@ class OverlapConfig:
     """Pipeline parallel (interleaved schedule only): sends/receives decoupled in warm-up and
     cool-down, asynchronous in the steady phase."""
     tp: bool = True
-    """Tensor/sequence parallel (needs sequence_parallel): the FFN's all-gather and reduce-scatter
-    split into chunks pipelined with the GEMMs."""
+    """Tensor/sequence parallel (needs sequence_parallel, local layer spec): the serial block's FFN
+    all-gather and reduce-scatter split into chunks pipelined with the GEMMs; the parallel block
+    shares one all-gather and one reduce-scatter between attention and MLP."""
     tp_chunks: int = 4
     """Chunks per FFN GEMM for ``tp``; the per-rank sequence length must be divisible by it."""
     bucket_size: int | None = None

@@ -38,7 +38,12 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megascale.config import JobConfig, ModelConfig
 from megascale.model.norm import LocalNorm
 from megascale.model.parallel_block import ParallelTransformerLayer
-from megascale.overlap.tp import OverlappedColumnParallelLinear, OverlappedRowParallelLinear
+from megascale.overlap.tp import (
+    GatheredInputColumnParallelLinear,
+    OverlappedColumnParallelLinear,
+    OverlappedRowParallelLinear,
+    PartialRowParallelLinear,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +130,12 @@ def transformer_config(job: JobConfig, device: str) -> TransformerConfig:
 
 
 def layer_spec(model: ModelConfig, use_te: bool, tp_overlap_chunks: int = 1) -> ModuleSpec:
-    """The transformer layer spec: TE or local modules, serial or MegaScale's parallel block;
-    with ``tp_overlap_chunks > 1`` (local modules) the FFN's SP collectives are chunked and
-    overlapped with its GEMMs (``megascale.overlap.tp``)."""
+    """The transformer layer spec: TE or local modules, serial or MegaScale's parallel block.
+
+    ``tp_overlap_chunks > 1`` (local modules, sequence parallelism, ``overlap.tp``): the serial
+    block's FFN collectives are chunked and overlapped with its GEMMs; the parallel block instead
+    shares one all-gather and one reduce-scatter between its two branches (``megascale.overlap.tp``).
+    """
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec()
         if model.parallel_block:
@@ -155,6 +163,8 @@ def layer_spec(model: ModelConfig, use_te: bool, tp_overlap_chunks: int = 1) -> 
             )
         return spec
     spec = get_gpt_layer_local_spec()
+    if model.parallel_block and tp_overlap_chunks > 1:
+        return _fused_parallel_spec(spec)
     mlp = spec.submodules.mlp
     if tp_overlap_chunks > 1:
         chunks = {"overlap_chunks": tp_overlap_chunks}
@@ -174,6 +184,32 @@ def layer_spec(model: ModelConfig, use_te: bool, tp_overlap_chunks: int = 1) -> 
     )
     module = ParallelTransformerLayer if model.parallel_block else spec.module
     return ModuleSpec(module=module, submodules=sub)
+
+
+def _fused_parallel_spec(spec: ModuleSpec) -> ModuleSpec:
+    """Parallel block with shared TP communication: branch linears neither gather nor reduce."""
+    sub = spec.submodules
+    attention = dataclasses.replace(
+        sub.self_attention.submodules,
+        linear_qkv=GatheredInputColumnParallelLinear,
+        linear_proj=PartialRowParallelLinear,
+    )
+    mlp = dataclasses.replace(
+        sub.mlp.submodules,
+        linear_fc1=GatheredInputColumnParallelLinear,
+        linear_fc2=PartialRowParallelLinear,
+    )
+    return ModuleSpec(
+        module=ParallelTransformerLayer,
+        params={"fused_tp_comm": True},
+        submodules=dataclasses.replace(
+            sub,
+            input_layernorm=LocalNorm,
+            pre_mlp_layernorm=IdentityOp,
+            self_attention=dataclasses.replace(sub.self_attention, submodules=attention),
+            mlp=dataclasses.replace(sub.mlp, submodules=mlp),
+        ),
+    )
 
 
 def _block_spec(

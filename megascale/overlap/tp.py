@@ -195,3 +195,40 @@ class OverlappedRowParallelLinear(RowParallelLinear):
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias
         return output, (self.bias if self.skip_bias_add else None)
+
+
+class GatheredInputColumnParallelLinear(ColumnParallelLinear):
+    """A column-parallel linear whose input is already the full sequence, gathered by its caller.
+
+    Used by the parallel block's shared all-gather (``ParallelTransformerLayer``): no gather of its
+    own, and no all-reduce of the input gradient — the caller's gather reduce-scatters it once for
+    both branches. Same parameters as ``ColumnParallelLinear``.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sequence_parallel = False
+        self.disable_grad_reduce = True
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        output = _matmul(input_, self.weight if weight is None else weight)
+        if self.bias is not None and not self.skip_bias_add:
+            output = output + self.bias
+        return output, (self.bias if self.skip_bias_add else None)
+
+
+class PartialRowParallelLinear(RowParallelLinear):
+    """A row-parallel linear that returns this rank's partial sum, unreduced.
+
+    The parallel block adds the attention's and the MLP's partial sums and reduce-scatters them
+    once. The bias (full size, identical on every rank) is returned separately and must be added
+    after the reduction (``skip_bias_add`` is required).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.skip_bias_add:
+            raise ValueError("PartialRowParallelLinear needs skip_bias_add=True")
+
+    def forward(self, input_):
+        return _matmul(input_, self.weight), self.bias
