@@ -27,10 +27,14 @@ endif
 		echo "transformer_engine is installed in $(VENV) on a machine without a GPU: remove it (pip uninstall transformer-engine transformer-engine-torch)"; exit 1; fi
 	touch $(STAMP)
 
+# The fault-tolerant local cluster (embedded etcd, a controller, 2 nodes + 1 spare, CPU) with one
+# fault: detection, self-check and recovery in ~20-40 s. `make run ARGS=...` adds launch options.
 run: $(STAMP)
-	$(VENV)/bin/megascale train $(ARGS)
+	$(VENV)/bin/megascale launch --nodes 2 --nproc-per-node 1 --spares 1 \
+		--inject kill-worker:rank=1,step=25 $(ARGS)
 
 test: $(STAMP)
+	scripts/install-test-deps.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

@@ -81,6 +81,60 @@ def _mfu(args: argparse.Namespace) -> int:
     return flops.run(args)
 
 
+def _timeline(args: argparse.Namespace) -> int:
+    from megascale.diagnostics import timeline
+
+    return timeline.run(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from megascale.diagnostics import report
+
+    return report.run(args)
+
+
+def _selfcheck(args: argparse.Namespace) -> int:
+    from megascale.diagnostics import selfcheck
+
+    return selfcheck.run(args)
+
+
+def _dashboards(args: argparse.Namespace) -> int:
+    from megascale.diagnostics import dashboards
+
+    return dashboards.run(args)
+
+
+def _agent(args: argparse.Namespace) -> int:
+    from megascale.launcher import agent
+
+    try:
+        return agent.run_from_args(args)
+    except ValueError as e:  # a bad --inject or etcd option
+        print(f"megascale agent: {e}", file=sys.stderr)
+        return 2
+
+
+def _controller(args: argparse.Namespace) -> int:
+    from megascale.robustness import service
+
+    try:
+        return service.main(args)
+    except ValueError as e:
+        print(f"megascale controller: {e}", file=sys.stderr)
+        return 2
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from megascale.launcher import cluster
+
+    try:
+        return cluster.launch(cluster.options_from_args(args))
+    except (cluster.LaunchError, cluster.inject.InjectError) as e:
+        print(f"megascale launch: {e}", file=sys.stderr)
+        return 2
+
+
 def _data_build(args: argparse.Namespace) -> int:
     from megascale.data import build
 
@@ -107,6 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
     flops.add_arguments(mfu)
     mfu.set_defaults(func=_mfu)
 
+    selfcheck_p = sub.add_parser(
+        "selfcheck", help="node self-check: GPU, host, network; exit code 0 iff the node is fit"
+    )
+    from megascale.diagnostics import selfcheck
+
+    selfcheck.add_arguments(selfcheck_p)
+    selfcheck_p.set_defaults(func=_selfcheck)
+
+    dashboards_p = sub.add_parser("dashboards", help="Grafana dashboards: export JSON or push")
+    from megascale.diagnostics import dashboards
+
+    dashboards.add_arguments(dashboards_p)
+    dashboards_p.set_defaults(func=_dashboards)
+
     data = sub.add_parser("data", help="token files")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     build_p = data_sub.add_parser("build", help="build a token file from text files")
@@ -114,6 +182,48 @@ def build_parser() -> argparse.ArgumentParser:
 
     build.add_arguments(build_p)
     build_p.set_defaults(func=_data_build)
+
+    from megascale.diagnostics import report, timeline
+
+    timeline_p = sub.add_parser(
+        "timeline", help="merge every rank's timeline into one Chrome/Perfetto trace + CSV tables"
+    )
+    timeline.add_arguments(timeline_p)
+    timeline_p.set_defaults(func=_timeline)
+    report_p = sub.add_parser(
+        "report", help="a self-contained HTML report: loss, MFU, stragglers, faults"
+    )
+    report.add_arguments(report_p)
+    report_p.set_defaults(func=_report)
+
+    launch_p = sub.add_parser(
+        "launch", help="local fault-tolerant cluster: etcd, controller, M(+S) agents x K workers"
+    )
+    _add_config_args(launch_p)
+    from megascale.launcher import cluster
+
+    cluster.add_arguments(launch_p)
+    launch_p.set_defaults(func=_launch)
+    agent_p = sub.add_parser("agent", help="node agent: heartbeats, runs this node's workers")
+    _add_config_args(agent_p)
+    from megascale.launcher import agent
+
+    agent.add_arguments(agent_p)
+    agent_p.set_defaults(func=_agent)
+    controller_p = sub.add_parser(
+        "controller", help="robust-training controller (leader-elected; run 2 for a standby)"
+    )
+    from megascale.robustness import service
+
+    service.add_arguments(controller_p)
+    controller_p.set_defaults(func=_controller)
+    operator_p = sub.add_parser(
+        "operator", help="Kubernetes: the MegaScaleJob operator, its CRD, the node self-check label"
+    )
+    from megascale import k8s  # parsing only; kopf and lightkube load when a command runs
+
+    k8s.add_arguments(operator_p)
+    operator_p.set_defaults(func=k8s.main)
     return parser
 
 

@@ -184,6 +184,37 @@ class CheckpointConfig:
     """How many complete checkpoints to keep."""
     resume: bool = True
     """Resume from the latest complete checkpoint in the run directory when there is one."""
+    url: str | None = None
+    """Where checkpoints are written and read: a directory or an fsspec URL (``file:///mnt/ckpt``;
+    ``memory://ckpt`` for one process; ``s3://bucket/run`` once s3fs is installed). None:
+    ``RUN_DIR/checkpoints``. A relative directory is taken relative to the run directory."""
+    async_save: bool = True
+    """Two-stage save: copy the state to host memory (training resumes at once), then write it in a
+    background thread. false: write before training continues (the synchronous baseline)."""
+    broadcast_on_load: bool = True
+    """On restart, one rank per data-parallel group reads the state its DP peers share (model
+    weights; optimizer state too unless the distributed optimizer shards it) and broadcasts it to
+    them; false: every rank reads it from storage."""
+    write_timeout_s: float = 600.0
+    """How long rank 0's writer waits for every rank's files of one checkpoint before it gives up
+    on writing that checkpoint's manifest (the checkpoint is then incomplete and never loaded)."""
+
+
+@dataclass
+class DiagnosticsConfig:
+    """The per-rank timeline and the straggler analysis (``megascale.diagnostics``)."""
+
+    timeline: bool = True
+    """Record named segments (forward, backward, optimizer, DP/PP/TP communication, data loading,
+    checkpoint) on every rank to ``RUN_DIR/timeline/rank_NNNNN.jsonl``, for ``megascale timeline``
+    and ``megascale report``. CUDA events on GPU, never a host sync on the training thread."""
+    flush_interval_steps: int = 10
+    """Steps between hand-offs of the recorded segments to the background writer thread."""
+    straggler_threshold: float = 1.10
+    """A rank, and the machine it runs on, is flagged as a straggler when its compute time per
+    step (step time minus time blocked in communication) is at least this many times the median
+    of its pipeline-stage peers', persistently (median over steps, and in at least half of them).
+    MegaScale found a machine 10% slower than its peers."""
 
 
 @dataclass
@@ -195,6 +226,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -42,6 +42,9 @@ def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
         raise ConfigError(
             f"invalid config for world_size={world_size}, backend={backend}:\n{lines}"
         )
+    from megascale.train.checkpoint_io import check_config  # names checkpoint.* fields itself
+
+    check_config(cfg.checkpoint, world_size)
     out = copy.deepcopy(cfg)
     out.parallel.dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
     return out
@@ -82,8 +85,14 @@ def _ranges(cfg: JobConfig) -> list[str]:
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.log_interval", t.log_interval),
         ("checkpoint.keep", c.keep),
+        ("diagnostics.flush_interval_steps", cfg.diagnostics.flush_interval_steps),
     ]:
         at_least(name, value, 1)
+    if not cfg.diagnostics.straggler_threshold > 1.0:
+        problems.append(
+            f"diagnostics.straggler_threshold = {cfg.diagnostics.straggler_threshold}: must be "
+            "> 1 (a slowdown ratio against the median of a rank's peers, e.g. 1.1 for 10%)"
+        )
     for name, value in [
         ("optim.warmup_steps", o.warmup_steps),
         ("optim.min_lr", o.min_lr),

@@ -6,23 +6,7 @@ Read in this order: ``tokenizer`` (bytes, EOD = 0) -> ``token_file`` (the ``PREF
 
 ``build`` is deliberately not re-exported here: ``megascale.data.build`` stays the module (the CLI
 wires its ``add_arguments``/``run``); the function is ``megascale.data.build.build``.
+
+Import the submodules directly (``from megascale.data.dataset import ShardedBatches``): this package
+imports nothing itself, so ``megascale data build`` and the CLI's parser start without torch.
 """
-
-from megascale.data.corpus import default_token_file, generate_corpus
-from megascale.data.dataset import GPTDataset, ShardedBatches, collate, epoch_order
-from megascale.data.token_file import TokenFile, TokenFileError, write_token_file
-from megascale.data.tokenizer import EOD, ByteTokenizer
-
-__all__ = [
-    "EOD",
-    "ByteTokenizer",
-    "GPTDataset",
-    "ShardedBatches",
-    "TokenFile",
-    "TokenFileError",
-    "collate",
-    "default_token_file",
-    "epoch_order",
-    "generate_corpus",
-    "write_token_file",
-]

@@ -72,5 +72,7 @@ def sync_params(model_chunks: list) -> None:
     """
     for chunk in model_chunks:
         config = getattr(chunk, "ddp_config", None)
-        if config is not None and config.use_distributed_optimizer and config.overlap_param_gather:
+        if config is None or not (config.use_distributed_optimizer and config.overlap_param_gather):
+            continue
+        if chunk.intra_dp_cp_group.size() > 1:  # one DP rank holds every shard already
             chunk.start_param_sync(force_sync=True)

@@ -15,6 +15,8 @@ communication that computation did not hide. Ops issued together inside megatron
 ``_coalescing_manager`` (one bucket's collectives) count as one operation.
 
 This is a measurement tool for benchmarks and ordering tests; nothing in training depends on it.
+Which names are patched and why (megatron-core's aliases, P2POp's identity checks, re-entry through
+``handle_torch_function``) is ``megascale.parallel.comm_hooks``, shared with the flight recorder.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
+
+from megascale.parallel.comm_hooks import CommWrapper, Patches
 
 _COLLECTIVES = (
     "all_reduce",
@@ -42,14 +45,6 @@ _COLLECTIVES = (
 )
 _P2P_ASYNC = ("isend", "irecv")
 _P2P_SYNC = ("send", "recv")
-# megatron-core modules that bind a torch.distributed function to a module name at import time.
-_MCORE_ALIAS_MODULES = (
-    "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.tensor_parallel.mappings",
-    "megatron.core.tensor_parallel.layers",
-    "megatron.core.tensor_parallel.utils",
-)
-_MCORE_ALIASES = ("dist_all_gather_func", "dist_reduce_scatter_func", "_coalescing_manager")
 
 
 _ACTIVE: CommTrace | None = None
@@ -109,22 +104,16 @@ class _DelayedWork:
         return getattr(self._work, name)
 
 
-class _Wrapped:
-    """A traced stand-in for one torch.distributed function; compares equal to the original so
-    ``torch.distributed.P2POp``'s ``op in [isend, irecv]`` check still passes."""
+class _Wrapped(CommWrapper):
+    """A traced stand-in for one torch.distributed function."""
 
     def __init__(self, name: str, original, trace: CommTrace) -> None:
-        self.name, self.original, self.trace = name, original, trace
-
-    def __eq__(self, other) -> bool:
-        return other is self or other is self.original
-
-    def __hash__(self) -> int:
-        return hash(self.original)
+        super().__init__(name, original)
+        self.trace = trace
 
     def __call__(self, *args, **kwargs):
         trace = self.trace
-        if trace.reentered:
+        if trace.reentered or not trace.installed:  # or uninstalled while stacked under another
             # torch's handle_torch_function (a TorchFunctionMode is active on CPU) calls the
             # function again through the patched module name: already recorded by the outer call.
             return self.original(*args, **kwargs)
@@ -156,7 +145,8 @@ class CommTrace:
         self.latency_s = latency_s
         self.state = _State()
         self._local = threading.local()
-        self._saved: list[tuple[object, str, object]] = []
+        self._patches = Patches()
+        self.installed = False
 
     @property
     def passthrough(self) -> bool:
@@ -186,38 +176,22 @@ class CommTrace:
     # -- installation ------------------------------------------------------------------------------
 
     def install(self) -> CommTrace:
-        import importlib
-
         global _ACTIVE
         _ACTIVE = self
-        wrapped = {name: _Wrapped(name, getattr(dist, name), self) for name in _COLLECTIVES}
-        for name, fn in wrapped.items():
-            self._patch(dist, name, fn)
-            if name in _P2P_ASYNC:  # P2POp's identity check reads the c10d module's names
-                self._patch(distributed_c10d, name, fn)
-        self._patch(dist, "batch_isend_irecv", self._batch(dist.batch_isend_irecv))
-        coalescing = self._coalescing(distributed_c10d._coalescing_manager)
-        by_original = {fn.original: fn for fn in wrapped.values()}
-        for module_name in _MCORE_ALIAS_MODULES:
-            module = importlib.import_module(module_name)
-            for alias in _MCORE_ALIASES:
-                current = getattr(module, alias, None)
-                if alias == "_coalescing_manager" and current is not None:
-                    self._patch(module, alias, coalescing)
-                elif current in by_original:
-                    self._patch(module, alias, by_original[current])
+        self.installed = True
+        self._patches.install(
+            {name: _Wrapped(name, getattr(dist, name), self) for name in _COLLECTIVES},
+            in_c10d=_P2P_ASYNC,  # P2POp's identity check reads the c10d module's names
+            batch=self._batch,
+            coalescing=self._coalescing,
+        )
         return self
 
     def uninstall(self) -> None:
         global _ACTIVE
         _ACTIVE = None
-        for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
-        self._saved.clear()
-
-    def _patch(self, owner, name: str, replacement) -> None:
-        self._saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, replacement)
+        self.installed = False
+        self._patches.restore()
 
     @contextlib.contextmanager
     def _grouped(self):

@@ -19,9 +19,12 @@ import torch
 from megascale.config import JobConfig, to_toml
 from megascale.data.corpus import default_token_file
 from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
+from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
+from megascale.robustness import inject
+from megascale.robustness.progress import WorkerSignals
 from megascale.train import checkpoint
 from megascale.train.trainer import StepMetrics, Trainer
 
@@ -124,10 +127,15 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
             default_token_file(data_dir)  # once, before the other ranks open it
         torch.distributed.barrier()
     trainer = Trainer(
-        job, groups, device, data_cache_dir=data_dir, peak_tflops=peak_tflops_for_device(device)
+        job,
+        groups,
+        device,
+        data_cache_dir=data_dir,
+        peak_tflops=peak_tflops_for_device(device),
+        timeline=build_timeline(job.diagnostics, run_dir, groups, device),  # null when off
     )
     if job.checkpoint.resume:
-        checkpoint.load_latest(trainer, run_dir / "checkpoints")
+        checkpoint.resume(trainer, job.checkpoint, run_dir)
     if rank == 0:
         logger.info(
             "%s; world %d; step %d of %d",
@@ -147,26 +155,43 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     schedule still follows ``train.steps``, so a later run resumes exactly where this one stopped.
     """
     run_dir = Path(run_dir)
+    # What the node agent reads without our cooperation: RUN_DIR/flight/ (every collective, from
+    # here on) and RUN_DIR/progress/ (section "init" until the first step). Null when disabled.
+    signals = WorkerSignals.open(run_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    faults = inject.worker_faults(int(os.environ["RANK"]), run_dir)  # $MEGASCALE_INJECT, or none
     trainer, _device = start_rank(job, run_dir)
     is_rank0 = trainer.groups.rank == 0
     log = MetricsLog(run_dir / "metrics.jsonl", trainer.step_num) if is_rank0 else None
     progress = Progress(job.train.steps, job.train.log_interval) if is_rank0 else None
     last = job.train.steps if stop_after is None else min(stop_after, job.train.steps)
     interval = job.checkpoint.interval
+    saver = checkpoint.Checkpointer(job.checkpoint, run_dir, trainer)
     history: list[StepMetrics] = []
     try:
         while trainer.step_num < last:
+            signals.step_started(trainer.step_num + 1)
+            faults.before_step(trainer.step_num + 1)  # kill-worker / hang-worker fire here, once
             metrics = trainer.step()
+            faults.after_step(metrics.step_time_s)  # slow-rank sleeps here
+            signals.step_done(metrics)
             history.append(metrics)
             if log is not None and progress is not None:
                 log.write(metrics)
                 progress.update(metrics)
             step = trainer.step_num
             if interval and (step % interval == 0 or step == job.train.steps):
-                checkpoint.save(trainer, run_dir / "checkpoints", job.checkpoint.keep)
+                with (
+                    signals.section("checkpoint"),
+                    trainer.timeline.span("megascale::checkpoint::save"),
+                ):
+                    saver.save(trainer)  # stage 1 only; the write goes on in the background
+        with signals.section("checkpoint"):
+            saver.finalize()  # the last save's files and manifest are written
     finally:
+        trainer.timeline.close()  # writes the last steps' segments
         if log is not None:
             log.close()
+        signals.close()
     destroy_groups()
     return history
 

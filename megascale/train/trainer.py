@@ -21,6 +21,7 @@ from megascale.data.corpus import default_token_file
 from megascale.data.dataset import GPTDataset, ShardedBatches
 from megascale.data.token_file import TokenFile
 from megascale.diagnostics.flops import flops_per_token
+from megascale.diagnostics.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.model.gpt import transformer_config, use_te_spec
 from megascale.overlap.dp import ParamGatherPrefetch
 from megascale.parallel.groups import Groups
@@ -59,6 +60,7 @@ class Trainer:
         *,
         data_cache_dir: Path,
         peak_tflops: float | None = None,
+        timeline: Timeline | NullTimeline = NULL_TIMELINE,
     ) -> None:
         self.job, self.groups, self.device = job, groups, device
         self.config = transformer_config(job, device)
@@ -86,9 +88,13 @@ class Trainer:
         self.flops_per_token = flops_per_token(job.model).total
         self.peak_tflops = peak_tflops
         self.step_num = 0
+        # megatron-core's own timers (micro-batch forward/backward, p2p, grad sync) report here too.
+        self.timeline = timeline
+        timeline.attach(self.config, self.optimizer)
 
     def step(self) -> StepMetrics:
         """One optimizer step: data -> forward/backward schedule -> grad sync -> clip -> update."""
+        self.timeline.step_begin(self.step_num + 1)
         start = time.perf_counter()
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -96,7 +102,8 @@ class Trainer:
         # MegaScale: the first bucket's param all-gather is in flight while the batch is read; the
         # first forward pre-hook waits for it (overlap.dp with the distributed optimizer).
         self.param_prefetch.start()
-        micro_batches = self.data.next_step()
+        with self.timeline.span("megascale::data::load"):
+            micro_batches = self.data.next_step()
         # Every virtual stage walks the same micro-batches; the schedule interleaves them.
         iterators = [iter(micro_batches) for _ in self.model]
         losses = self.forward_backward(
@@ -111,11 +118,13 @@ class Trainer:
         # finalize_model_grads (registered by apply_ddp) has synced grads over DP, SP and the tied
         # embedding; step() clips by the global norm and updates (all-gathering params if sharded).
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step runs at
-        updated, grad_norm, _ = self.optimizer.step()
+        with self.timeline.span("megascale::optim::step"):
+            updated, grad_norm, _ = self.optimizer.step()
         if not updated:
             raise FloatingPointError(f"step {self.step_num + 1}: non-finite gradients")
         self.scheduler.step(increment=1)
         loss = self._mean_loss(losses)
+        self.timeline.step_end()
         self.step_num += 1
         elapsed = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / elapsed

@@ -350,7 +350,16 @@ def test_to_dict():
     d = to_dict(load())
     assert d["model"]["hidden_size"] == 64
     assert d["model"]["window_size"] is None
-    assert list(d) == ["parallel", "model", "optim", "train", "data", "checkpoint", "overlap"]
+    assert list(d) == [
+        "parallel",
+        "model",
+        "optim",
+        "train",
+        "data",
+        "checkpoint",
+        "overlap",
+        "diagnostics",
+    ]
 
 
 # --- presets ----------------------------------------------------------------------------------------

@@ -1,0 +1,162 @@
+"""Flight recorder overhead: training step time with the recorder on vs off, interleaved in one run.
+
+Every rank builds its trainer once, then runs rounds of three steps: recorder installed ("on"),
+not installed ("off"), and not installed again ("off, control": an A/A comparison that shows what
+noise alone does to the numbers). The order rotates through all six permutations, so drift and
+machine noise land on every variant alike. Per step: wall time (the trainer's step timer, slowest
+rank) and the training thread's CPU time (mean over ranks). The recorder's cost is CPU work on
+that thread, and thread CPU time is far less disturbed than wall time by other processes on a
+shared machine; blocking in a collective does not count. Because a CPU step of the tiny preset
+varies by more than the recorder costs, the cost is also computed from a microbenchmark: one
+recorded call (the full wrapper path, around a no-op instead of the collective) minus the bare
+call, times the ops recorded per step, over the median step time.
+
+    python benchmarks/flight_recorder.py                  # tiny preset, 2 ranks, TP2
+    python benchmarks/flight_recorder.py --nproc 1 --set parallel.tp=1 --rounds 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import megatron.core  # noqa: F401  (import once, before forking the ranks)
+import torch
+
+from megascale.config import JobConfig, load, validate
+from megascale.data.corpus import default_token_file
+from megascale.launcher.local import run_local
+from megascale.parallel import cpu_backend
+from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
+from megascale.robustness.flight_format import flight_path
+from megascale.robustness.flight_recorder import FlightRecorder, _OpWrapper
+from megascale.train.run import seed_everything
+from megascale.train.trainer import Trainer
+
+VARIANTS = ("on", "off", "off, control")
+
+
+def rank_main(job: JobConfig, run_dir: Path, rounds: int, warmup: int, calls: int) -> dict:
+    rank, world = init_distributed("cpu")
+    cpu_backend.activate()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    groups = build_groups(job.parallel)
+    seed_everything(job.train.seed, groups.tp_rank, "cpu")
+    trainer = Trainer(job, groups, "cpu", data_cache_dir=run_dir / "data")
+    recorder = FlightRecorder(flight_path(run_dir, rank), rank, world)
+    for _ in range(warmup):
+        trainer.step()
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    orders = list(itertools.permutations(VARIANTS))
+    for i in range(rounds):
+        for variant in orders[i % len(orders)]:
+            if variant == "on":
+                recorder.install()
+            recorder.set_step(trainer.step_num + 1)
+            gc.collect()  # not the garbage of (un)installing, inside the next timed step
+            start = time.thread_time()
+            times[variant].append(trainer.step().step_time_s)
+            cpu[variant].append(time.thread_time() - start)
+            if variant == "on":
+                recorder.uninstall()
+    ops_per_step = recorder.written / rounds
+    per_op = _per_op_cost(recorder, groups.tp, calls)
+    recorder.close()
+    destroy_groups()
+    return {"times": times, "cpu": cpu, "ops_per_step": ops_per_step, "per_op_s": per_op}
+
+
+def _per_op_cost(recorder: FlightRecorder, group, calls: int) -> float:
+    """Seconds one recorded call adds: the wrapper around a no-op minus the bare no-op."""
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        return None
+
+    wrapped = _OpWrapper("all_reduce", all_reduce, recorder)
+    recorder.active = True  # the wrapper records without patching torch.distributed
+    tensor = torch.ones(1024)
+    best = {}
+    for name, fn in (("bare", all_reduce), ("recorded", wrapped)):
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(tensor, group=group)
+            samples.append((time.perf_counter() - start) / calls)
+        best[name] = min(samples)
+    recorder.active = False
+    return best["recorded"] - best["bare"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=20, help="rounds of one on + one off step")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=20000, help="calls per microbenchmark")
+    args = parser.parse_args(argv)
+    overrides = ["parallel.tp=2", "optim.warmup_steps=0", *args.overrides]
+    job = load(args.config, overrides)
+    job = validate(job, args.nproc, "gloo")
+    run_dir = Path(tempfile.mkdtemp(prefix="megascale-bench-"))
+    default_token_file(run_dir / "data")
+    per_rank = run_local(
+        rank_main, args.nproc, (job, run_dir, args.rounds, args.warmup, args.calls), timeout_s=3600
+    )
+    print(report(args, job, per_rank))
+    return 0
+
+
+def report(args, job: JobConfig, per_rank: list[dict]) -> str:
+    rounds = range(args.rounds)
+    wall = {v: [max(r["times"][v][i] for r in per_rank) for i in rounds] for v in VARIANTS}
+    cpu = {
+        v: [statistics.fmean(r["cpu"][v][i] for r in per_rank) for i in rounds] for v in VARIANTS
+    }
+    ops = max(r["ops_per_step"] for r in per_rank)
+    per_op = statistics.median(r["per_op_s"] for r in per_rank)
+    off_wall, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
+    p = job.parallel
+    lines = [
+        f"# flight recorder overhead — {datetime.date.today()}",
+        f"command: {' '.join(sys.argv)}",
+        f"layout: {args.nproc} CPU ranks (gloo), TP{p.tp} x PP{p.pp}; preset {args.config}; "
+        f"{args.rounds} rounds of one step per variant, order rotated",
+        "",
+        "| variant | wall (ms, median) | vs off | paired wall diff | CPU (ms, median) | vs off "
+        "| paired CPU diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for v in VARIANTS:
+        w, c = statistics.median(wall[v]), statistics.median(cpu[v])
+        pw = statistics.median(a - b for a, b in zip(wall[v], wall["off"], strict=True))
+        pc = statistics.median(a - b for a, b in zip(cpu[v], cpu["off"], strict=True))
+        lines.append(
+            f"| {v} | {w * 1e3:.2f} | {(w / off_wall - 1) * 100:+.2f}% | "
+            f"{pw / off_wall * 100:+.2f}% | {c * 1e3:.2f} | {(c / off_cpu - 1) * 100:+.2f}% | "
+            f"{pc / off_cpu * 100:+.2f}% |"
+        )
+    lines += [
+        "",
+        f"ops recorded per step: {ops:.0f}; one recorded op costs {per_op * 1e6:.2f} us "
+        f"(microbenchmark); modelled overhead {ops * per_op / off_wall * 100:.3f}% of the "
+        f"median step ({ops * per_op / off_cpu * 100:.3f}% of its CPU time)",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,450 @@
+"""Grafana dashboards as code: MFU/throughput and stragglers, over the metrics of ``metrics.py``.
+
+Built with ``grafana-foundation-sdk`` (pinned ``1769699379!11.6.0``: Grafana 11.6 schema).
+``megascale dashboards export --out k8s/dashboards`` writes one JSON file per dashboard (the
+files committed under ``k8s/dashboards`` must equal a fresh export; a unit test checks);
+``megascale dashboards push --url URL --token TOKEN`` uploads them with ``grafana-client``
+(``POST /api/dashboards/db``, overwriting the same ``uid``).
+
+Every panel queries Prometheus through the ``$datasource`` variable and filters on the job with
+``megascale_job="$megascale_job"`` (never ``job``: that is the scrape job's label). A test runs
+every query of every panel (``panel_queries``) against a real Prometheus scraping real exporters.
+
+- ``megascale-mfu``: MFU, tokens/s, effective training time, restarts (stats); MFU and tokens/s
+  over time; step time (median and slowest rank); the step-time breakdown (compute, exposed
+  communication by group); checkpoint stall; faults by kind; heartbeats per node.
+- ``megascale-stragglers``: heat maps of rank x time of step time, compute time, and compute time
+  over the job median; the top slow machines (straggler score and compute slowdown by node);
+  straggler score by rank over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import common as common_b
+from grafana_foundation_sdk.builders import dashboard as dash_b
+from grafana_foundation_sdk.builders import heatmap, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as dash_m
+from grafana_foundation_sdk.models import heatmap as heatmap_m
+
+logger = logging.getLogger(__name__)
+
+DATASOURCE = dash_m.DataSourceRef(type_val="prometheus", uid="${datasource}")
+JOB = 'megascale_job="$megascale_job"'
+"""The label matcher every query carries."""
+
+
+def _q(expr: str, legend: str = "", *, instant: bool = False, ref: str = "A") -> Any:
+    """A Prometheus target; ``{JOB}`` in ``expr`` becomes the job matcher."""
+    query = (
+        prometheus.Dataquery()
+        .expr(expr.replace("{JOB}", "{" + JOB + "}"))
+        .ref_id(ref)
+        .datasource(DATASOURCE)
+    )
+    if legend:
+        query = query.legend_format(legend)
+    if instant:
+        query = query.instant().format(prometheus.prometheus.PromQueryFormat.TABLE)
+    return query
+
+
+def _variables(builder: dash_b.Dashboard) -> dash_b.Dashboard:
+    return builder.with_variable(
+        dash_b.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
+    ).with_variable(
+        dash_b.QueryVariable("megascale_job")
+        .label("job")
+        .datasource(DATASOURCE)
+        .query("label_values(megascale_step, megascale_job)")
+        .refresh(dash_m.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(dash_m.VariableSort.ALPHABETICAL_ASC)
+    )
+
+
+def _stat(title: str, expr: str, unit: str, description: str) -> stat.Panel:
+    return (
+        stat.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .with_target(_q(expr))
+        .unit(unit)
+        .graph_mode(common.BigValueGraphMode.AREA)
+        .height(4)
+        .span(6)
+    )
+
+
+def _series(title: str, unit: str, description: str, *targets: Any) -> timeseries.Panel:
+    panel = (
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit(unit)
+        .height(8)
+        .span(12)
+    )
+    for target in targets:
+        panel = panel.with_target(target)
+    return panel
+
+
+def _heatmap(title: str, expr: str, unit: str, description: str) -> heatmap.Panel:
+    """Rank x time: one row per rank (each series a row, values coloured; no bucketing)."""
+    return (
+        heatmap.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .with_target(_q(expr, "{{node}} r{{rank}}"))
+        .calculate(False)
+        .rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.UNKNOWN))
+        .color(
+            heatmap.HeatmapColorOptions()
+            .mode(heatmap_m.HeatmapColorMode.SCHEME)
+            .scheme("RdYlGn")
+            .reverse(True)
+            .steps(64)
+        )
+        .y_axis(heatmap.YAxisConfig().axis_label("rank"))
+        .cell_values(heatmap.CellValues().unit(unit))
+        .unit(unit)
+        .height(10)
+        .span(24)
+    )
+
+
+def mfu_dashboard() -> dash_b.Dashboard:
+    """Throughput, MFU, step-time breakdown and robustness counters of one job."""
+    return (
+        _variables(
+            dash_b.Dashboard("megascale: MFU and throughput")
+            .uid("megascale-mfu")
+            .tags(["megascale"])
+            .time("now-1h", "now")
+            .refresh("30s")
+        )
+        .with_panel(
+            _stat(
+                "MFU",
+                "avg by (megascale_job) (megascale_mfu_ratio{JOB})",
+                "percentunit",
+                "Model FLOPs utilisation against the dense bf16 peak the trainer logs.",
+            )
+        )
+        .with_panel(
+            _stat(
+                "Tokens / s",
+                "avg by (megascale_job) (megascale_tokens_per_second{JOB})",
+                "short",
+                "Job-wide training throughput.",
+            )
+        )
+        .with_panel(
+            _stat(
+                "Effective training time",
+                "max by (megascale_job) (megascale_effective_training_time_ratio{JOB})",
+                "percentunit",
+                "Productive time over wall time since the job started.",
+            )
+        )
+        .with_panel(
+            _stat(
+                "Restarts",
+                "sum by (megascale_job) (megascale_restarts_total{JOB})",
+                "none",
+                "Restarts after faults since the controller started.",
+            )
+        )
+        .with_panel(
+            _series(
+                "MFU over time",
+                "percentunit",
+                "MFU over time.",
+                _q("avg by (megascale_job) (megascale_mfu_ratio{JOB})", "MFU"),
+            )
+        )
+        .with_panel(
+            _series(
+                "Tokens per second over time",
+                "short",
+                "Throughput over time.",
+                _q("avg by (megascale_job) (megascale_tokens_per_second{JOB})", "tokens/s"),
+            )
+        )
+        .with_panel(
+            _series(
+                "Step time",
+                "s",
+                "Median rank and slowest rank: a gap between them is a straggler.",
+                _q("quantile by (megascale_job) (0.5, megascale_step_time_seconds{JOB})", "median"),
+                _q("max by (megascale_job) (megascale_step_time_seconds{JOB})", "slowest", ref="B"),
+            )
+        )
+        .with_panel(
+            _series(
+                "Step-time breakdown (mean over ranks)",
+                "s",
+                "Compute, and communication not hidden behind compute, by group.",
+                _q("avg by (megascale_job) (megascale_compute_time_seconds{JOB})", "compute"),
+                _q(
+                    "avg by (megascale_job, group) (megascale_comm_time_seconds{JOB})",
+                    "comm {{group}}",
+                    ref="B",
+                ),
+            )
+        )
+        .with_panel(
+            _series(
+                "Checkpoint stall",
+                "s",
+                "Training time blocked by checkpoint saves: p90 over the interval, and the last.",
+                _q(
+                    "histogram_quantile(0.9, sum by (le, megascale_job) "
+                    "(rate(megascale_checkpoint_stall_seconds_bucket{JOB}[$__rate_interval])))",
+                    "p90",
+                ),
+                _q(
+                    "max by (megascale_job) (megascale_checkpoint_stall_last_seconds{JOB})",
+                    "last",
+                    ref="B",
+                ),
+            )
+        )
+        .with_panel(
+            _series(
+                "Faults by kind",
+                "short",
+                "Faults the controller detected per interval.",
+                _q(
+                    "sum by (megascale_job, kind) "
+                    "(increase(megascale_faults_total{JOB}[$__rate_interval]))",
+                    "{{kind}}",
+                ),
+            )
+        )
+        .with_panel(
+            _series(
+                "Heartbeats received per node",
+                "hertz",
+                "Heartbeats per second the controller receives from each node's agent.",
+                _q(
+                    "sum by (megascale_job, node) "
+                    "(rate(megascale_heartbeats_total{JOB}[$__rate_interval]))",
+                    "{{node}}",
+                ),
+            )
+        )
+    )
+
+
+_COMPUTE_SLOWDOWN = (
+    "max by (node, rank) (megascale_compute_time_seconds{JOB}) "
+    "/ scalar(quantile(0.5, megascale_compute_time_seconds{JOB}))"
+)
+
+
+def straggler_dashboard() -> dash_b.Dashboard:
+    """Per-rank heat maps and the slowest machines of one job."""
+    slow_machines = (
+        table.Panel()
+        .title("Top slow machines")
+        .description(
+            "Nodes by straggler score (slowest rank's time over its peers' median) and compute "
+            "slowdown against the job median. MegaScale found ~0.5% of machines slow this way."
+        )
+        .datasource(DATASOURCE)
+        .with_target(
+            _q(
+                "topk(10, max by (node) (megascale_straggler_score{JOB}))",
+                instant=True,
+                ref="score",
+            )
+        )
+        .with_target(
+            _q(
+                _COMPUTE_SLOWDOWN.replace("(node, rank)", "(node)"),
+                instant=True,
+                ref="compute",
+            )
+        )
+        .with_transformation(dash_m.DataTransformerConfig(id_val="merge", options={}))
+        .with_transformation(
+            dash_m.DataTransformerConfig(
+                id_val="organize",
+                options={
+                    "excludeByName": {"Time": True},
+                    "renameByName": {
+                        "Value #score": "straggler score",
+                        "Value #compute": "compute vs median",
+                    },
+                },
+            )
+        )
+        .sort_by([common_b.TableSortByFieldState().display_name("straggler score").desc(True)])
+        .decimals(3)
+        .height(10)
+        .span(12)
+    )
+    score = _series(
+        "Straggler score by rank",
+        "none",
+        "Each rank's time over its peers' median; above 1.1 is 10% slow.",
+        _q("max by (node, rank) (megascale_straggler_score{JOB})", "{{node}} r{{rank}}"),
+    ).thresholds(
+        dash_b.ThresholdsConfig()
+        .mode(dash_m.ThresholdsMode.ABSOLUTE)
+        .steps([dash_m.Threshold(None, "green"), dash_m.Threshold(1.1, "red")])
+    )
+    return (
+        _variables(
+            dash_b.Dashboard("megascale: stragglers")
+            .uid("megascale-stragglers")
+            .tags(["megascale"])
+            .time("now-1h", "now")
+            .refresh("30s")
+        )
+        .with_panel(
+            _heatmap(
+                "Step time by rank",
+                "max by (node, rank) (megascale_step_time_seconds{JOB})",
+                "s",
+                "One row per rank, one column per scrape: a row that stays hot is a straggler.",
+            )
+        )
+        .with_panel(
+            _heatmap(
+                "Compute time by rank",
+                "max by (node, rank) (megascale_compute_time_seconds{JOB})",
+                "s",
+                "Forward, backward and optimizer time per rank: slow hardware shows here.",
+            )
+        )
+        .with_panel(
+            _heatmap(
+                "Compute time over the job median",
+                _COMPUTE_SLOWDOWN,
+                "none",
+                "1.0 is the median rank; 1.1 is 10% slower than it.",
+            )
+        )
+        .with_panel(slow_machines)
+        .with_panel(score)
+    )
+
+
+DASHBOARDS = {"megascale-mfu": mfu_dashboard, "megascale-stragglers": straggler_dashboard}
+"""uid -> builder of every dashboard."""
+
+
+def build_all() -> dict[str, dict[str, Any]]:
+    """uid -> the dashboard's JSON model (what Grafana stores)."""
+    return {
+        uid: json.loads(json.dumps(fn().build(), cls=JSONEncoder)) for uid, fn in DASHBOARDS.items()
+    }
+
+
+def to_json(model: dict[str, Any]) -> str:
+    """The exported file's text: stable key order, so an unchanged dashboard is an unchanged file."""
+    return json.dumps(model, indent=2, sort_keys=True) + "\n"
+
+
+def export(out: str | Path) -> list[Path]:
+    """Write ``<uid>.json`` for every dashboard into ``out``; return the paths."""
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for uid, model in build_all().items():
+        path = directory / f"{uid}.json"
+        path.write_text(to_json(model))
+        paths.append(path)
+    return paths
+
+
+def push(url: str, token: str | None, folder_uid: str | None = None) -> list[dict[str, Any]]:
+    """Create or overwrite every dashboard in the Grafana at ``url``; return Grafana's answers.
+
+    ``token``: a service-account token (``Authorization: Bearer``); None uses the user and
+    password in ``url`` (``http://user:pass@host:3000``). Raises ``GrafanaException`` subclasses
+    on HTTP errors (e.g. ``GrafanaUnauthorizedError`` for a bad token).
+    """
+    from grafana_client import GrafanaApi
+
+    api = GrafanaApi.from_url(url, credential=token)
+    answers = []
+    for uid, model in build_all().items():
+        body: dict[str, Any] = {"dashboard": model, "overwrite": True, "message": "megascale"}
+        if folder_uid:
+            body["folderUid"] = folder_uid
+        answers.append(api.dashboard.update_dashboard(body))
+        logger.info("pushed dashboard %s to %s", uid, url)
+    return answers
+
+
+# -- the queries, for tests and for anyone checking a Prometheus ----------------------------------
+
+
+def panel_queries(model: dict[str, Any]) -> Iterator[tuple[str, str, str, bool]]:
+    """(panel title, refId, PromQL, instant) of every target of every panel in ``model``."""
+    for panel in model.get("panels", []):
+        for inner in [panel, *panel.get("panels", [])]:  # rows nest panels
+            for target in inner.get("targets", []):
+                yield inner["title"], target["refId"], target["expr"], bool(target.get("instant"))
+
+
+def variable_queries(model: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(name, query) of every query-type template variable in ``model``."""
+    for var in model.get("templating", {}).get("list", []):
+        if var.get("type") == "query":
+            query = var["query"]
+            yield var["name"], query if isinstance(query, str) else query["query"]
+
+
+def render(expr: str, variables: dict[str, str], rate_interval: str = "1m") -> str:
+    """``expr`` with Grafana's variables substituted, as Grafana would send it to Prometheus."""
+    out = expr.replace("$__rate_interval", rate_interval).replace("$__interval", rate_interval)
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: variables.get(m.group(1), m.group(0)), out)
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``megascale dashboards export --out DIR`` and ``megascale dashboards push --url --token``."""
+    sub = parser.add_subparsers(dest="dashboards_command", required=True)
+    exp = sub.add_parser("export", help="write the dashboards' JSON files")
+    exp.add_argument("--out", default="k8s/dashboards", help="directory (default: k8s/dashboards)")
+    psh = sub.add_parser("push", help="create or overwrite the dashboards in a Grafana")
+    psh.add_argument("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
+    psh.add_argument("--token", help="service-account token (default: user:pass in the URL)")
+    psh.add_argument("--folder-uid", help="Grafana folder to put them in")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``megascale dashboards ...``; 1 with a logged error when Grafana refuses."""
+    if args.dashboards_command == "export":
+        for path in export(args.out):
+            sys.stdout.write(f"{path}\n")
+        return 0
+    from grafana_client.client import GrafanaException
+
+    try:
+        answers = push(args.url, args.token, args.folder_uid)
+    except (GrafanaException, OSError) as e:
+        logger.error("megascale dashboards push %s: %s", args.url, e)
+        return 1
+    for answer in answers:
+        sys.stdout.write(f"{answer.get('uid')} {answer.get('status')} {answer.get('url', '')}\n")
+    return 0

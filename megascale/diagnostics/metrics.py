@@ -1,0 +1,367 @@
+"""Prometheus metrics of a megascale job: every metric defined once (``METRICS``), two exporters.
+
+``AgentMetrics`` runs in each node agent, ``ControllerMetrics`` in the controller; each owns its
+registry (several may live in one process) and serves it with ``serve(port, addr="127.0.0.1")``.
+The dashboards (``megascale.diagnostics.dashboards``) query exactly these names.
+
+Labels: ``megascale_job`` (the job id: *not* ``job``, which Prometheus reserves for the scrape
+job and would rename to ``exported_job``), ``node`` (agent node name), ``rank`` (global rank),
+``group`` (communication group: ``dp``, ``pp``, ``tp``, or ``all``), ``kind`` (fault kind).
+
+==========================================  =========  ==========================  ==========
+metric                                      type       labels (+ megascale_job)    exporter
+==========================================  =========  ==========================  ==========
+megascale_step                              gauge      node, rank                  agent
+megascale_step_time_seconds                 gauge      node, rank                  agent
+megascale_compute_time_seconds              gauge      node, rank                  agent
+megascale_comm_time_seconds                 gauge      node, rank, group           agent
+megascale_tokens_per_second                 gauge      node                        agent
+megascale_mfu_ratio                         gauge      node                        agent
+megascale_checkpoint_stall_seconds          histogram  node                        agent
+megascale_checkpoint_stall_last_seconds     gauge      node                        agent
+megascale_heartbeats_sent_total             counter    node                        agent
+megascale_heartbeats_total                  counter    node                        controller
+megascale_straggler_score                   gauge      node, rank                  controller
+megascale_faults_total                      counter    kind                        controller
+megascale_restarts_total                    counter    --                          controller
+megascale_generation                        gauge      --                          controller
+megascale_effective_training_time_ratio     gauge      --                          controller
+megascale_productive_seconds                gauge      --                          controller
+==========================================  =========  ==========================  ==========
+
+Meanings: step/compute/comm times are the last completed step's, per rank (compute = forward +
+backward + optimizer kernels; comm = communication time *not* hidden behind compute, per group).
+Tokens/s and MFU are job-wide figures as a rank computed them (global batch / step time), so
+dashboards average them over nodes rather than summing. The straggler score of a rank is its
+step (or compute) time over the median of its peers (1.0 = median, 1.1 = 10% slow).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+logger = logging.getLogger(__name__)
+
+JOB_LABEL = "megascale_job"
+FAULT_KINDS = (
+    "node_lost",
+    "worker_exit",
+    "error_keyword",
+    "stall",
+    "start_failed",
+    "heartbeat_timeout",
+)
+"""The controller's ``Fault.kind`` values; pre-set to 0 so that ``increase()`` sees the first."""
+STALL_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: its Prometheus name (as queried), type, help, and labels besides the job's."""
+
+    name: str
+    type: type
+    help: str
+    labels: tuple[str, ...] = ()
+    exporter: str = "agent"
+
+    def __post_init__(self) -> None:
+        if "job" in self.labels or JOB_LABEL in self.labels:
+            raise ValueError(f"metric {self.name}: labels {self.labels} must not name 'job'")
+
+    def create(self, registry: CollectorRegistry) -> Any:
+        """The prometheus-client metric in ``registry``, labelled ``megascale_job`` first."""
+        name = self.name.removesuffix("_total") if self.type is Counter else self.name
+        kwargs: dict[str, Any] = {"registry": registry}
+        if self.type is Histogram:
+            kwargs["buckets"] = STALL_BUCKETS
+        return self.type(name, self.help, (JOB_LABEL, *self.labels), **kwargs)
+
+
+METRICS: dict[str, MetricSpec] = {
+    s.name: s
+    for s in (
+        MetricSpec("megascale_step", Gauge, "Last completed training step.", ("node", "rank")),
+        MetricSpec(
+            "megascale_step_time_seconds",
+            Gauge,
+            "Wall time of the last completed step.",
+            ("node", "rank"),
+        ),
+        MetricSpec(
+            "megascale_compute_time_seconds",
+            Gauge,
+            "Compute time (forward, backward, optimizer) of the last step.",
+            ("node", "rank"),
+        ),
+        MetricSpec(
+            "megascale_comm_time_seconds",
+            Gauge,
+            "Communication time not overlapped with compute in the last step, by group.",
+            ("node", "rank", "group"),
+        ),
+        MetricSpec(
+            "megascale_tokens_per_second",
+            Gauge,
+            "Job-wide training throughput as reported by this node's ranks.",
+            ("node",),
+        ),
+        MetricSpec(
+            "megascale_mfu_ratio",
+            Gauge,
+            "Model FLOPs utilisation (0-1) as reported by this node's ranks.",
+            ("node",),
+        ),
+        MetricSpec(
+            "megascale_checkpoint_stall_seconds",
+            Histogram,
+            "Time training was blocked by a checkpoint save.",
+            ("node",),
+        ),
+        MetricSpec(
+            "megascale_checkpoint_stall_last_seconds",
+            Gauge,
+            "Training time blocked by the last checkpoint save.",
+            ("node",),
+        ),
+        MetricSpec(
+            "megascale_heartbeats_sent_total", Counter, "Heartbeats this agent sent.", ("node",)
+        ),
+        MetricSpec(
+            "megascale_heartbeats_total",
+            Counter,
+            "Heartbeats the controller received, by node.",
+            ("node",),
+            "controller",
+        ),
+        MetricSpec(
+            "megascale_straggler_score",
+            Gauge,
+            "Step time of a rank over the median of its peers (1.0 = median).",
+            ("node", "rank"),
+            "controller",
+        ),
+        MetricSpec(
+            "megascale_faults_total", Counter, "Faults detected, by kind.", ("kind",), "controller"
+        ),
+        MetricSpec("megascale_restarts_total", Counter, "Job restarts.", (), "controller"),
+        MetricSpec("megascale_generation", Gauge, "Current generation.", (), "controller"),
+        MetricSpec(
+            "megascale_effective_training_time_ratio",
+            Gauge,
+            "Productive training time over wall time since the job started (0-1).",
+            (),
+            "controller",
+        ),
+        MetricSpec(
+            "megascale_productive_seconds",
+            Gauge,
+            "Wall time spent in steps whose progress was kept.",
+            (),
+            "controller",
+        ),
+    )
+}
+"""Every metric of the job, by the name PromQL uses."""
+
+
+class MetricsServer:
+    """An HTTP ``/metrics`` endpoint of one registry; ``close()`` stops it."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, addr: str) -> None:
+        self._server, self._thread = start_http_server(port, addr, registry)
+        self.addr = addr
+        self.port = self._server.server_port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.addr}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+class _Exporter:
+    exporter = ""
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        self._m = {
+            name: spec.create(self.registry)
+            for name, spec in METRICS.items()
+            if spec.exporter == self.exporter
+        }
+
+    def _metric(self, name: str, **labels: object) -> Any:
+        return self._m[name].labels(
+            **{JOB_LABEL: self.job}, **{k: str(v) for k, v in labels.items()}
+        )
+
+    def serve(self, port: int = 0, addr: str = "127.0.0.1") -> MetricsServer:
+        """Serve ``/metrics`` on ``addr:port`` (port 0: a free one, see ``.port``) in a thread.
+
+        Loopback by default: pass the pod IP or ``0.0.0.0`` to let a Prometheus elsewhere scrape.
+        """
+        server = MetricsServer(self.registry, port, addr)
+        logger.info("%s metrics of job %s at %s", self.exporter, self.job, server.url)
+        return server
+
+
+def _num(value: Any) -> float | None:
+    return None if value is None or isinstance(value, bool) else float(value)
+
+
+class AgentMetrics(_Exporter):
+    """The node agent's metrics (one instance per agent). Thread-safe."""
+
+    exporter = "agent"
+
+    def __init__(self, job: str, node: str) -> None:
+        super().__init__(job)
+        self.node = node
+        self._ranks: set[str] = set()
+        self._groups: dict[str, set[str]] = {}
+
+    def set_step(
+        self,
+        rank: int,
+        step: int,
+        step_time_s: float | None = None,
+        compute_time_s: float | None = None,
+        comm_time_s: float | Mapping[str, float] | None = None,
+    ) -> None:
+        """One rank's last completed step and its timings (``comm_time_s`` by group or total)."""
+        r, n = str(rank), self.node
+        with self._lock:
+            self._ranks.add(r)
+            self._metric("megascale_step", node=n, rank=r).set(step)
+            if step_time_s is not None:
+                self._metric("megascale_step_time_seconds", node=n, rank=r).set(step_time_s)
+            if compute_time_s is not None:
+                self._metric("megascale_compute_time_seconds", node=n, rank=r).set(compute_time_s)
+            if comm_time_s is not None:
+                by_group = comm_time_s if isinstance(comm_time_s, Mapping) else {"all": comm_time_s}
+                for group, seconds in by_group.items():
+                    self._groups.setdefault(r, set()).add(group)
+                    self._metric("megascale_comm_time_seconds", node=n, rank=r, group=group).set(
+                        seconds
+                    )
+
+    def set_throughput(self, tokens_per_s: float | None, mfu: float | None = None) -> None:
+        """The job-wide tokens/s and MFU (a fraction) as this node's ranks computed them."""
+        with self._lock:
+            if tokens_per_s is not None:
+                self._metric("megascale_tokens_per_second", node=self.node).set(tokens_per_s)
+            if mfu is not None:
+                self._metric("megascale_mfu_ratio", node=self.node).set(mfu)
+
+    def observe_checkpoint_stall(self, seconds: float) -> None:
+        """One checkpoint save blocked training for ``seconds``."""
+        with self._lock:
+            self._metric("megascale_checkpoint_stall_seconds", node=self.node).observe(seconds)
+            self._metric("megascale_checkpoint_stall_last_seconds", node=self.node).set(seconds)
+
+    def observe_heartbeat(self, payload: Mapping[str, Any]) -> None:
+        """Export what a heartbeat carries; call once per heartbeat the agent sends.
+
+        ``payload`` is the agent's HEARTBEAT (``robustness/keys.py``); fields read when present:
+        ``tokens_per_s``, ``mfu``, ``checkpoint_stall_s`` (a save that finished since the last
+        heartbeat), and ``ranks``: ``{"<rank>": {"step", "step_time_s", "compute_time_s",
+        "comm_time_s": float | {"dp"|"pp"|"tp": float}}}``. Missing fields are left unchanged.
+        """
+        self._metric("megascale_heartbeats_sent_total", node=self.node).inc()
+        self.set_throughput(_num(payload.get("tokens_per_s")), _num(payload.get("mfu")))
+        if payload.get("checkpoint_stall_s") is not None:
+            self.observe_checkpoint_stall(float(payload["checkpoint_stall_s"]))
+        for rank, info in (payload.get("ranks") or {}).items():
+            if info.get("step") is None:
+                continue
+            self.set_step(
+                int(rank),
+                int(info["step"]),
+                _num(info.get("step_time_s")),
+                _num(info.get("compute_time_s")),
+                info.get("comm_time_s"),
+            )
+
+    def remove_rank(self, rank: int) -> None:
+        """Forget a rank that left this node (its series disappear from the next scrape)."""
+        r, n = str(rank), self.node
+        with self._lock:
+            self._ranks.discard(r)
+            for name in (
+                "megascale_step",
+                "megascale_step_time_seconds",
+                "megascale_compute_time_seconds",
+            ):
+                try:
+                    self._m[name].remove(self.job, n, r)
+                except KeyError:
+                    pass
+            for group in self._groups.pop(r, set()):
+                self._m["megascale_comm_time_seconds"].remove(self.job, n, r, group)
+
+
+class ControllerMetrics(_Exporter):
+    """The controller's metrics (one per controller process). Thread-safe."""
+
+    exporter = "controller"
+
+    def __init__(self, job: str) -> None:
+        super().__init__(job)
+        self._scored: set[tuple[str, str]] = set()
+        for kind in FAULT_KINDS:
+            self._metric("megascale_faults_total", kind=kind)
+        self._metric("megascale_restarts_total")
+
+    def observe_heartbeat(self, node: str, payload: Mapping[str, Any] | None = None) -> None:
+        """A heartbeat from ``node`` arrived (``payload`` is not read yet; it may be None)."""
+        self._metric("megascale_heartbeats_total", node=node).inc()
+
+    def record_fault(self, kind: str) -> None:
+        """The controller detected a fault of ``kind`` (``Fault.kind``)."""
+        self._metric("megascale_faults_total", kind=kind).inc()
+
+    def record_restart(self, generation: int | None = None) -> None:
+        """The job restarted (a new generation started after a fault)."""
+        self._metric("megascale_restarts_total").inc()
+        if generation is not None:
+            self.set_generation(generation)
+
+    def set_generation(self, generation: int) -> None:
+        self._metric("megascale_generation").set(generation)
+
+    def set_straggler_scores(self, scores: Mapping[tuple[str, int], float]) -> None:
+        """Scores by (node, rank); ranks absent from ``scores`` are removed."""
+        with self._lock:
+            current = {(node, str(rank)): s for (node, rank), s in scores.items()}
+            for node, rank in self._scored - current.keys():
+                self._m["megascale_straggler_score"].remove(self.job, node, rank)
+            for (node, rank), score in current.items():
+                self._metric("megascale_straggler_score", node=node, rank=rank).set(score)
+            self._scored = set(current)
+
+    def set_effective_training_time(self, productive_s: float, wall_s: float) -> None:
+        """Productive time (steps whose progress was kept) and wall time since the job began."""
+        self._metric("megascale_productive_seconds").set(productive_s)
+        if wall_s > 0:
+            self._metric("megascale_effective_training_time_ratio").set(productive_s / wall_s)
+
+
+def metric_names(exporter: str | None = None) -> Iterable[str]:
+    """The names in ``METRICS`` (of one exporter if given), plus histogram series suffixes."""
+    for spec in METRICS.values():
+        if exporter is None or spec.exporter == exporter:
+            yield spec.name
+            if spec.type is Histogram:
+                yield from (spec.name + s for s in ("_bucket", "_sum", "_count"))

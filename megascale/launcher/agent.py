@@ -1,0 +1,541 @@
+"""The node agent (``megascale agent``): one per node, between the controller and the workers.
+
+What it does, in its threads:
+
+* main loop: registers the node (``nodes/<node>`` under a lease of ``lease_ttl`` s), then every
+  ``heartbeat_interval`` -- and at once when a worker exits -- writes ``heartbeats/<node>``
+  (``heartbeat()``; the payload is documented there and in ``keys.py``);
+* command thread: runs what the controller writes to ``commands/<node>`` -- ``stop`` (stop the
+  workers), ``selfcheck`` (the node self-check; its result is the ack), ``start`` (generation G
+  with rank assignment R) -- and acks each under ``acks/<node>``. A command is run only if
+  ``keys.is_current`` (this job, not an older generation) and at most once (by its id);
+* the zygote's reader: worker exits (``megascale.launcher.workers``).
+
+etcd unreachable: the workers keep running and the agent keeps trying (each store call gives up
+after ``retry_s`` and is retried at the next beat); acks are retried until written. If the lease
+expired meanwhile, the agent registers again under a new lease. Commands are watched from the
+revision current at start-up, so a command left from before this agent started is never run.
+
+The agent exits when told to (SIGTERM/SIGINT: workers stopped, lease revoked) or when the job's
+``state`` is terminal and its workers are gone (0 finished, 1 failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty, Queue
+from typing import Any
+
+from megascale.launcher.nodeinfo import gpu_status, hardware_info, network_counters
+from megascale.launcher.workers import WorkerPool, Zygote, free_port
+from megascale.robustness import inject
+from megascale.robustness.keys import JobKeys, is_current
+from megascale.robustness.progress import progress_path, read_progress
+from megascale.robustness.service import add_store_arguments, lease_ttl, setup_logging, store_config
+from megascale.robustness.store import (
+    KeepAlive,
+    Lease,
+    LeaseNotFound,
+    Store,
+    StoreConfig,
+    StoreError,
+    WatchEvent,
+)
+
+logger = logging.getLogger(__name__)
+
+TERMINAL_STATES = ("finished", "failed")
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    job_id: str
+    node: str
+    run_dir: Path
+    config: str | None
+    """The workers' ``megascale train`` CONFIG (a TOML file or preset; None: the default)."""
+    overrides: tuple[str, ...] = ()
+    """Their ``--set SECTION.KEY=VALUE`` items."""
+    nproc_per_node: int = 1
+    heartbeat_interval: float = 1.0
+    addr: str = "127.0.0.1"
+    """The address other nodes reach this node's rank-0 store at, when it runs rank 0."""
+    faults: tuple[inject.FaultSpec, ...] = ()
+    selfcheck: str = "auto"
+    """``builtin`` (``workers.selfcheck_rank``), ``full`` (``megascale.diagnostics.selfcheck``),
+    or ``auto`` (full when importable)."""
+    worker_nice: int = 0
+    visible_devices: str | None = None
+    """``CUDA_VISIBLE_DEVICES`` for this node's workers (several "nodes" on one GPU machine)."""
+    stop_grace_s: float = 3.0
+    rendezvous_timeout_s: float = 60.0
+
+    @property
+    def lease_ttl(self) -> int:
+        return lease_ttl(self.heartbeat_interval)
+
+    def train_argv(self) -> list[str]:
+        argv = [self.config] if self.config else []
+        for item in self.overrides:
+            argv += ["--set", item]
+        return [*argv, "--run-dir", str(self.run_dir)]
+
+
+@dataclass
+class _Reported:
+    """Errors and notices of the current generation, numbered for the controller."""
+
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    notices: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    seq: int = 0
+
+
+class Agent:
+    """One node's agent (see the module docstring). ``run()`` returns the exit code."""
+
+    def __init__(self, store: Store, opts: AgentOptions, zygote: Zygote) -> None:
+        self.store, self.opts = store, opts
+        self.keys = JobKeys(opts.job_id)
+        self.generation = 0
+        self.pool = WorkerPool(zygote, opts.run_dir, opts.node, on_change=self.wake)
+        self.zygote = zygote
+        self.stopping = threading.Event()
+        self._wake = threading.Event()
+        self._commands: Queue[dict[str, Any]] = Queue()
+        self._done_ids: set[str] = set()
+        self._lease: Lease | None = None
+        self._keepalive: KeepAlive | None = None
+        self._need_register = threading.Event()
+        self._need_register.set()
+        self._watches: list[Any] = []
+        self._job_state: str | None = None
+        self._reported = _Reported()
+        self._lock = threading.Lock()
+        self._etcd_ok = True
+        self.hardware = hardware_info()
+        self.selfchecks = 0
+
+    def wake(self) -> None:
+        """Send a heartbeat now (a worker exited)."""
+        self._wake.set()
+
+    # -- main loop --------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        commands = threading.Thread(target=self._command_loop, name="agent-commands", daemon=True)
+        commands.start()
+        try:
+            while not self.stopping.is_set():
+                if self._need_register.is_set():
+                    self._register()
+                if not self._need_register.is_set():
+                    self._beat()
+                if self._job_state in TERMINAL_STATES and not self.pool.running():
+                    logger.info("job %s; agent exits", self._job_state)
+                    return 0 if self._job_state == "finished" else 1
+                self._wake.wait(self.opts.heartbeat_interval)
+                self._wake.clear()
+            return 0
+        finally:
+            self._shutdown()
+
+    def _register(self) -> None:
+        """Take a lease, publish ``nodes/<node>``, watch commands and the job state."""
+        try:
+            if not self._watches:
+                self._watch_commands()
+            if self._keepalive is not None:
+                self._keepalive.stop()
+            self._lease = self.store.grant(self.opts.lease_ttl)
+            self._keepalive = self.store.keep_alive(self._lease, on_lost=self._lease_lost)
+            info = {
+                "node": self.opts.node,
+                "host": socket.gethostname(),
+                "addr": self.opts.addr,
+                "nproc": self.opts.nproc_per_node,
+                "pid": os.getpid(),
+                "hardware": self.hardware,
+                "registered_at": time.time(),
+            }
+            self.store.put(self.keys.node(self.opts.node), info, lease=self._lease)
+        except StoreError as e:
+            self._etcd_failed(e)
+            return
+        self._need_register.clear()
+        self._etcd_back()
+        logger.info(
+            "node %s registered (lease %x, ttl %d s)",
+            self.opts.node,
+            self._lease.id,
+            self._lease.ttl,
+        )
+
+    def _watch_commands(self) -> None:
+        generation = self.store.get(self.keys.generation)
+        if generation is not None:
+            self.generation = max(self.generation, int(generation.json()["generation"]))
+        # From now on: a command written before this agent started is never run.
+        start = self.store.snapshot(self.keys.command(self.opts.node)).revision + 1
+        self._watches.append(
+            self.store.watch(
+                self.keys.command(self.opts.node), start_revision=start, callback=self._on_command
+            )
+        )
+        self._watches.append(self.store.watch(self.keys.state, callback=self._on_state))
+        state = self.store.get(self.keys.state)
+        if state is not None:
+            self._job_state = state.json().get("state")
+
+    def _lease_lost(self, lease: Lease) -> None:
+        logger.warning("lease %x expired: registering again", lease.id)
+        self._need_register.set()
+        self.wake()
+
+    def _on_command(self, event: WatchEvent) -> None:
+        if event.kind == "put":
+            self._commands.put(event.json())
+
+    def _on_state(self, event: WatchEvent) -> None:
+        if event.kind == "put":
+            self._job_state = event.json().get("state")
+            if self._job_state in TERMINAL_STATES:
+                self.wake()
+
+    def _etcd_failed(self, error: Exception) -> None:
+        if self._etcd_ok:
+            logger.warning("etcd unreachable (%s); workers keep running, retrying", error)
+        self._etcd_ok = False
+
+    def _etcd_back(self) -> None:
+        if not self._etcd_ok:
+            logger.warning("etcd reachable again")
+        self._etcd_ok = True
+
+    def _beat(self) -> None:
+        payload = self.heartbeat()
+        try:
+            self.store.put(self.keys.heartbeat(self.opts.node), payload, lease=self._lease)
+        except LeaseNotFound:
+            logger.warning("lease gone: registering again")
+            self._need_register.set()
+        except StoreError as e:
+            self._etcd_failed(e)
+        else:
+            self._etcd_back()
+
+    def _shutdown(self) -> None:
+        self.stopping.set()
+        self.pool.stop(self.opts.stop_grace_s)
+        for watch in self._watches:
+            watch.cancel()
+        if self._keepalive is not None:
+            try:
+                self._keepalive.stop(revoke=True)  # deregister now rather than at lease expiry
+            except StoreError as e:
+                logger.warning("could not revoke the lease: %s", e)
+        self.zygote.close()
+
+    # -- the heartbeat ----------------------------------------------------------------------------
+
+    def heartbeat(self) -> dict[str, Any]:
+        """The ``heartbeats/<node>`` value. Fields (the controller reads the first group)::
+
+        node, time, generation, step, section, tokens_per_s, workers, flight, errors
+        error_events: [{"seq", "rank", "kind", "text", "secondary"}]  (this generation)
+        notices: [{"seq", "rank", "kind", "text"}]        e.g. a checkpoint skipped
+        host, addr, pid, hardware (static), gpus (NVML, live; None without NVML),
+        network: {iface: {rx_bytes, tx_bytes, rx_packets, tx_packets, rx_errs, tx_errs}},
+        selfchecks (how many run)
+        """
+        self._collect_output()
+        workers = self.pool.status(self.generation)
+        progress = self._progress()
+        steps = [p["step"] for p in progress.values() if p.get("step") is not None]
+        sections = {p.get("section") for p in progress.values()}
+        section = next((s for s in ("init", "checkpoint") if s in sections), "step")
+        if not progress:
+            section = "init"
+        with self._lock:
+            current = [e for e in self._reported.errors if e["generation"] == self.generation]
+            errors = current[-50:]
+            notices = [n for n in self._reported.notices if n["generation"] == self.generation]
+            notices = notices[-20:]
+        return {
+            "node": self.opts.node,
+            "time": time.time(),
+            "generation": self.generation,
+            "step": max(steps) if steps else None,
+            "section": section,
+            "tokens_per_s": sum(p.get("tokens_per_s") or 0.0 for p in progress.values()),
+            "step_time_s": max((p.get("step_time_s") or 0.0 for p in progress.values()), default=0),
+            "workers": workers,
+            "flight": self._flight(),
+            "errors": [f"rank {e['rank']}: {e['kind']}: {e['text']}" for e in errors],
+            "error_events": errors,
+            "notices": notices,
+            "host": socket.gethostname(),
+            "addr": self.opts.addr,
+            "pid": os.getpid(),
+            "hardware": self.hardware,
+            "gpus": gpu_status(),
+            "network": network_counters(),
+            "selfchecks": self.selfchecks,
+        }
+
+    def _collect_output(self) -> None:
+        """Scan the workers' output. An error is published one beat after it was found (or at
+        once when its worker has exited), so the lines after it -- a peer's connection closing --
+        can mark it secondary first. Each item carries its worker's generation: the heartbeat
+        reports only the current generation's."""
+        found = self.pool.scan()
+        with self._lock:
+            rep = self._reported
+            ready, rep.pending = rep.pending, []
+            for worker, match in found:
+                rep.seq += 1
+                item = {
+                    "seq": rep.seq,
+                    "rank": worker.rank,
+                    "generation": worker.generation,
+                    "kind": match.kind,
+                    "text": match.text,
+                    "worker": worker,
+                }
+                if match.kind == "resumed" and worker.rank != 0:
+                    continue  # every rank says so; one is enough
+                (rep.notices if match.notice else rep.pending).append(item)
+            ready += [e for e in rep.pending if not e["worker"].alive]
+            rep.pending = [e for e in rep.pending if e["worker"].alive]
+            for error in sorted(ready, key=lambda e: e["seq"]):
+                scanner = error.pop("worker").scanner
+                error["secondary"] = bool(scanner and scanner.peer_failure)
+                rep.errors.append(error)
+                logger.warning("rank %d: %s: %s", error["rank"], error["kind"], error["text"])
+            for notice in rep.notices:
+                notice.pop("worker", None)
+
+    def _current_workers(self) -> list[tuple[int, Any]]:
+        return [
+            (r, w) for r, w in list(self.pool.workers.items()) if w.generation == self.generation
+        ]
+
+    def _progress(self) -> dict[int, dict[str, Any]]:
+        """Per current worker: its progress file (``megascale.robustness.progress``), if this
+        worker (not an earlier one of the same rank) wrote it."""
+        out: dict[int, dict[str, Any]] = {}
+        for rank, worker in self._current_workers():
+            try:
+                state = read_progress(progress_path(self.opts.run_dir, rank))
+            except (OSError, ValueError):
+                continue
+            if state.pid == worker.pid:
+                out[rank] = dataclasses.asdict(state)
+        return out
+
+    def _flight(self) -> dict[str, Any]:
+        try:
+            from megascale.robustness.flight_format import FlightFileError, flight_path, last_state
+        except ImportError:
+            return {}
+        states = {}
+        for rank, worker in self._current_workers():
+            try:
+                state = last_state(flight_path(self.opts.run_dir, rank))
+            except (OSError, FlightFileError):
+                continue
+            if state.pid == worker.pid:
+                states[str(rank)] = state.to_json()
+        return states
+
+    # -- commands ---------------------------------------------------------------------------------
+
+    def _command_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                command = self._commands.get(timeout=0.2)
+            except Empty:
+                continue
+            if not is_current(command, self.opts.job_id, self.generation):
+                logger.info(
+                    "ignoring command %s (agent at generation %d)", command, self.generation
+                )
+                continue
+            if command.get("id") in self._done_ids:
+                continue
+            self._done_ids.add(str(command.get("id")))
+            self.generation = max(self.generation, int(command["generation"]))
+            logger.info(
+                "command %s %s (generation %d)", command["kind"], command["id"], self.generation
+            )
+            try:
+                ok, detail = getattr(self, f"_cmd_{command['kind']}")(command)
+            except Exception as e:  # a failed command is a failed ack, not a dead agent
+                logger.exception("command %s failed", command["id"])
+                ok, detail = False, f"{type(e).__name__}: {e}"
+            self._ack(command, ok, detail)
+
+    def _ack(self, command: dict[str, Any], ok: bool, detail: str) -> None:
+        ack = {
+            "id": command["id"],
+            "generation": command["generation"],
+            "kind": command["kind"],
+            "ok": ok,
+            "detail": detail[:2000],
+        }
+        while not self.stopping.is_set():
+            try:
+                self.store.put(self.keys.ack(self.opts.node), ack)
+                return
+            except StoreError as e:
+                self._etcd_failed(e)
+                time.sleep(min(1.0, self.opts.heartbeat_interval))
+
+    def _cmd_stop(self, command: dict[str, Any]) -> tuple[bool, str]:
+        codes = self.pool.stop(self.opts.stop_grace_s)
+        self.wake()
+        return True, f"stopped; exit codes {codes}"
+
+    def _cmd_selfcheck(self, command: dict[str, Any]) -> tuple[bool, str]:
+        self.selfchecks += 1
+        self.pool.stop(self.opts.stop_grace_s)  # nothing of ours may run during the check
+        for spec in self.opts.faults:
+            if spec.kind == "corrupt-checkpoint":
+                inject.corrupt_latest_checkpoint(
+                    self.opts.run_dir, self.opts.config, self.opts.overrides, spec
+                )
+        ok, detail = self._run_selfcheck()
+        for spec in self.opts.faults:
+            if spec.kind == "fail-selfcheck" and self.opts.node == f"node-{spec.get('node')}":
+                inject.claim(self.opts.run_dir, spec, node=self.opts.node)
+                ok, detail = False, f"injected fault {spec.text}; {detail}"
+        log = logger.info if ok else logger.warning
+        log("self-check %s: %s", "passed" if ok else "FAILED", detail)
+        return ok, detail
+
+    def _run_selfcheck(self) -> tuple[bool, str]:
+        mode = self.opts.selfcheck
+        if mode == "auto":
+            try:
+                import megascale.diagnostics.selfcheck  # noqa: F401
+
+                mode = "full"
+            except ImportError:
+                mode = "builtin"
+        return self.pool.selfcheck(self.opts.nproc_per_node, full=mode == "full")
+
+    def _cmd_start(self, command: dict[str, Any]) -> tuple[bool, str]:
+        assignment = command["rank_assignment"]
+        generation = int(command["generation"])
+        self.pool.stop(self.opts.stop_grace_s)
+        with self._lock:
+            self._reported = _Reported()
+        addr, port = self._rendezvous(generation, str(assignment["master_node"]))
+        env = {
+            "WORLD_SIZE": str(assignment["world_size"]),
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": str(port),
+            "MEGASCALE_JOB": self.opts.job_id,
+            "MEGASCALE_NODE": self.opts.node,
+            "MEGASCALE_GENERATION": str(generation),
+            inject.ENV: inject.to_env(self.opts.faults),
+            **(
+                {"CUDA_VISIBLE_DEVICES": self.opts.visible_devices}
+                if self.opts.visible_devices
+                else {}
+            ),
+        }
+        ranks = [int(r) for r in assignment["ranks"]]
+        self.pool.start(generation, ranks, env, self.opts.train_argv(), self.opts.worker_nice)
+        self.wake()
+        return True, f"generation {generation}: ranks {ranks}, master {addr}:{port}"
+
+    def _rendezvous(self, generation: int, master: str) -> tuple[str, int]:
+        """The master node's agent picks a free port and publishes it under
+        ``rendezvous/<generation>`` (on its lease); the others wait for it."""
+        key = f"{self.keys.prefix}rendezvous/{generation}"
+        if master == self.opts.node:
+            port = free_port(self.opts.addr)
+            value = {"addr": self.opts.addr, "port": port, "node": master}
+            self.store.put(key, value, lease=self._lease)
+            return self.opts.addr, port
+        deadline = time.monotonic() + self.opts.rendezvous_timeout_s
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            try:
+                kv = self.store.get(key)
+            except StoreError as e:
+                self._etcd_failed(e)
+                kv = None
+            if kv is not None:
+                value = kv.json()
+                return str(value["addr"]), int(value["port"])
+            time.sleep(0.05)
+        raise TimeoutError(f"{master} did not publish {key} in {self.opts.rendezvous_timeout_s} s")
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--job", required=True, help="job id (the etcd key prefix)")
+    parser.add_argument("--node", required=True, help="this node's name (unique in the job)")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="worker processes (K)")
+    parser.add_argument("--run-dir", required=True, help="the job's run directory (shared)")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    parser.add_argument(
+        "--addr", default="127.0.0.1", help="address other nodes reach this node at (rank 0)"
+    )
+    parser.add_argument(
+        "--selfcheck", choices=("auto", "builtin", "full"), default="auto", help="which self-check"
+    )
+    parser.add_argument(
+        "--inject", action="append", default=[], metavar="SPEC", help="faults (tests, demos)"
+    )
+    add_store_arguments(parser)
+
+
+def options_from_args(args: argparse.Namespace) -> AgentOptions:
+    faults = [inject.parse(s) for s in args.inject] + inject.from_env()
+    return AgentOptions(
+        job_id=args.job,
+        node=args.node,
+        run_dir=Path(args.run_dir).resolve(),
+        config=args.config,
+        overrides=tuple(args.overrides),
+        nproc_per_node=args.nproc_per_node,
+        heartbeat_interval=args.heartbeat_interval,
+        addr=args.addr,
+        faults=tuple(faults),
+        selfcheck=args.selfcheck,
+    )
+
+
+def main(opts: AgentOptions, store_cfg: StoreConfig, zygote: Zygote | None = None) -> int:
+    """Run an agent until it is told to stop or the job ends. Forks the zygote first (before any
+    thread exists), unless one is given."""
+    zygote = zygote or Zygote()
+    setup_logging(
+        f"agent {opts.node}", opts.run_dir / "logs" / f"agent_{opts.node}.log", logging.WARNING
+    )
+    retry = max(0.5, opts.heartbeat_interval)
+    store = Store(dataclasses.replace(store_cfg, retry_s=retry, request_timeout_s=2.0))
+    agent = Agent(store, opts, zygote)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: (agent.stopping.set(), agent.wake()))
+    logger.info("agent %s of job %s starting (pid %d)", opts.node, opts.job_id, os.getpid())
+    return agent.run()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``megascale agent``: the zygote is forked before anything else starts a thread."""
+    opts, store_cfg = options_from_args(args), store_config(args)  # refuse bad input first
+    return main(opts, store_cfg, Zygote())

@@ -1,0 +1,514 @@
+"""``megascale launch``: the whole fault-tolerant stack as real processes on this machine.
+
+::
+
+    megascale launch [CONFIG] [--set ...] --nodes 2 --nproc-per-node 1 --spares 1 \\
+        --inject kill-worker:rank=1,step=12
+
+starts an embedded etcd (free loopback port, temporary data dir), M + S node agents (``node-0`` ..
+``node-{M+S-1}``; the last S are spares), each with K workers, and a controller (plus a standby
+with ``--standby-controller``), then watches: it prints progress and the controller's decisions,
+fires the launcher-side faults (``inject.py``) when the job reaches their step, and at the end
+writes ``RUN_DIR/final.json`` (``summarize``) and stops everything. Exit code 0 iff training
+finished.
+
+Process model: the launcher imports torch and megatron-core once, then forks the agents and
+controllers (``multiprocessing`` fork; each runs the same code as ``megascale agent`` /
+``megascale controller``). Each agent forks its zygote before starting threads, and the zygote
+forks the workers, so no process of the cluster pays the ~8 s import again. The launcher itself
+never starts a thread (a fork of a threaded process may inherit a held lock).
+
+A killed agent (``kill-agent``) takes its workers with it; with spares, a spare takes its slot;
+without, the launcher starts the node's agent again once its lease has expired (a repaired node
+re-registering), and the controller restarts the job on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megascale.launcher.outcome import current_step, summarize
+from megascale.robustness import inject
+
+logger = logging.getLogger("megascale.launch")
+
+
+class LaunchError(ValueError):
+    """A ``megascale launch`` argument is invalid; the message names it and what is accepted."""
+
+
+@dataclass
+class LaunchOptions:
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    nodes: int = 2
+    nproc_per_node: int = 1
+    spares: int = 0
+    faults: list[inject.FaultSpec] = field(default_factory=list)
+    run_dir: Path | None = None
+    heartbeat_interval: float = 0.5
+    standby_controller: bool = False
+    max_restarts: int = 3
+    selfcheck: str = "builtin"
+    timeout_s: float | None = None
+    node_wait_timeout_s: float = 60.0
+    job_id: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex[:8]}")
+
+
+def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
+    """Validate everything before anything starts. Returns the validated ``JobConfig`` and notes
+    on what was filled in (for the log)."""
+    from megascale import config as config_mod
+
+    for name, low in (("nodes", 1), ("nproc_per_node", 1), ("spares", 0), ("max_restarts", 0)):
+        value = getattr(opts, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            flag = "--" + name.replace("_", "-")
+            raise LaunchError(f"{flag} = {value!r}: must be an integer >= {low}")
+    if not 0.05 <= opts.heartbeat_interval <= 60:
+        raise LaunchError(
+            f"--heartbeat-interval = {opts.heartbeat_interval}: must be in [0.05, 60] seconds"
+        )
+    job = config_mod.load(opts.config, opts.overrides)
+    world = opts.nodes * opts.nproc_per_node
+    job = config_mod.validate(job, world, "nccl" if _device(job) == "cuda" else "gloo")
+    gpus = _gpus(job)
+    if gpus and (opts.nodes + opts.spares) * opts.nproc_per_node > gpus:
+        raise LaunchError(
+            f"train.device = cuda: (--nodes + --spares) x --nproc-per-node = "
+            f"{(opts.nodes + opts.spares) * opts.nproc_per_node} ranks, but {gpus} GPUs here "
+            "(each local node gets GPUs of its own)"
+        )
+    if opts.nproc_per_node % job.parallel.tp:
+        raise LaunchError(
+            f"parallel.tp = {job.parallel.tp} with --nproc-per-node {opts.nproc_per_node}: a "
+            "tensor-parallel group must fit in one node (tp must divide nproc-per-node)"
+        )
+    inject.check_fits(
+        opts.faults, nodes=opts.nodes + opts.spares, world_size=world, steps=job.train.steps
+    )
+    notes = []
+    if job.checkpoint.interval == 0:
+        job.checkpoint.interval = max(1, job.train.steps // 5)
+        notes.append(f"checkpoint.interval = 0: using {job.checkpoint.interval} (restarts resume)")
+    if any(f.kind == "kill-controller" for f in opts.faults) and not opts.standby_controller:
+        opts.standby_controller = True
+        notes.append("kill-controller injected: starting a standby controller")
+    return job, notes
+
+
+def _gpus(job: Any) -> int:
+    """GPUs the local cluster splits among its nodes; 0 when training on CPU."""
+    return _gpu_count() if _device(job) == "cuda" else 0
+
+
+def _device(job: Any) -> str:
+    if job.train.device != "auto":
+        return job.train.device
+    return "cuda" if _gpu_count() else "cpu"
+
+
+@functools.cache
+def _gpu_count() -> int:
+    """GPUs on this machine, counted without initialising CUDA here: the launcher forks later,
+    and a forked child cannot use CUDA once its parent has."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return (
+        sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+        if not out.returncode
+        else 0
+    )
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def _agent_process(agent_opts: Any, store_cfg: Any) -> None:
+    from megascale.launcher import agent
+
+    sys.exit(agent.main(agent_opts, store_cfg))
+
+
+def _controller_process(service_opts: Any, store_cfg: Any) -> None:
+    from megascale.robustness import service
+
+    sys.exit(service.serve(service_opts, store_cfg))
+
+
+class LocalCluster:
+    """The processes of one ``megascale launch`` (see the module docstring)."""
+
+    def __init__(self, opts: LaunchOptions, job: Any, run_dir: Path) -> None:
+        from megascale.launcher.etcd import EmbeddedEtcd
+        from megascale.robustness.keys import JobKeys
+        from megascale.robustness.store import Store, StoreConfig
+
+        self.opts, self.job, self.run_dir = opts, job, run_dir
+        self.keys = JobKeys(opts.job_id)
+        self.etcd = EmbeddedEtcd(unsafe_no_fsync=True).start()
+        self.store_cfg = StoreConfig.parse(self.etcd.endpoint)
+        self.store = Store(StoreConfig.parse(self.etcd.endpoint, retry_s=2.0))
+        self.ctx = mp.get_context("fork")
+        self.agents: dict[str, Any] = {}
+        self.controllers: dict[str, Any] = {}
+
+    def agent_options(self, node: str) -> Any:
+        from megascale.launcher.agent import AgentOptions
+
+        return AgentOptions(
+            job_id=self.opts.job_id,
+            node=node,
+            run_dir=self.run_dir,
+            config=str(self.run_dir / "job.toml"),
+            nproc_per_node=self.opts.nproc_per_node,
+            heartbeat_interval=self.opts.heartbeat_interval,
+            faults=tuple(self.opts.faults),
+            visible_devices=self.visible_devices(node),
+            selfcheck=self.opts.selfcheck,
+        )
+
+    def visible_devices(self, node: str) -> str | None:
+        """Node i of a GPU machine gets GPUs i*K .. i*K+K-1 (``check_options`` made sure there
+        are enough)."""
+        if not _gpus(self.job):
+            return None
+        k, i = self.opts.nproc_per_node, int(node.rsplit("-", 1)[1])
+        return ",".join(str(g) for g in range(i * k, (i + 1) * k))
+
+    def start_agent(self, node: str, wait_s: float = 60.0) -> None:
+        """Fork ``node``'s agent and wait until it has registered."""
+        proc = self.ctx.Process(
+            target=_agent_process, args=(self.agent_options(node), self.store_cfg), name=node
+        )
+        proc.start()
+        self.agents[node] = proc
+        deadline = time.monotonic() + wait_s
+        while self.store.get(self.keys.node(node)) is None:
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"agent {node} did not register (exit code {proc.exitcode})")
+            time.sleep(0.02)
+
+    def start_controllers(self) -> None:
+        from megascale.robustness.service import ServiceOptions, policy_for
+
+        o, p = self.opts, self.job.parallel
+        policy = policy_for(
+            o.nodes,
+            o.nproc_per_node,
+            tp=p.tp,
+            pp=p.pp,
+            heartbeat_interval=o.heartbeat_interval,
+            max_restarts=o.max_restarts,
+            node_wait_timeout_s=o.node_wait_timeout_s,
+            init_timeout_s=120.0,
+            start_timeout_s=60.0,
+            stop_timeout_s=15.0,
+            selfcheck_timeout_s=120.0,
+        )
+        for i in range(2 if o.standby_controller else 1):
+            name = f"controller-{i}"
+            service_opts = ServiceOptions(
+                o.job_id, self.run_dir, policy, name, o.heartbeat_interval
+            )
+            proc = self.ctx.Process(
+                target=_controller_process, args=(service_opts, self.store_cfg), name=name
+            )
+            proc.start()
+            self.controllers[name] = proc
+            time.sleep(0.2)  # controller-0 campaigns first and leads
+
+    def job_state(self) -> str | None:
+        from megascale.robustness.store import StoreError
+
+        try:
+            kv = self.store.get(self.keys.state)
+        except StoreError:
+            return None
+        return kv.json().get("state") if kv is not None else None
+
+    def stop(self) -> None:
+        """SIGTERM every agent and controller (agents stop their workers), then stop etcd."""
+        for proc in [*self.agents.values(), *self.controllers.values()]:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + 15
+        for proc in [*self.agents.values(), *self.controllers.values()]:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.store.close()
+        self.etcd.stop()
+
+
+# -- watching the run ---------------------------------------------------------------------------
+
+
+class Tail:
+    """New complete lines of a growing file (a file rewritten shorter is read again)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.partial = path, 0, ""
+
+    def lines(self) -> list[str]:
+        try:
+            size = self.path.stat().st_size
+            if size < self.offset:
+                self.offset, self.partial = 0, ""
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                f.seek(self.offset)
+                data = f.read()
+                self.offset = f.tell()
+        except OSError:
+            return []
+        parts = (self.partial + data).split("\n")
+        self.partial = parts.pop()
+        return [p for p in parts if p.strip()]
+
+
+def describe_event(event: dict[str, Any]) -> str | None:
+    """One line for the launcher's log, or None for events not worth showing."""
+    kind, d = event.get("kind"), event.get("detail") or {}
+    where = " ".join(f"{k} {event[k]}" for k in ("node", "rank") if event.get(k) is not None)
+    text = {
+        "fault": lambda: (
+            f"FAULT {d.get('fault')} {where} at step {d.get('step')}: "
+            + ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("fault", "step", "where"))
+        ),
+        "evict": lambda: f"evicted {where}: {d.get('reason')}",
+        "selfcheck": lambda: (
+            f"self-check {where}: {'pass' if d.get('ok') else 'FAIL'} ({d.get('detail', '')[:120]})"
+        ),
+        "generation_start": lambda: (
+            f"generation {event.get('generation')} starts on "
+            f"{d.get('nodes')}" + (f", replacing {d.get('replaced')}" if d.get("replaced") else "")
+        ),
+        "generation_running": lambda: f"generation {event.get('generation')} running",
+        "all_stopped": lambda: "all workers stopped",
+        "finished": lambda: f"training finished at step {d.get('step')}",
+        "failed": lambda: f"job FAILED: {d.get('reason')}",
+        "checkpoint_fallback": lambda: f"checkpoint fallback {where}: {d.get('text', '')[-160:]}",
+        "etcd_unavailable": lambda: "etcd unavailable",
+        "etcd_recovered": lambda: f"etcd back after {d.get('down_s')} s",
+        "controller_takeover": lambda: f"{d.get('controller')} took over as controller",
+        "node_lost": lambda: f"node lost: {where} ({d.get('reason')})",
+        "resumed": lambda: (
+            f"generation {event.get('generation')} resumed from "
+            + d.get("text", "").rsplit("resumed from ", 1)[-1]
+        ),
+    }.get(kind)
+    return text() if text else None
+
+
+class Monitor:
+    """The launcher's loop: progress and decisions to the log, launcher-side faults fired."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.run_dir = cluster.run_dir
+        self.events = Tail(self.run_dir / "events.jsonl")
+        self.metrics = Tail(self.run_dir / "metrics.jsonl")
+        self.restart_after_loss: set[str] = set()
+        self.steps = cluster.job.train.steps
+        self.log_interval = max(1, cluster.job.train.log_interval)
+        self.shown = 0.0  # time of the last metrics line shown
+
+    def run(self, deadline: float | None) -> str:
+        """Poll until the job is finished or failed; returns its state ("timeout" if not)."""
+        polls = 0
+        while deadline is None or time.monotonic() < deadline:
+            self._show()
+            self._fire(current_step(self.run_dir / "metrics.jsonl"))
+            self._restart_lost_agents()
+            polls += 1
+            if polls % 5 == 0:
+                state = self.cluster.job_state()
+                if state in ("finished", "failed"):
+                    self._show()
+                    return state
+                if not any(p.is_alive() for p in self.cluster.controllers.values()):
+                    logger.error("every controller has exited")
+                    return state or "failed"
+            time.sleep(0.05)
+        logger.error("timed out")
+        return "timeout"
+
+    def _show(self) -> None:
+        for line in self.metrics.lines():
+            try:
+                m = json.loads(line)
+            except ValueError:
+                continue
+            if m.get("time", 0.0) <= self.shown:
+                continue  # kept lines of a metrics.jsonl rewritten by a restart
+            self.shown = m.get("time", 0.0)
+            if m["step"] % self.log_interval == 0 or m["step"] == self.steps:
+                logger.info(
+                    "step %d/%d loss %.4f %.0f tok/s", m["step"], self.steps, m["loss"],
+                    m["tokens_per_s"],
+                )  # fmt: skip
+        for line in self.events.lines():
+            try:
+                text = describe_event(json.loads(line))
+            except ValueError:
+                continue
+            if text:
+                logger.info("%s", text)
+
+    def _fire(self, step: int) -> None:
+        for spec in self.cluster.opts.faults:
+            if spec.side != "launcher" or step < spec.get("step"):
+                continue
+            if spec.kind == "kill-controller":
+                pid = self._leader_pid()
+                if pid is None or not inject.claim(self.run_dir, spec, step=step, pid=pid):
+                    continue
+                os.kill(pid, signal.SIGKILL)
+            elif not inject.claim(self.run_dir, spec, step=step):
+                continue
+            elif spec.kind == "kill-agent":
+                node = f"node-{spec.get('node')}"
+                proc = self.cluster.agents[node]
+                os.kill(proc.pid, signal.SIGKILL)
+                if not self.cluster.opts.spares:
+                    self.restart_after_loss.add(node)
+            elif spec.kind == "etcd-restart":
+                self.cluster.etcd.restart(downtime_s=float(spec.get("downtime", 1.0)))
+
+    def _leader_pid(self) -> int | None:
+        from megascale.robustness.store import StoreError
+
+        try:
+            kv = self.cluster.store.get(self.cluster.keys.controller_leader)
+        except StoreError:
+            return None
+        pid = kv.json().get("pid") if kv is not None else None
+        ours = {p.pid for p in self.cluster.controllers.values()}
+        return pid if pid in ours else None
+
+    def _restart_lost_agents(self) -> None:
+        from megascale.robustness.store import StoreError
+
+        for node in sorted(self.restart_after_loss):
+            try:
+                gone = self.cluster.store.get(self.cluster.keys.node(node)) is None
+            except StoreError:
+                continue
+            if gone:
+                self.restart_after_loss.discard(node)
+                self.cluster.agents[node].join()
+                logger.info("%s is back (its agent restarted after the node was lost)", node)
+                self.cluster.start_agent(node)
+
+
+def launch(opts: LaunchOptions) -> int:
+    """Run the local cluster to the end (see the module docstring); returns the exit code."""
+    from megascale.config import to_toml
+    from megascale.robustness.service import setup_logging
+
+    job, notes = check_options(opts)  # LaunchError, ConfigError, InjectError: nothing started
+    run_dir = Path(opts.run_dir or Path("runs") / f"launch-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "job.toml").write_text(to_toml(job))
+    setup_logging("launch", run_dir / "logs" / "launch.log")
+    started = time.monotonic()
+    import megascale.cli  # noqa: F401  (imported once here, inherited by every forked process)
+    import megascale.train.run  # noqa: F401
+
+    cluster = LocalCluster(opts, job, run_dir)
+    state = "failed"
+    try:
+        logger.info(
+            "job %s: %d nodes x %d ranks + %d spare(s); etcd at %s; run dir %s",
+            opts.job_id, opts.nodes, opts.nproc_per_node, opts.spares, cluster.etcd.endpoint,
+            run_dir,
+        )  # fmt: skip
+        for note in notes:
+            logger.info("%s", note)
+        for f in opts.faults:
+            logger.info("fault to inject: %s", f.text)
+        for i in range(opts.nodes + opts.spares):
+            cluster.start_agent(f"node-{i}")
+        cluster.start_controllers()
+        deadline = None if opts.timeout_s is None else started + opts.timeout_s
+        state = Monitor(cluster).run(deadline)
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        state = "interrupted"
+    except RuntimeError as e:  # a process that would not start
+        logger.error("%s", e)
+    finally:
+        cluster.stop()
+    final = summarize(run_dir, job, state, time.monotonic() - started, opts)
+    (run_dir / "final.json").write_text(json.dumps(final, indent=1, sort_keys=True) + "\n")
+    logger.info(
+        "%s: step %s/%s, faults detected %s, recoveries %d, %.1f s; %s",
+        state, final["final_step"], job.train.steps, final["faults_detected"],
+        final["recoveries"], final["wall_time_s"], run_dir / "final.json",
+    )  # fmt: skip
+    return 0 if state == "finished" else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=2, help="nodes per generation (M)")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (K)")
+    parser.add_argument("--spares", type=int, default=0, help="spare nodes (S)")
+    parser.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=f"a fault to inject (repeatable): {inject.accepted()}",
+    )
+    parser.add_argument(
+        "--run-dir", default=None, help="output directory (default: runs/launch-DATE)"
+    )
+    parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="agents' (s)")
+    parser.add_argument(
+        "--standby-controller", action="store_true", help="also start a standby controller"
+    )
+    parser.add_argument("--max-restarts", type=int, default=3, help="restarts before failing")
+    parser.add_argument(
+        "--selfcheck",
+        choices=("auto", "builtin", "full"),
+        default="builtin",
+        help="node self-check after a fault: builtin (matmul, gloo all-reduce, disk; the default: "
+        "every 'node' here shares one machine, so the full check's bandwidth thresholds would "
+        "measure the others), full (+ megascale.diagnostics.selfcheck), auto (full if present)",
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="give up after (s)")
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """LaunchOptions from the command line (InjectError for a bad --inject)."""
+    return LaunchOptions(
+        config=args.config,
+        overrides=list(args.overrides),
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        spares=args.spares,
+        faults=[inject.parse(s) for s in args.inject],
+        run_dir=Path(args.run_dir) if args.run_dir else None,
+        heartbeat_interval=args.heartbeat_interval,
+        standby_controller=args.standby_controller,
+        max_restarts=args.max_restarts,
+        selfcheck=args.selfcheck,
+        timeout_s=args.timeout,
+    )

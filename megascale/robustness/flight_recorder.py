@@ -1,0 +1,584 @@
+"""Flight recorder, the worker's side: every collective and p2p op this rank issues, written to a
+ring in a memory-mapped file that the node agent reads without the worker's cooperation.
+
+The file's byte layout, the reader (``last_state``, ``read_records``) and the stall analysis
+(``stall_suspects``) are in ``megascale.robustness.flight_format``, which does not import torch.
+
+``FlightRecorder(path, rank, world).install()`` wraps torch.distributed's collective and p2p
+functions (under both ``torch.distributed`` and ``distributed_c10d`` names, so that object
+collectives and calls between c10d functions are seen too), ``batch_isend_irecv`` and
+megatron-core's import-time aliases (``megascale.parallel.comm_hooks``). Per op it writes one
+record when the op is entered, and updates its state in place when the op returns (synchronous
+ops) or when its handle's ``wait()`` is called and returns (asynchronous ones): a few
+``struct.pack_into`` calls into the mmap, no syscall, no fsync. An op re-entered through
+``handle_torch_function`` (the CPU backend's TorchFunctionMode) or called by another c10d function
+is counted once, by the outermost call. Ops issued inside megatron-core's ``_coalescing_manager``
+(a DP bucket group) are one record of ``count`` ops; each op of a ``batch_isend_irecv`` is its own
+record. Sequence numbers count calls per process group (p2p: per pair of ranks on a group), so
+every member numbers the same call alike.
+
+On CUDA, "left" means the host returned from the call or from ``wait()``; with
+``TORCH_NCCL_BLOCKING_WAIT=1`` that is when the collective completed, otherwise the GPU may still be
+running it and a hang shows up at the next host synchronisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from megascale.parallel.comm_hooks import CommWrapper, Patches, Reentry
+from megascale.robustness.flight_format import (
+    ASYNC,
+    BATCH,
+    COALESCED,
+    GROUP_HEAD,
+    HEADER,
+    MAGIC,
+    NO_PEER,
+    OFF_GROUPS_USED,
+    OFF_LEAVE,
+    OFF_SECTION,
+    OFF_STATE,
+    OFF_STEP,
+    OFF_WRITE_INDEX,
+    P2P,
+    RECORD,
+    RUN,
+    VERSION,
+    OpKind,
+    OpState,
+    flight_path,
+    proc_stat,
+    runs_of,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FlightRecorder", "NullFlightRecorder", "open_recorder", "flight_path"]
+
+DEFAULT_CAPACITY = 4096
+DEFAULT_GROUP_TABLE_BYTES = 64 * 1024
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+_ENTERED, _LEFT = int(OpState.ENTERED), int(OpState.LEFT)
+_U64, _F64, _U8, _STEP = struct.Struct("<Q"), struct.Struct("<d"), struct.Struct("<B"), "<qdd"
+
+_KIND_OF = {
+    "all_reduce": OpKind.ALL_REDUCE,
+    "all_gather": OpKind.ALL_GATHER,
+    "all_gather_into_tensor": OpKind.ALL_GATHER_INTO_TENSOR,
+    "all_gather_single": OpKind.ALL_GATHER_INTO_TENSOR,
+    "_all_gather_base": OpKind.ALL_GATHER_INTO_TENSOR,
+    "reduce_scatter": OpKind.REDUCE_SCATTER,
+    "reduce_scatter_tensor": OpKind.REDUCE_SCATTER_TENSOR,
+    "reduce_scatter_single": OpKind.REDUCE_SCATTER_TENSOR,
+    "_reduce_scatter_base": OpKind.REDUCE_SCATTER_TENSOR,
+    "broadcast": OpKind.BROADCAST,
+    "reduce": OpKind.REDUCE,
+    "all_to_all": OpKind.ALL_TO_ALL,
+    "all_to_all_single": OpKind.ALL_TO_ALL_SINGLE,
+    "gather": OpKind.GATHER,
+    "scatter": OpKind.SCATTER,
+    "barrier": OpKind.BARRIER,
+    "send": OpKind.SEND,
+    "recv": OpKind.RECV,
+    "isend": OpKind.ISEND,
+    "irecv": OpKind.IRECV,
+}
+# The argument whose size a record carries: the full collective's payload.
+_SIZE_ARG = {
+    "all_reduce": "tensor",
+    "all_gather": "tensor_list",
+    "all_gather_into_tensor": "output_tensor",
+    "all_gather_single": "output_tensor",
+    "_all_gather_base": "output_tensor",
+    "reduce_scatter": "input_list",
+    "reduce_scatter_tensor": "input",
+    "reduce_scatter_single": "input",
+    "_reduce_scatter_base": "input",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "all_to_all": "input_tensor_list",
+    "all_to_all_single": "input",
+    "gather": "tensor",
+    "scatter": "tensor",
+    "send": "tensor",
+    "recv": "tensor",
+    "isend": "tensor",
+    "irecv": "tensor",
+}
+_P2P_PEER_KW = {
+    "send": "group_dst",
+    "isend": "group_dst",
+    "recv": "group_src",
+    "irecv": "group_src",
+}
+
+
+# -- writer ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Channel:
+    """A process group (or p2p pair) as the recorder numbers its ops."""
+
+    gid: int
+    offset: int  # of its group-table entry in the file; -1 when the table was full
+    seq: int = 0
+
+
+class _Local(Reentry):
+    coalescing: _Pending | None = None
+
+
+@dataclass
+class _Pending:
+    """The ops issued inside one coalescing block, recorded as one op on leaving it."""
+
+    kind: OpKind | None = None
+    nbytes: int = 0
+    count: int = 0
+
+
+class FlightRecorder:
+    """This rank's flight recorder: ``install()`` once per process (it imports megatron-core's
+    modules to re-point their aliases), ``set_step`` at each step, ``close()`` at the end (the file
+    stays, for the agent and for post-mortems). A new recorder on the same path replaces the file.
+
+    Thread-safe. Cost per op: a handful of ``struct.pack_into`` calls and two clock reads. Records
+    of ops still in flight when the recorder is closed stay in their last state.
+    """
+
+    def __init__(
+        self,
+        path: Path | str,
+        rank: int,
+        world_size: int,
+        *,
+        capacity: int = DEFAULT_CAPACITY,
+        group_table_bytes: int = DEFAULT_GROUP_TABLE_BYTES,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity}: the ring needs at least 1 slot")
+        if group_table_bytes < GROUP_HEAD.size or group_table_bytes % 8:
+            raise ValueError(
+                f"group_table_bytes={group_table_bytes}: want a multiple of 8, >= {GROUP_HEAD.size}"
+            )
+        self.path, self.rank, self.capacity = Path(path), rank, capacity
+        self._table_bytes = group_table_bytes
+        self._ring = HEADER.size + group_table_bytes
+        size = self._ring + capacity * RECORD.size
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w+b") as f:
+            f.truncate(size)
+            self._mm = mmap.mmap(f.fileno(), size)
+        pid = os.getpid()
+        HEADER.pack_into(
+            self._mm, 0, MAGIC, VERSION, HEADER.size, RECORD.size, capacity, group_table_bytes,
+            rank, world_size, pid, _proc_start(pid), time.time(), 0, 0, 0, 0.0, 0.0, b"init",
+        )  # fmt: skip
+        os.replace(tmp, self.path)  # readers see a complete header or no file
+        self.step = 0
+        self._wall_offset = time.time() - time.monotonic()
+        self._next = 0
+        self._groups_used = 0
+        self._groups: dict[object, Channel | None] = {}
+        self._lock = threading.Lock()
+        self.local = _Local()
+        self.active = False
+        self._patches = Patches()
+        self._table_full_warned = False
+
+    @property
+    def written(self) -> int:
+        """Records written so far (the ring keeps the last ``capacity``)."""
+        return self._next
+
+    # -- what the trainer calls ----------------------------------------------------------------
+
+    def install(self) -> FlightRecorder:
+        """Start recording this process's communication (patches torch.distributed)."""
+        wrappers = {
+            name: _OpWrapper(name, getattr(dist, name), self)
+            for name in _KIND_OF
+            if hasattr(dist, name)
+        }
+        self.active = True
+        self._patches.install(
+            wrappers,
+            in_c10d=[n for n in wrappers if getattr(distributed_c10d, n, None) is dist.__dict__[n]],
+            batch=self._batch,
+            coalescing=self._coalescing,
+        )
+        return self
+
+    def set_step(self, step: int) -> None:
+        """The training step now running (records carry it); also the agent's "step started"."""
+        self.step = step
+        mono, wall = time.monotonic(), time.time()
+        self._wall_offset = wall - mono  # follows clock adjustments, once a step
+        struct.pack_into(_STEP, self._mm, OFF_STEP, step, mono, wall)
+
+    def set_section(self, name: str) -> None:
+        """The phase the worker is in: "init", "step", "checkpoint", "done" (at most 16 bytes)."""
+        self._mm[OFF_SECTION : OFF_SECTION + 16] = name.encode()[:16].ljust(16, b"\0")
+
+    def uninstall(self) -> None:
+        self.active = False
+        self._patches.restore()
+
+    def close(self) -> None:
+        """Stop recording and unmap; the file keeps the last state. Idempotent."""
+        if self._mm.closed:
+            return
+        self.uninstall()
+        self.set_section("done")
+        self._mm.close()
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def enter(
+        self,
+        kind: int,
+        group: Channel,
+        nbytes: int,
+        flags: int,
+        peer: int = NO_PEER,
+        count: int = 1,
+    ) -> int:
+        """Write the record of an op being entered; returns its index for ``mark``."""
+        now = time.monotonic()
+        with self._lock:
+            index = self._next
+            self._next = index + 1
+            group.seq = seq = group.seq + 1
+            RECORD.pack_into(
+                self._mm, self._ring + (index % self.capacity) * RECORD.size,
+                index, seq, group.gid, nbytes, self.step, now, now + self._wall_offset, 0.0,
+                peer, kind, _ENTERED, flags, count, 0,
+            )  # fmt: skip
+            if group.offset >= 0:
+                _U64.pack_into(self._mm, group.offset + 8, seq)
+            _U64.pack_into(self._mm, OFF_WRITE_INDEX, index + 1)
+        return index
+
+    def mark(self, indices: Iterable[int], state: OpState) -> None:
+        """Set the state of records (WAITING, or LEFT/FAILED with the leave time)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._mm.closed:
+                return  # closed: records of ops still in flight keep their state
+            oldest = self._next - self.capacity
+            for index in indices:
+                if index < oldest:
+                    continue  # overwritten by newer records
+                offset = self._ring + (index % self.capacity) * RECORD.size
+                if state != OpState.WAITING:
+                    _F64.pack_into(self._mm, offset + OFF_LEAVE, now)
+                _U8.pack_into(self._mm, offset + OFF_STATE, state)
+
+    def leave(self, index: int) -> None:
+        """``mark((index,), OpState.LEFT)``, the common case, faster."""
+        with self._lock:
+            if self._mm.closed or index < self._next - self.capacity:
+                return
+            offset = self._ring + (index % self.capacity) * RECORD.size
+            _F64.pack_into(self._mm, offset + OFF_LEAVE, time.monotonic())
+            self._mm[offset + OFF_STATE] = _LEFT
+
+    def group(self, pg) -> Channel | None:
+        """The entry of process group ``pg`` (None: the default group), registered on first use;
+        None when this rank is not a member."""
+        pg = distributed_c10d.GroupMember.WORLD if pg is None else pg
+        found = self._groups.get(pg, False)
+        if found is False:
+            found = self._groups[pg] = self._register(pg, None)
+        return found
+
+    def pair(self, pg, peer: int | None) -> Channel | None:
+        """The entry of the p2p channel between this rank and global rank ``peer`` on ``pg``."""
+        pg = distributed_c10d.GroupMember.WORLD if pg is None else pg
+        key = (pg, peer)
+        found = self._groups.get(key, False)
+        if found is False:
+            found = self._groups[key] = self._register(pg, peer)
+        return found
+
+    def _register(self, pg, peer: int | None) -> Channel | None:
+        if pg is distributed_c10d.GroupMember.NON_GROUP_MEMBER:
+            return None
+        members = tuple(dist.get_process_group_ranks(pg))
+        desc = getattr(pg, "group_desc", "") or ""
+        if peer is None:
+            ranks, label, what = members, desc, "group"
+        else:  # any-source receives (peer unknown) get a channel of their own that matches no one
+            ranks = tuple(sorted({self.rank, peer})) if peer >= 0 else (self.rank,)
+            label, what = f"p2p {desc}", "p2p"
+        gid = _group_id(what, pg.group_name, ranks)
+        return self.add_group(gid, ranks, label, p2p=peer is not None)
+
+    def add_group(
+        self, gid: int, ranks: tuple[int, ...], label: str, *, p2p: bool = False
+    ) -> Channel:
+        """Append a group to the file's group table; returns the handle ``enter`` takes."""
+        runs = runs_of(ranks)
+        size = -(-(GROUP_HEAD.size + RUN.size * len(runs)) // 8) * 8
+        with self._lock:
+            if self._groups_used + size > self._table_bytes:
+                if not self._table_full_warned:
+                    logger.warning(
+                        "flight recorder: group table full (%d bytes)", self._table_bytes
+                    )
+                    self._table_full_warned = True
+                return Channel(gid, -1)
+            offset = HEADER.size + self._groups_used
+            label_bytes = label.encode()[:32]
+            GROUP_HEAD.pack_into(
+                self._mm, offset, gid, 0, len(ranks), len(runs), p2p, 0, label_bytes
+            )
+            for i, run in enumerate(runs):
+                RUN.pack_into(self._mm, offset + GROUP_HEAD.size + i * RUN.size, *run)
+            self._groups_used += size
+            _U64.pack_into(self._mm, OFF_GROUPS_USED, self._groups_used)
+        return Channel(gid, offset)
+
+    # -- batch and coalescing wrappers -------------------------------------------------------------
+
+    def _batch(self, original: Callable) -> Callable:
+        recorder = self
+
+        def batch_isend_irecv(p2p_op_list):
+            local = recorder.local
+            if local.inside or not recorder.active:
+                return original(p2p_op_list)
+            indices = []
+            for op in p2p_op_list:
+                name = getattr(op.op, "name", None) or getattr(op.op, "__name__", "")
+                channel = recorder.pair(op.group, op.peer)
+                if channel is not None:
+                    kind = OpKind.ISEND if name == "isend" else OpKind.IRECV
+                    flags = ASYNC | P2P | BATCH
+                    nbytes = _nbytes(op.tensor)
+                    indices.append(recorder.enter(kind, channel, nbytes, flags, op.peer))
+            local.inside = True
+            try:
+                works = original(p2p_op_list)
+            except BaseException:
+                recorder.mark(indices, OpState.FAILED)
+                raise
+            finally:
+                local.inside = False
+            if len(works) == len(indices):
+                return [
+                    _RecordedWork(w, recorder, (i,)) for w, i in zip(works, indices, strict=True)
+                ]
+            return [_RecordedWork(w, recorder, tuple(indices)) for w in works]  # coalesced (NCCL)
+
+        return batch_isend_irecv
+
+    def _coalescing(self, original: Callable) -> Callable:
+        recorder = self
+
+        @contextlib.contextmanager
+        def coalescing_manager(group=None, device=None, async_ops=False):
+            local = recorder.local
+            if local.inside or local.coalescing is not None or not recorder.active:
+                with original(group, device, async_ops) as cm:
+                    yield cm
+                return
+            pending, indices = _Pending(), ()
+            try:
+                with original(group, device, async_ops) as cm:
+                    handle = _RecordedWork(cm, recorder, ())
+                    local.coalescing = pending
+                    try:
+                        yield handle
+                    finally:
+                        local.coalescing = None
+                    channel = recorder.group(group)
+                    if pending.count and channel is not None:  # leaving the block issues the ops
+                        flags = COALESCED | (ASYNC if async_ops else 0)
+                        index = recorder.enter(
+                            pending.kind, channel, pending.nbytes, flags, count=pending.count
+                        )
+                        handle.indices = indices = (index,)
+            except BaseException:
+                recorder.mark(indices, OpState.FAILED)
+                raise
+            if not async_ops:
+                recorder.mark(indices, OpState.LEFT)
+
+        return coalescing_manager
+
+
+class NullFlightRecorder:
+    """The recorder when disabled: same methods, no file, nothing patched."""
+
+    path = None
+
+    def install(self) -> NullFlightRecorder:
+        return self
+
+    def set_step(self, step: int) -> None:
+        pass
+
+    def set_section(self, name: str) -> None:
+        pass
+
+    def uninstall(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _OpWrapper(CommWrapper):
+    """Records one torch.distributed function's calls. The hot path: keep it short (it runs on
+    every collective, with the training step's data in the caches)."""
+
+    def __init__(self, name: str, original: Callable, recorder: FlightRecorder) -> None:
+        super().__init__(name, original)
+        self.recorder, self.kind = recorder, _KIND_OF[name]
+        params = list(inspect.signature(original).parameters)
+        self.group_at = params.index("group")
+        self.async_at = params.index("async_op") if "async_op" in params else None
+        self.size_name = _SIZE_ARG.get(name)
+        self.size_at = params.index(self.size_name) if self.size_name else None
+        self.peer_kw = _P2P_PEER_KW.get(name)
+        self.always_async = name in ("isend", "irecv")
+
+    def __call__(self, *args, **kwargs):
+        recorder = self.recorder
+        local = recorder.local
+        if local.inside or not recorder.active:  # re-entered through handle_torch_function
+            return self.original(*args, **kwargs)
+        index = None
+        if local.coalescing is None:
+            n = len(args)
+            group = args[self.group_at] if n > self.group_at else kwargs.get("group")
+            at = self.async_at
+            is_async = self.always_async or (
+                at is not None and bool(args[at] if n > at else kwargs.get("async_op"))
+            )
+            if self.peer_kw is None:
+                channel, peer, flags = recorder.group(group), NO_PEER, 0
+            else:
+                peer = self._peer(args, kwargs, group)
+                channel, flags = recorder.pair(group, peer), P2P
+                peer = peer if peer >= 0 else NO_PEER
+            if channel is not None:  # None: not a member (torch does nothing either)
+                flags |= ASYNC if is_async else 0
+                index = recorder.enter(self.kind, channel, self._size(args, kwargs), flags, peer)
+        else:  # inside a coalescing block: recorded as one op when the block ends
+            pending = local.coalescing
+            pending.kind = pending.kind or self.kind
+            pending.nbytes += self._size(args, kwargs)
+            pending.count += 1
+        local.inside = True
+        try:
+            result = self.original(*args, **kwargs)
+        except BaseException:
+            if index is not None:
+                recorder.mark((index,), OpState.FAILED)
+            raise
+        finally:
+            local.inside = False
+        if index is None:
+            return result
+        if is_async and result is not None:
+            return _RecordedWork(result, recorder, (index,))
+        recorder.leave(index)
+        return result
+
+    def _size(self, args, kwargs) -> int:
+        if self.size_at is None:
+            return 0
+        value = args[self.size_at] if len(args) > self.size_at else kwargs.get(self.size_name)
+        return _nbytes(value)
+
+    def _peer(self, args, kwargs, group) -> int:
+        peer = (
+            args[1]
+            if len(args) > 1
+            else kwargs.get("dst" if self.peer_kw == "group_dst" else "src")
+        )
+        if peer is None and kwargs.get(self.peer_kw) is not None:
+            peer = dist.get_global_rank(group, kwargs[self.peer_kw])
+        return -1 if peer is None else int(peer)
+
+
+class _RecordedWork:
+    """A work handle (or megatron-core's coalescing handle) whose ``wait()`` marks its records."""
+
+    def __init__(self, work, recorder: FlightRecorder, indices: tuple[int, ...]) -> None:
+        self._work, self._recorder, self.indices, self._done = work, recorder, indices, False
+
+    def wait(self, *args, **kwargs):
+        if self._done:
+            return self._work.wait(*args, **kwargs)
+        self._recorder.mark(self.indices, OpState.WAITING)
+        try:
+            result = self._work.wait(*args, **kwargs)
+        except BaseException:
+            self._recorder.mark(self.indices, OpState.FAILED)
+            raise
+        finally:
+            self._done = True
+        self._recorder.mark(self.indices, OpState.LEFT)
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _nbytes(value) -> int:
+    """Bytes of a tensor or a list of tensors (0 for anything else)."""
+    # Under a TorchFunctionMode (the CPU backend) every tensor attribute read goes through the
+    # mode's Python handler; a size needs no device remapping.
+    with _NO_TORCH_FUNCTION():
+        if isinstance(value, torch.Tensor):
+            return value.nbytes
+        if isinstance(value, list | tuple):
+            return sum(t.nbytes for t in value if isinstance(t, torch.Tensor))
+    return 0
+
+
+def _group_id(what: str, name: str, ranks: tuple[int, ...]) -> int:
+    digest = hashlib.blake2b(f"{what}|{name}|{ranks}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def _proc_start(pid: int) -> int:
+    """Field 22 (starttime) of /proc/<pid>/stat, or 0 where there is no /proc."""
+    fields = proc_stat(pid)
+    return int(fields[19]) if fields else 0
+
+
+def open_recorder(
+    run_dir: Path | str,
+    rank: int,
+    world_size: int,
+    *,
+    enabled: bool = True,
+    capacity: int = DEFAULT_CAPACITY,
+) -> FlightRecorder | NullFlightRecorder:
+    """This rank's recorder at ``flight_path(run_dir, rank)``, installed; a null one if disabled."""
+    if not enabled:
+        return NullFlightRecorder()
+    recorder = FlightRecorder(flight_path(run_dir, rank), rank, world_size, capacity=capacity)
+    return recorder.install()

@@ -1,0 +1,617 @@
+"""The controller process (``megascale controller``): the I/O shell around ``ControllerFSM``.
+
+One loop, one thread of decisions::
+
+    campaign for controller/leader (Election) -> lead:
+        state snapshot in etcd?  restore the FSM (a standby taking over) : new FSM + on_start
+        list nodes/, heartbeats/, acks/ and watch them from the listed revision + 1
+        loop: watch event or tick -> FSM on_* -> actions -> execute -> snapshot
+
+Executing actions: ``RecordEvent`` goes to the ``EventLog`` (RUN_DIR/events.jsonl + etcd);
+``SendCommand``, ``Evict`` and ``StartGeneration`` become puts of ``commands/<node>``,
+``blocklist/<node>`` and ``generation``, written together with the FSM's ``state`` snapshot in one
+transaction fenced by the leader key (``Election.guard``): a deposed controller writes nothing,
+and a standby never restores a state older than the commands the agents have seen.
+
+What the shell adds to the FSM's view:
+
+* Worker exits and error keywords come from the heartbeats (each exit once per generation and
+  rank, each error once by its sequence number). A fault's *symptoms* on other ranks -- a worker
+  that exited or printed a traceback because a peer's connection closed (the agent marks these
+  ``secondary``) -- are held back for ``secondary_hold_s`` (a bit more than the agents' lease
+  TTL): if the cause shows up meanwhile (a worker killed by a signal, a node whose lease expired),
+  the FSM hears of the cause first and names the right node. Otherwise the symptom is the fault.
+* Notices (a checkpoint that failed verification and was skipped) are recorded as events.
+* etcd outages: when a store call fails the shell records ``etcd_unavailable``, stops ticking the
+  FSM (silence is then etcd's fault, not the nodes'), keeps unwritten puts in an outbox, and on
+  recovery records ``etcd_recovered`` and gives every node a fresh heartbeat allowance
+  (``ControllerFSM.restore`` of its own snapshot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Empty, Queue
+from typing import Any
+
+from megascale.robustness.controller import (
+    Action,
+    ControllerFSM,
+    ControllerPolicy,
+    Evict,
+    RecordEvent,
+    SendCommand,
+    StartGeneration,
+    State,
+)
+from megascale.robustness.election import Election
+from megascale.robustness.events import EventLog
+from megascale.robustness.flight_format import RankState, stall_suspects
+from megascale.robustness.keys import JobKeys
+from megascale.robustness.store import Put, Store, StoreConfig, StoreError, WatchEvent
+
+logger = logging.getLogger(__name__)
+
+TERMINAL = (State.FINISHED, State.FAILED)
+PASSWORD_ENV = "MEGASCALE_ETCD_PASSWORD"
+
+
+# -- timing shared by agents and controllers -----------------------------------------------------
+
+
+def lease_ttl(heartbeat_interval: float) -> int:
+    """Agents' and controllers' lease TTL: 2 heartbeats, at least 2 s (etcd counts whole
+    seconds, and a 1 s lease expires under a few hundred ms of CPU starvation)."""
+    return max(2, math.ceil(2 * heartbeat_interval))
+
+
+def policy_for(
+    nodes: int,
+    nproc_per_node: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    heartbeat_interval: float = 1.0,
+    **overrides: Any,
+) -> ControllerPolicy:
+    """A ``ControllerPolicy`` whose timeouts follow the heartbeat interval: a node silent for 10
+    heartbeats (at least 5 s) is faulty, and a stall is never declared in under 12 heartbeats
+    (at least 4 s) however fast the steps were."""
+    base = {
+        "heartbeat_timeout_s": max(10 * heartbeat_interval, 5.0),
+        "stall_floor_s": max(12 * heartbeat_interval, 4.0),
+    }
+    return ControllerPolicy(nodes, nproc_per_node, tp, pp, **{**base, **overrides})
+
+
+# -- command-line plumbing shared by agent, controller and launcher ------------------------------
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("etcd")
+    g.add_argument("--endpoints", required=True, help="etcd endpoints: host:port or https://...")
+    g.add_argument("--ca-file", default=None, help="PEM CA bundle of the etcd server (https)")
+    g.add_argument("--cert-file", default=None, help="PEM client certificate (client-cert-auth)")
+    g.add_argument("--key-file", default=None, help="PEM private key of --cert-file")
+    g.add_argument(
+        "--user",
+        default=None,
+        help=f"etcd user; the password is read from ${PASSWORD_ENV} or --password-file",
+    )
+    g.add_argument("--password-file", default=None, help="file holding the etcd password")
+
+
+def store_config(args: argparse.Namespace, **kwargs: Any) -> StoreConfig:
+    """The StoreConfig of ``add_store_arguments``' options (ValueError names a bad one)."""
+    password = None
+    if args.user is not None:
+        if args.password_file:
+            password = Path(args.password_file).read_text().strip()
+        else:
+            password = os.environ.get(PASSWORD_ENV)
+        if password is None:
+            raise ValueError(f"--user {args.user}: give the password in ${PASSWORD_ENV} or a file")
+    return StoreConfig.parse(
+        args.endpoints,
+        ca_file=args.ca_file,
+        cert_file=args.cert_file,
+        key_file=args.key_file,
+        username=args.user,
+        password=password,
+        **kwargs,
+    )
+
+
+def setup_logging(label: str, log_file: Path | None, console_level: int = logging.INFO) -> None:
+    """``[label] time LEVEL name: message`` to stderr and, at INFO, to ``log_file``."""
+    fmt = logging.Formatter(f"[{label}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(console_level)
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        to_file = logging.FileHandler(log_file)
+        to_file.setFormatter(fmt)
+        root.addHandler(to_file)
+
+
+# -- the service ------------------------------------------------------------------------------
+
+
+class LostLeadership(RuntimeError):
+    """A fenced write failed or the election lease expired: stop acting as the controller."""
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """A worker exit or error keyword, as the heartbeats told it."""
+
+    kind: str  # "worker_exit" | "error_keyword"
+    node: str
+    rank: int
+    generation: int
+    code: int | None = None
+    text: str = ""
+    secondary: bool = False
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    job_id: str
+    run_dir: Path
+    policy: ControllerPolicy
+    candidate_id: str
+    heartbeat_interval: float = 1.0
+    tick_s: float = 0.25
+    """How often the FSM's clock advances (``on_tick``)."""
+    check_s: float = 1.0
+    """How often leadership (and so etcd) is confirmed with a read."""
+
+    @property
+    def election_ttl(self) -> int:
+        return lease_ttl(self.heartbeat_interval)
+
+    @property
+    def secondary_hold_s(self) -> float:
+        return lease_ttl(self.heartbeat_interval) + 1.5
+
+
+class ControllerService:
+    """Leader-elected controller; ``run`` returns 0 when the job finished, 1 when it failed."""
+
+    def __init__(
+        self, store: Store, opts: ServiceOptions, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.store, self.opts, self.clock = store, opts, clock
+        self.keys = JobKeys(opts.job_id)
+        self.events = EventLog(opts.run_dir, store, self.keys)
+        self.election = Election(
+            store,
+            self.keys.controller_leader,
+            opts.candidate_id,
+            ttl=opts.election_ttl,
+            info={"run_dir": str(opts.run_dir)},
+        )
+        self.stopping = threading.Event()
+        self.fsm: ControllerFSM | None = None
+        self._inbox: Queue[tuple[str, WatchEvent]] = Queue()
+        self._watches: list[Any] = []
+        self._outbox: dict[str, Any] = {}
+        self._fed_exits: dict[tuple[int, int], int] = {}  # (generation, rank) -> code
+        self._seen: dict[tuple[str, str, int], int] = {}  # (what, node, generation) -> last seq
+        self._held: list[tuple[float, Evidence]] = []
+        self._outage_since: float | None = None
+        self._flight: dict[int, RankState] = {}  # rank -> flight state, this generation
+        self._flight_generation = -1
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        try:
+            while not self.stopping.is_set():
+                try:
+                    if not self.election.campaign(timeout_s=1.0):
+                        continue
+                    state = self._lead()
+                except LostLeadership as e:
+                    logger.warning("%s: no longer the leader (%s)", self.opts.candidate_id, e)
+                    self._drop_watches()
+                    continue
+                except StoreError as e:
+                    logger.warning("etcd unavailable while campaigning: %s", e)
+                    self._drop_watches()
+                    time.sleep(0.5)
+                    continue
+                if state is not None:
+                    return 0 if state is State.FINISHED else 1
+            return 1
+        finally:
+            self._drop_watches()
+            try:
+                self.election.resign()
+            except StoreError as e:
+                logger.warning("could not resign: %s", e)
+
+    def stop(self) -> None:
+        """Ask ``run`` to return (from a signal handler or another thread)."""
+        self.stopping.set()
+        self.election.close()
+
+    def _lead(self) -> State | None:
+        now = self.clock()
+        fresh = self._begin(now)
+        assert self.fsm is not None
+        if self.fsm.state in TERMINAL:  # the job ended under the previous leader
+            return self.fsm.state
+        nodes = self._watch("node", self.keys.nodes_prefix)
+        heartbeats = self._watch("hb", self.keys.heartbeats_prefix)
+        acks = self._watch("ack", self.keys.acks_prefix)
+        self._sync_nodes(nodes, now)
+        if fresh:
+            self._act(self.fsm.on_start(now))
+        for kv in heartbeats:
+            self._dispatch("hb", WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease))
+        for kv in acks:
+            self._dispatch("ack", WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease))
+        self._act([], snapshot=True)
+        return self._loop()
+
+    def _begin(self, now: float) -> bool:
+        """Restore the FSM from the ``state`` snapshot (True: there was none, start afresh)."""
+        self._flight.clear()
+        self._fed_exits.clear()
+        self._seen.clear()
+        self._held.clear()
+        while not self._inbox.empty():  # events of an earlier term's watches
+            self._inbox.get_nowait()
+        snapshot = self.store.get(self.keys.state)
+        if snapshot is None:
+            self.fsm = ControllerFSM(self.opts.policy, now)
+            return True
+        state = snapshot.json()
+        self.fsm = ControllerFSM.restore(self.opts.policy, state, now)
+        if self.fsm.state in TERMINAL:
+            return False
+        self.events.append(
+            "controller_takeover",
+            generation=self.fsm.generation,
+            detail={"controller": self.opts.candidate_id, "state": state["state"]},
+        )
+        return False
+
+    def _watch(self, what: str, prefix: str) -> list[Any]:
+        """List ``prefix`` and watch it from the listed revision + 1 (nothing missed)."""
+        snap = self.store.snapshot(prefix)
+        watch = self.store.watch_prefix(
+            prefix,
+            start_revision=snap.revision + 1,
+            callback=lambda event: self._inbox.put((what, event)),
+        )
+        self._watches.append(watch)
+        return snap.items
+
+    def _drop_watches(self) -> None:
+        for watch in self._watches:
+            watch.cancel()
+        self._watches = []
+
+    def _sync_nodes(self, listed: list[Any], now: float) -> None:
+        """Registered nodes in registration order; nodes the FSM knew that are gone are lost."""
+        assert self.fsm is not None
+        present = [
+            self.keys.name_of(kv.key) for kv in sorted(listed, key=lambda k: k.create_revision)
+        ]
+        for node in list(self.fsm.registered):
+            if node not in present:
+                self._act(self.fsm.on_node_lost(node, "not registered at takeover", now))
+        for node in present:
+            self._act(self.fsm.on_node_registered(node, now))
+
+    def _loop(self) -> State | None:
+        assert self.fsm is not None
+        next_tick = next_check = self.clock()
+        while not self.stopping.is_set():
+            try:
+                item = self._inbox.get(timeout=max(0.0, next_tick - self.clock()))
+            except Empty:
+                item = None
+            now = self.clock()
+            if item is not None:
+                self._dispatch(*item)
+            if now >= next_tick:
+                self._tick(now)
+                next_tick = now + self.opts.tick_s
+            if now >= next_check:
+                self._check_leadership(now)
+                next_check = now + self.opts.check_s
+            self._flush()
+            if self.fsm.state in TERMINAL and not self._outbox:
+                return self.fsm.state
+        return None
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def _dispatch(self, what: str, event: WatchEvent) -> None:
+        assert self.fsm is not None
+        now = self.clock()
+        node = self.keys.name_of(event.key)
+        if what == "node":
+            if event.kind == "put":
+                self._act(self.fsm.on_node_registered(node, now))
+            else:
+                self._act(self.fsm.on_node_lost(node, "lease expired", now))
+        elif what == "hb" and event.kind == "put":
+            self._heartbeat(node, event.json(), now)
+        elif what == "ack" and event.kind == "put":
+            ack = event.json()
+            ok, detail = bool(ack.get("ok", True)), str(ack.get("detail", ""))
+            self._act(self.fsm.on_ack(node, str(ack.get("id")), ok, detail, now))
+
+    def _heartbeat(self, node: str, payload: Mapping[str, Any], now: float) -> None:
+        assert self.fsm is not None
+        before = self.fsm.step
+        self._act(self.fsm.on_heartbeat(node, payload, now))
+        generation = int(payload.get("generation", -1))
+        if generation != self.fsm.generation or node not in self.fsm.order:
+            return
+        self._learn_step_time(payload, before)
+        if self._flight_generation != generation:
+            self._flight, self._flight_generation = {}, generation
+        for rank, state in (payload.get("flight") or {}).items():
+            try:
+                self._flight[int(rank)] = RankState.from_json(state)
+            except (KeyError, TypeError, ValueError):
+                continue
+        for rank, worker in (payload.get("workers") or {}).items():
+            code = worker.get("exit_code")
+            if code is None or (generation, int(rank)) in self._fed_exits:
+                continue
+            self._fed_exits[(generation, int(rank))] = int(code)
+            secondary = int(code) > 0 and bool(worker.get("peer"))
+            ev = Evidence("worker_exit", node, int(rank), generation, int(code), "", secondary)
+            self._evidence(ev, now)
+        for error in self._new(payload.get("error_events"), "error", node, generation):
+            text = f"{error.get('kind')}: {error.get('text', '')}"
+            secondary = bool(error.get("secondary"))
+            ev = Evidence(
+                "error_keyword", node, int(error["rank"]), generation, None, text, secondary
+            )
+            self._evidence(ev, now)
+        for notice in self._new(payload.get("notices"), "notice", node, generation):
+            self.events.append(
+                str(notice.get("kind", "notice")),
+                generation=generation,
+                node=node,
+                rank=notice.get("rank"),
+                detail={"text": notice.get("text", "")},
+            )
+
+    def _learn_step_time(self, payload: Mapping[str, Any], before: int | None) -> None:
+        """Teach the FSM's step timeout the workers' own step times (the slowest rank's, from
+        its progress file), one sample per step done since the last report (at most 4): the
+        FSM alone sees progress only at heartbeat granularity, and with fast steps it would need
+        many heartbeats before its timeout is learned rather than the default."""
+        step, seconds = payload.get("step"), payload.get("step_time_s")
+        if before is None or step is None or not seconds or int(step) <= before:
+            return
+        for _ in range(min(int(step) - before, 4)):
+            self.fsm.timeouts.observe("step", float(seconds))
+
+    def _new(self, items: Any, what: str, node: str, generation: int) -> list[dict]:
+        """Items of a heartbeat list not seen before (by their ``seq``)."""
+        key = (what, node, generation)
+        seen = self._seen.get(key, -1)
+        fresh = [i for i in items or () if int(i.get("seq", -1)) > seen]
+        if fresh:
+            self._seen[key] = max(int(i["seq"]) for i in fresh)
+        return fresh
+
+    def _evidence(self, ev: Evidence, now: float) -> None:
+        if ev.kind == "worker_exit" and ev.code == 0:
+            self._feed(ev, now)  # a clean exit is never a fault: no reason to wait
+        elif ev.secondary:
+            logger.info("holding a symptom for %.1f s: %s", self.opts.secondary_hold_s, ev)
+            self._held.append((now + self.opts.secondary_hold_s, ev))
+        else:
+            self._feed(ev, now)
+
+    def _feed(self, ev: Evidence, now: float) -> None:
+        assert self.fsm is not None
+        if ev.generation != self.fsm.generation:
+            return
+        if ev.kind == "worker_exit":
+            assert ev.code is not None
+            self._act(self.fsm.on_worker_exit(ev.node, ev.rank, ev.code, now, ev.generation))
+        else:
+            self._act(self.fsm.on_error_keyword(ev.node, ev.text, ev.rank, now))
+
+    def _tick(self, now: float) -> None:
+        assert self.fsm is not None
+        due = [ev for at, ev in self._held if at <= now]
+        self._held = [(at, ev) for at, ev in self._held if at > now]
+        for ev in due:
+            self._feed(ev, now)
+        if self._outage_since is None and not self._stall(now):  # etcd down: silence is its fault
+            self._act(self.fsm.on_tick(now))
+
+    def _stall(self, now: float) -> bool:
+        """Declare a stall the FSM's ``on_tick`` would declare now, with the suspects of the
+        flight recorders' wait-for graph (``flight_format.stall_suspects``: follows waits across
+        groups, knows stopped processes). False: no stall yet, or no flight data to analyse."""
+        fsm = self.fsm
+        assert fsm is not None
+        if fsm.state is not State.RUNNING or not self._flight:
+            return False
+        stalled, timeout = now - fsm.step_at, fsm.stall_timeout()
+        quiet = self.opts.policy.heartbeat_timeout_s / 2
+        silent = [n for n in fsm.order if now - fsm.last_seen.get(n, now) > quiet]
+        if stalled <= timeout or silent:
+            return False  # a silent node is the FSM's heartbeat fault, not a stall
+        suspects = stall_suspects(self._flight)
+        waiting = sorted(
+            {
+                f"{op.kind.name.lower()} #{op.seq} on {list(st.groups[op.group].ranks)}"
+                for st in self._flight.values()
+                for op in st.blocked
+                if op.group in st.groups
+            }
+        )
+        detail = {
+            "section": fsm.section(),
+            "stalled_s": round(stalled, 3),
+            "timeout_s": round(timeout, 3),
+            "blocked_in": waiting[:8],
+            "stopped": sorted(r for r, st in self._flight.items() if st.stopped),
+        }
+        self._act(fsm.on_stall_detected(suspects, now, detail))
+        return True
+
+    # -- outputs -------------------------------------------------------------------------------
+
+    def _act(self, actions: list[Action], snapshot: bool = False) -> None:
+        """Execute ``actions`` in order: events now, puts into the outbox with the snapshot."""
+        assert self.fsm is not None
+        for action in actions:
+            if isinstance(action, RecordEvent):
+                self.events.record(action)
+            elif isinstance(action, SendCommand):
+                self._outbox[self.keys.command(action.node)] = action.message(self.opts.job_id)
+            elif isinstance(action, Evict):
+                self._outbox[self.keys.blocked(action.node)] = {
+                    "reason": action.reason,
+                    "generation": self.fsm.generation,
+                    "time": time.time(),
+                }
+            elif isinstance(action, StartGeneration):
+                self._outbox[self.keys.generation] = {
+                    "generation": action.generation,
+                    "assignment": {n: list(r) for n, r in action.assignment.items()},
+                }
+        if actions or snapshot:
+            self._outbox[self.keys.state] = self.fsm.snapshot()
+        self._flush()
+
+    def _flush(self) -> None:
+        """Write the outbox in one fenced transaction (kept for a retry if etcd is down)."""
+        if not self._outbox:
+            return
+        ops = [Put(key, value) for key, value in self._outbox.items()]
+        try:
+            result = self.store.txn([self.election.guard()], ops)
+        except StoreError as e:
+            self._store_failed(e)
+            return
+        except ValueError as e:  # guard(): not leading any more
+            raise LostLeadership(str(e)) from e
+        if not result.succeeded:
+            raise LostLeadership("a fenced write failed: another controller leads")
+        self._outbox.clear()
+        self._store_ok()
+
+    def _check_leadership(self, now: float) -> None:
+        if self.election.lost.is_set():
+            raise LostLeadership("the election lease expired")
+        try:
+            leading = self.election.check()
+        except StoreError as e:
+            self._store_failed(e)
+            return
+        self._store_ok()
+        if not leading:
+            raise LostLeadership("the leader key is not ours")
+
+    def _store_failed(self, error: Exception) -> None:
+        if self._outage_since is not None:
+            return
+        assert self.fsm is not None
+        self._outage_since = self.clock()
+        logger.warning("etcd unavailable: %s", error)
+        self.events.append(
+            "etcd_unavailable", generation=self.fsm.generation, detail={"error": str(error)[:300]}
+        )
+
+    def _store_ok(self) -> None:
+        if self._outage_since is None:
+            return
+        assert self.fsm is not None
+        now = self.clock()
+        down, self._outage_since = now - self._outage_since, None
+        clean = [r for (g, r), c in self._fed_exits.items() if g == self.fsm.generation and c == 0]
+        # Fresh heartbeat and stall allowances for every node (the FSM's restore contract).
+        self.fsm = ControllerFSM.restore(self.opts.policy, self.fsm.snapshot(), now)
+        for rank in clean:
+            node = self.fsm.node_of(rank)
+            if node is not None:
+                self._act(self.fsm.on_worker_exit(node, rank, 0, now, self.fsm.generation))
+        self.events.append(
+            "etcd_recovered", generation=self.fsm.generation, detail={"down_s": round(down, 3)}
+        )
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--job", required=True, help="job id (the etcd key prefix)")
+    parser.add_argument("--run-dir", required=True, help="where events.jsonl and logs go")
+    parser.add_argument("--nodes", type=int, required=True, help="nodes per generation (M)")
+    parser.add_argument("--nproc-per-node", type=int, required=True, help="ranks per node (K)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (names ranks)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--id", default=None, help="this controller's name (default host-pid)")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="agents' (s)")
+    parser.add_argument("--max-restarts", type=int, default=3, help="restarts before failing")
+    parser.add_argument(
+        "--node-wait-timeout", type=float, default=None, help="fail after waiting this long (s)"
+    )
+    parser.add_argument("--init-timeout", type=float, default=600.0, help="start-up stall (s)")
+    add_store_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``megascale controller``: lead (or stand by) until the job finishes or fails."""
+    policy = policy_for(
+        args.nodes,
+        args.nproc_per_node,
+        tp=args.tp,
+        pp=args.pp,
+        heartbeat_interval=args.heartbeat_interval,
+        max_restarts=args.max_restarts,
+        node_wait_timeout_s=args.node_wait_timeout,
+        init_timeout_s=args.init_timeout,
+        start_timeout_s=min(120.0, args.init_timeout),
+    )
+    name = args.id or f"{socket.gethostname()}-{os.getpid()}"
+    opts = ServiceOptions(args.job, Path(args.run_dir), policy, name, args.heartbeat_interval)
+    return serve(opts, store_config(args), console_level=logging.INFO)
+
+
+def serve(
+    opts: ServiceOptions, store_cfg: StoreConfig, console_level: int = logging.WARNING
+) -> int:
+    """Run one controller process (logging to ``RUN_DIR/logs/controller_<id>.log``) until the
+    job ends or SIGTERM/SIGINT; 0 iff the job finished."""
+    log_file = opts.run_dir / "logs" / f"controller_{opts.candidate_id}.log"
+    setup_logging(f"controller {opts.candidate_id}", log_file, console_level)
+    retry = max(1.0, 2 * opts.heartbeat_interval)
+    store = Store(dataclasses.replace(store_cfg, retry_s=retry, request_timeout_s=retry))
+    service = ControllerService(store, opts)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: service.stopping.set())
+    return service.run()

@@ -1,0 +1,448 @@
+"""Control plane at scale, simulated on one machine: N node agents against a real etcd and the real
+controller process.
+
+What is real and what is simulated:
+
+* etcd: a real etcd 3.5 (``EmbeddedEtcd``), talked to over its v3 JSON gateway by ``Store``.
+* controller: the real ``megascale controller`` process (``ControllerService`` around the FSM),
+  with its production timeouts for the given heartbeat interval (``service.policy_for``).
+* agents: the real ``Agent`` class -- registration under a lease, keep-alive, heartbeat payload
+  and loop, command watch, command execution and acks, job-state watch -- run as threads, many per
+  process (``agents_main``). Only the workers are simulated (``SimPool``: no processes; a
+  self-check passes at once), so a "node" costs the control plane what a real one does.
+* a node killed at a random moment (``SimAgent.kill``): it stops heartbeating and its lease is no
+  longer kept alive -- a machine that vanished, not an agent that shut down politely.
+
+``proposed=True`` patches docs/scale.md's fixes 2, 3a, 3b into the controller process
+(``apply_proposed_fixes``) and makes the agents watch the small status key
+(``ProposedSimAgent``): evidence for those fixes, which belong in the controller and agent.
+
+``run_scenario`` measures, for one N: the etcd write rate (revisions per second) and the
+controller's and etcd's CPU (process CPU time / wall) in steady state, then per kill the
+kill-to-decision latency (the controller's ``fault`` event), the time to stop all nodes
+(``all_stopped``) and to get generation G+1 running (``generation_running``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megascale.launcher.agent import Agent, AgentOptions
+from megascale.launcher.etcd import EmbeddedEtcd
+from megascale.robustness.keys import JobKeys
+from megascale.robustness.store import Store, StoreConfig
+
+logger = logging.getLogger(__name__)
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class ScaleEtcd(EmbeddedEtcd):
+    """``EmbeddedEtcd`` with etcd's per-request limits raised (``--max-txn-ops``, default 128;
+    ``--max-request-bytes``, default 1.5 MiB): the controller writes all of a generation's
+    commands in one transaction, which the defaults refuse from ~126 nodes on (docs/scale.md)."""
+
+    def __init__(self, *, max_txn_ops: int = 100_000, max_request_bytes: int = 256 << 20, **kw):
+        super().__init__(**kw)
+        self.max_txn_ops, self.max_request_bytes = max_txn_ops, max_request_bytes
+
+    def _command(self) -> list[str]:
+        return [
+            *super()._command(),
+            "--max-txn-ops", str(self.max_txn_ops),
+            "--max-request-bytes", str(self.max_request_bytes),
+        ]  # fmt: skip
+
+
+class SimPool:
+    """Stands in for ``WorkerPool``: the workers a node would run, without processes."""
+
+    def __init__(self) -> None:
+        self.workers: dict[int, Any] = {}
+        self.ranks: list[int] = []
+        self.generation = 0
+
+    def start(self, generation: int, ranks: list[int], env: Any, argv: Any, nice: int = 0) -> list:
+        self.generation, self.ranks = generation, list(ranks)
+        return []
+
+    def stop(self, grace_s: float = 0.0) -> dict[int, int | None]:
+        self.ranks = []
+        return {}
+
+    def running(self) -> list:
+        return []
+
+    def scan(self) -> list:
+        return []
+
+    def status(self, generation: int) -> dict[str, dict[str, Any]]:
+        if generation != self.generation:
+            return {}
+        return {str(r): {"alive": True, "exit_code": None, "pid": 0} for r in self.ranks}
+
+    def selfcheck(self, nproc: int, full: bool = False) -> tuple[bool, str]:
+        return True, "simulated"
+
+
+class _NoZygote:
+    on_exit: Any = None
+
+    def close(self) -> None:
+        pass
+
+
+class SimAgent(Agent):
+    """The real agent with ``SimPool`` workers; ``kill()`` makes its node vanish."""
+
+    def __init__(self, store: Store, opts: AgentOptions) -> None:
+        super().__init__(store, opts, _NoZygote())  # type: ignore[arg-type]
+        self.pool = SimPool()  # type: ignore[assignment]
+        self.killed = False
+
+    def _rendezvous(self, generation: int, master: str) -> tuple[str, int]:
+        return self.opts.addr, 29500  # no rank-0 store to publish: nothing runs
+
+    def kill(self) -> float:
+        """Stop heartbeating and stop refreshing the lease, now; returns the wall time."""
+        self.killed = True
+        if self._keepalive is not None:
+            self._keepalive.stop(revoke=False)
+        self.stopping.set()
+        self.wake()
+        return time.time()
+
+    def _shutdown(self) -> None:
+        if not self.killed:
+            super()._shutdown()
+            return
+        for watch in self._watches:
+            watch.cancel()
+
+
+STATUS = "status"
+"""Under ``proposed=True``: the small key (``{"state", "generation"}``) agents watch instead of
+the controller's full ``state`` snapshot (docs/scale.md, fix 3a)."""
+
+
+@dataclass(frozen=True)
+class _StatusKeys(JobKeys):
+    @property
+    def state(self) -> str:
+        return self.prefix + STATUS
+
+
+class ProposedSimAgent(SimAgent):
+    """``SimAgent`` watching the small status key instead of ``state`` (fix 3a)."""
+
+    def __init__(self, store: Store, opts: AgentOptions) -> None:
+        super().__init__(store, opts)
+        self.keys = _StatusKeys(opts.job_id)
+
+
+def apply_proposed_fixes(min_flush_s: float = 0.1) -> None:
+    """Patch, in this process only, the controller with docs/scale.md's fixes 2, 3a and 3b: start
+    commands without the whole assignment, a small status key written with every snapshot, and
+    the outbox (snapshot included) written at most every ``min_flush_s`` instead of per action.
+    For the simulator's ``proposed=True`` runs: evidence for the fixes, not the fixes."""
+    from megascale.robustness import controller, service
+
+    send = controller.ControllerFSM._send
+
+    def _send(self, nodes, kind, generation):
+        out = []
+        for a in send(self, nodes, kind, generation):
+            if isinstance(a, controller.SendCommand) and a.rank_assignment:
+                slim = {k: v for k, v in a.rank_assignment.items() if k != "nodes"}
+                a = dataclasses.replace(a, rank_assignment=slim)
+            out.append(a)
+        return out
+
+    flush = service.ControllerService._flush
+
+    def _flush(self):
+        now = time.monotonic()
+        if not self._outbox or now - getattr(self, "_last_flush", 0.0) < min_flush_s:
+            return
+        if self.keys.state in self._outbox and self.fsm is not None:
+            status = {"state": self.fsm.state.value, "generation": self.fsm.generation}
+            self._outbox[f"{self.keys.prefix}{STATUS}"] = status
+        self._last_flush = now
+        flush(self)
+
+    controller.ControllerFSM._send = _send
+    service.ControllerService._flush = _flush
+
+
+def proposed_controller_main(argv: list[str]) -> int:
+    """``megascale controller`` with ``apply_proposed_fixes()``."""
+    import argparse
+
+    from megascale.robustness import service
+
+    apply_proposed_fixes()
+    parser = argparse.ArgumentParser()
+    service.add_arguments(parser)
+    return service.main(parser.parse_args(argv))
+
+
+def agents_main(
+    endpoint: str,
+    job: str,
+    nodes: list[str],
+    interval: float,
+    run_dir: str,
+    conn: Any,
+    proposed: bool = False,
+) -> None:
+    """One simulator process: run ``nodes`` agents as threads; obey ``("kill", node)`` and
+    ``("exit",)`` from ``conn`` (answering a kill with its wall time)."""
+    logging.getLogger().setLevel(logging.ERROR)
+    threading.stack_size(512 * 1024)
+    agents: dict[str, SimAgent] = {}
+    for node in nodes:
+        cfg = StoreConfig.parse(endpoint, retry_s=max(0.5, interval), request_timeout_s=2.0)
+        opts = AgentOptions(
+            job_id=job, node=node, run_dir=Path(run_dir), config=None, heartbeat_interval=interval
+        )
+        agents[node] = (ProposedSimAgent if proposed else SimAgent)(Store(cfg), opts)
+        threading.Thread(target=agents[node].run, name=f"agent-{node}", daemon=True).start()
+        time.sleep(0.002)  # a ramp, as pods starting: not one burst of N lease grants
+    conn.send(("ready", len(agents)))
+    while True:
+        message = conn.recv()
+        if message[0] == "kill":
+            conn.send(("killed", agents[message[1]].kill()))
+        else:
+            for agent in agents.values():
+                agent.stopping.set()
+                agent.wake()
+            return
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+@dataclass
+class ScenarioResult:
+    """What ``run_scenario`` measured for one N (times in seconds)."""
+
+    nodes: int
+    heartbeat_s: float
+    writes_per_s: float = 0.0
+    controller_cpu: float = 0.0
+    etcd_cpu: float = 0.0
+    agents_cpu: float = 0.0
+    first_start_s: float = 0.0
+    detect_s: list[float] = field(default_factory=list)
+    stop_s: list[float] = field(default_factory=list)
+    restart_s: list[float] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _wait_event(run_dir: Path, kind: str, generation: int, timeout_s: float) -> dict | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for ev in _events(run_dir):
+            if ev["kind"] == kind and ev["generation"] >= generation:
+                return ev
+        time.sleep(0.1)
+    return None
+
+
+_REAL = "import sys; from megascale import cli; sys.exit(cli.main(['controller', *sys.argv[1:]]))"
+_PROPOSED = (
+    "import sys; from megascale.robustness import simulate; "
+    "sys.exit(simulate.proposed_controller_main(sys.argv[1:]))"
+)
+
+
+def run_scenario(
+    endpoint: str,
+    etcd_pid: int,
+    run_dir: Path,
+    nodes: int,
+    *,
+    heartbeat_s: float = 1.0,
+    kills: int = 3,
+    processes: int = 4,
+    steady_s: float = 10.0,
+    nproc_per_node: int = 8,
+    seed: int = 0,
+    proposed: bool = False,
+) -> ScenarioResult:
+    """Start the controller and ``nodes + kills`` agents (the extra are spares), measure steady
+    state for ``steady_s``, then kill ``kills`` nodes one at a time at random moments.
+    ``proposed``: with ``apply_proposed_fixes`` in the controller and ``ProposedSimAgent``s."""
+    job = f"sim-{nodes}-{os.getpid()}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    result = ScenarioResult(nodes, heartbeat_s)
+    rng = random.Random(seed)
+    ctl = subprocess.Popen(
+        [sys.executable, "-c", _PROPOSED if proposed else _REAL, "--job", job, "--run-dir",
+         str(run_dir), "--nodes", str(nodes), "--nproc-per-node", str(nproc_per_node),
+         "--tp", str(nproc_per_node), "--heartbeat-interval", str(heartbeat_s),
+         "--max-restarts", str(kills + 5), "--endpoints", endpoint],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    names = [f"node-{i:05d}" for i in range(nodes + kills)]
+    ctx = mp.get_context("fork")
+    procs, pipes, where = [], [], {}
+    t0 = time.time()
+    try:
+        for p in range(processes):
+            mine = names[p::processes]
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=agents_main,
+                args=(endpoint, job, mine, heartbeat_s, str(run_dir), child, proposed),
+            )
+            proc.start()
+            procs.append(proc)
+            pipes.append(parent)
+            where.update({n: p for n in mine})
+        for pipe in pipes:
+            pipe.recv()
+        running = _wait_event(run_dir, "generation_running", 1, 60 + nodes / 10)
+        if running is None:
+            result.notes.append("generation 1 never ran")
+            return result
+        result.first_start_s = running["time"] - t0
+        _steady(result, ctl.pid, etcd_pid, [p.pid for p in procs], endpoint, steady_s)
+        store = Store(StoreConfig.parse(endpoint))
+        for k in range(kills):
+            time.sleep(rng.uniform(2.0, 2.0 + heartbeat_s))
+            state = store.get(JobKeys(job).state)
+            generation = state.json()["generation"]
+            victim = rng.choice(state.json()["order"])
+            pipes[where[victim]].send(("kill", victim))
+            killed_at = pipes[where[victim]].recv()[1]
+            fault = _wait_event(run_dir, "fault", generation, 60)
+            stopped = _wait_event(run_dir, "all_stopped", generation, 120)
+            back = _wait_event(run_dir, "generation_running", generation + 1, 180)
+            if fault is None or stopped is None or back is None:
+                result.notes.append(f"kill {k}: no recovery (fault={fault is not None})")
+                break
+            result.detect_s.append(fault["time"] - killed_at)
+            result.stop_s.append(stopped["time"] - fault["time"])
+            result.restart_s.append(back["time"] - stopped["time"])
+            logger.info("N=%d kill %d: %s", nodes, k, fault.get("detail"))
+        store.close()
+    finally:
+        for pipe in pipes:
+            pipe.send(("exit",))
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        ctl.send_signal(signal.SIGTERM)
+        try:
+            ctl.wait(10)
+        except subprocess.TimeoutExpired:
+            ctl.kill()
+    return result
+
+
+def _steady(
+    result: ScenarioResult, ctl: int, etcd: int, agents: list[int], endpoint: str, seconds: float
+) -> None:
+    store = Store(StoreConfig.parse(endpoint))
+    pids = [ctl, etcd, *agents]
+    cpu0, rev0, t0 = [cpu_seconds(p) for p in pids], store.snapshot("/").revision, time.time()
+    time.sleep(seconds)
+    cpu1, rev1, t1 = [cpu_seconds(p) for p in pids], store.snapshot("/").revision, time.time()
+    store.close()
+    wall = t1 - t0
+    used = [(b - a) / wall for a, b in zip(cpu0, cpu1, strict=True)]
+    result.controller_cpu, result.etcd_cpu, result.agents_cpu = used[0], used[1], sum(used[2:])
+    result.writes_per_s = (rev1 - rev0) / wall
+
+
+def decision_bytes(nodes: int, nproc_per_node: int = 8) -> dict[str, int]:
+    """What the controller writes when generation 1 starts on ``nodes`` nodes, in JSON bytes
+    (before the gateway's base64): the FSM ``state`` snapshot (written with every decision and
+    sent to every agent's ``state`` watch), one ``start`` command, and all of them (one txn)."""
+    from megascale.robustness.controller import ControllerFSM, SendCommand
+    from megascale.robustness.service import policy_for
+
+    fsm = ControllerFSM(policy_for(nodes, nproc_per_node, tp=nproc_per_node), 0.0)
+    fsm.on_start(0.0)
+    actions = []
+    for i in range(nodes):
+        actions += fsm.on_node_registered(f"node-{i:05d}", 0.0)
+    sizes = [len(json.dumps(a.message("job"))) for a in actions if isinstance(a, SendCommand)]
+    return {
+        "snapshot": len(json.dumps(fsm.snapshot())),
+        "start_command": sizes[0],
+        "start_txn": sum(sizes),
+        "commands": len(sizes),
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by nearest rank; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def as_row(r: ScenarioResult) -> dict[str, Any]:
+    """One table row of ``r``."""
+    return {
+        "nodes": r.nodes,
+        "gpus": r.nodes * 8,
+        "writes/s": round(r.writes_per_s, 1),
+        "ctl cpu": round(r.controller_cpu, 3),
+        "etcd cpu": round(r.etcd_cpu, 3),
+        "agents cpu": round(r.agents_cpu, 2),
+        "detect p50": round(percentile(r.detect_s, 0.5), 2),
+        "detect max": round(max(r.detect_s, default=float("nan")), 2),
+        "stop all": round(percentile(r.stop_s, 0.5), 2),
+        "restart G+1": round(percentile(r.restart_s, 0.5), 2),
+        "kills": len(r.detect_s),
+        "notes": "; ".join(r.notes),
+    }
+
+
+__all__ = [
+    "ScaleEtcd",
+    "ScenarioResult",
+    "SimAgent",
+    "SimPool",
+    "agents_main",
+    "as_row",
+    "cpu_seconds",
+    "decision_bytes",
+    "percentile",
+    "run_scenario",
+]

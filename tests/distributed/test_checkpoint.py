@@ -1,0 +1,243 @@
+"""Two-stage checkpoints: async save and exact resume, a crash mid-write, fsspec URLs, keep-K,
+read-once-and-broadcast on restart, and bad checkpoint config refused."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from harness import with_changes
+
+from megascale.config import CheckpointConfig, ConfigError, load, validate
+from megascale.launcher.local import RankFailed, run_local
+from megascale.parallel import cpu_backend
+from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
+from megascale.train import checkpoint
+from megascale.train.checkpoint_io import MANIFEST, Storage, check_config, step_name
+from megascale.train.run import run_rank
+from megascale.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+
+def _job(world: int = 4, **ckpt):
+    # PP2 x DP2 with the distributed optimizer (per-rank optimizer shards) and dropout (RNG state).
+    job = with_changes(
+        load("tiny"),
+        parallel={"pp": 2 if world == 4 else 1, "distributed_optimizer": True},
+        model={"hidden_dropout": 0.1, "attention_dropout": 0.1, "seq_length": 32},
+        optim={"warmup_steps": 2},
+        train={"steps": 6, "global_batch_size": 8, "micro_batch_size": 2},
+        checkpoint={"interval": 2, "keep": 2, **ckpt},
+    )
+    return validate(job, world, "gloo")
+
+
+def _losses(history):
+    return [(m.step, m.loss, m.grad_norm) for m in history]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("whole")
+    return _losses(run_local(run_rank, 4, (_job(), run_dir), timeout_s=300)[0])
+
+
+def test_async_save_to_file_url_resumes_exactly_and_keeps_last_k(tmp_path, uninterrupted):
+    remote = tmp_path / "remote"
+    job = _job(url=remote.as_uri(), keep=2)
+    first = run_local(run_rank, 4, (job, tmp_path / "run", 4), timeout_s=300)[0]
+    second = run_local(run_rank, 4, (job, tmp_path / "run"), timeout_s=300)[0]
+
+    assert [m.step for m in second] == [5, 6]
+    assert _losses(first + second) == uninterrupted  # exact
+    assert not (tmp_path / "run" / "checkpoints").exists()  # everything went to the URL
+    assert Storage(remote.as_uri()).complete_steps() == [4, 6]  # keep = 2; step 2 pruned
+    names = sorted(p.name for p in (remote / step_name(6)).iterdir())
+    assert names == [
+        MANIFEST,
+        "model_pp00_tp00.pt",  # written once per DP group
+        "model_pp01_tp00.pt",
+        "rank_00000.pt",  # optimizer shard, scheduler, data, RNG: every rank
+        "rank_00001.pt",
+        "rank_00002.pt",
+        "rank_00003.pt",
+    ]
+
+
+def _die_at(point: str, rank: int, step: int):
+    def hook(p: str, r: int, s: int) -> None:
+        if (p, r, s) == (point, rank, step):
+            os._exit(17)  # a crash: no cleanup, no flush, the write thread dies with the process
+
+    return hook
+
+
+@pytest.mark.parametrize(
+    "point, rank",
+    [("file_written", 1), ("before_manifest", 0)],
+    ids=["rank1-after-its-shard", "rank0-after-all-markers"],
+)
+def test_crash_during_background_write_leaves_no_manifest(
+    tmp_path, monkeypatch, uninterrupted, point, rank
+):
+    job = _job(keep=3)
+    monkeypatch.setattr(checkpoint, "fault_hook", _die_at(point, rank, 4))  # forked ranks inherit
+    with pytest.raises(RankFailed):
+        run_local(run_rank, 4, (job, tmp_path), timeout_s=300)
+    monkeypatch.setattr(checkpoint, "fault_hook", None)
+    root = tmp_path / "checkpoints"
+    assert (root / step_name(4)).is_dir()  # stage 2 had started writing step 4 ...
+    assert not (root / step_name(4) / MANIFEST).exists()  # ... and left no manifest
+    assert checkpoint.complete_checkpoints(root) == [root / step_name(2)]
+
+    resumed = run_local(run_rank, 4, (job, tmp_path), timeout_s=300)[0]
+    assert _losses(resumed) == uninterrupted[2:]  # from step 2, exactly
+    assert Storage(root).complete_steps() == [2, 4, 6]
+
+
+def _digest(trainer: Trainer) -> str:
+    """Everything a checkpoint restores on this rank: tensors by value, plain data by repr."""
+    digest = hashlib.sha256()
+
+    def walk(node) -> None:
+        if isinstance(node, torch.Tensor):
+            digest.update(node.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(node, dict):
+            for key in sorted(node, key=repr):
+                digest.update(repr(key).encode())
+                walk(node[key])
+        elif isinstance(node, list | tuple):
+            for item in node:
+                walk(item)
+        else:
+            digest.update(repr(node).encode())
+
+    walk(checkpoint.trainer_state(trainer))
+    return digest.hexdigest()
+
+
+def _setup(job, data_dir) -> Trainer:
+    torch.set_num_threads(1)
+    init_distributed("cpu")
+    cpu_backend.activate()
+    groups = build_groups(job.parallel)
+    cpu_backend.seed_rng_tracker(job.train.seed, groups.tp_rank)
+    return Trainer(job, groups, "cpu", data_cache_dir=data_dir)
+
+
+def _save_then_load(job, data_dir: Path, run_dir: Path) -> dict:
+    saved = _setup(job, data_dir)
+    for _ in range(2):
+        saved.step()
+    saver = checkpoint.Checkpointer(job.checkpoint, run_dir, saved)
+    saver.save(saved)
+    saver.finalize()
+    out = {"saved": _digest(saved), "stall_s": saver.last_stall_s}
+    for broadcast in (True, False):
+        fresh = Trainer(job, saved.groups, "cpu", data_cache_dir=data_dir)
+        storage = Storage(run_dir / "checkpoints")
+        out[broadcast] = {
+            "step": checkpoint.load_latest(fresh, storage, broadcast=broadcast),
+            "digest": _digest(fresh),
+            "reads": [r for r in storage.reads if r.endswith(".pt")],
+        }
+    destroy_groups()
+    return out
+
+
+def test_dp2_restart_reads_shared_state_once_and_broadcasts(tmp_path, data_dir):
+    job = _job(world=2)  # DP2, distributed optimizer: optimizer shards differ per rank
+    out = run_local(_save_then_load, 2, (job, data_dir, tmp_path), timeout_s=300)
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / step_name(2)).iterdir()) == [
+        MANIFEST,
+        "model_pp00_tp00.pt",
+        "rank_00000.pt",
+        "rank_00001.pt",
+    ]
+    for rank_out in out:
+        assert rank_out["stall_s"] > 0
+        for broadcast in (True, False):
+            assert rank_out[broadcast]["step"] == 2
+            assert rank_out[broadcast]["digest"] == rank_out["saved"]  # params, optimizer, RNG...
+    assert out[0]["saved"] != out[1]["saved"]  # the two ranks' optimizer shards differ
+    shard = f"{step_name(2)}/model_pp00_tp00.pt"
+    assert out[0][True]["reads"] == [f"{step_name(2)}/rank_00000.pt", shard]
+    assert out[1][True]["reads"] == [f"{step_name(2)}/rank_00001.pt"]  # got it by broadcast
+    assert out[1][False]["reads"] == [f"{step_name(2)}/rank_00001.pt", shard]
+
+
+def _memory_round_trip(job, data_dir: Path) -> dict:
+    first = _setup(job, data_dir)
+    for _ in range(2):
+        first.step()
+    # Hold stage 2 back until training has moved on: the checkpoint must still hold step 2.
+    release = threading.Event()
+    checkpoint.fault_hook = lambda point, _r, _s: point == "stage2_start" and release.wait(60)
+    saver = checkpoint.Checkpointer(job.checkpoint, Path("/nonexistent"), first)
+    saver.save(first)
+    in_flight = saver.in_flight
+    expected = [first.step().loss for _ in range(2)]
+    release.set()
+    saver.finalize()
+    checkpoint.fault_hook = None
+    second = Trainer(job, first.groups, "cpu", data_cache_dir=data_dir)
+    step = checkpoint.load_latest(second, job.checkpoint.url)
+    got = [second.step().loss for _ in range(2)]
+    listing = Storage(job.checkpoint.url).listdir(step_name(2))
+    assert fsspec.filesystem("memory").exists("/ckpt/" + step_name(2))  # a real memory:// store
+    destroy_groups()
+    return {"in_flight": in_flight, "step": step, "expected": expected, "got": got, "ls": listing}
+
+
+def test_memory_url_round_trip_while_training_continues(data_dir):
+    job = _job(world=1, url="memory://ckpt")
+    out = run_local(_memory_round_trip, 1, (job, data_dir), timeout_s=300)[0]
+    assert out["in_flight"]  # save returned while its write was still held back
+    assert out["step"] == 2
+    assert out["got"] == out["expected"]
+    assert out["ls"] == [MANIFEST, "model_pp00_tp00.pt", "rank_00000.pt"]
+
+
+def _make(storage: Storage, step: int, complete: bool) -> None:
+    storage.write_json(f"{step_name(step)}/rank_00000.pt", {}, "t")
+    if complete:
+        storage.write_json(f"{step_name(step)}/{MANIFEST}", {}, "t")
+
+
+def test_prune_keeps_last_k_complete_and_never_the_newest_or_in_flight(tmp_path):
+    storage = Storage(tmp_path)
+    for step, complete in [(2, True), (3, False), (4, True), (6, True), (8, False)]:
+        _make(storage, step, complete)
+    checkpoint.prune(storage, keep=2)
+    assert storage.steps() == [4, 6, 8]  # 3: a crashed save, 8: being written
+    assert storage.complete_steps() == [4, 6]
+    checkpoint.prune(storage, keep=1)
+    assert storage.steps() == [6, 8]
+    checkpoint.prune(storage, keep=0)  # never below one complete checkpoint
+    assert storage.complete_steps() == [6]
+
+
+@pytest.mark.parametrize(
+    "changes, world, field",
+    [
+        ({"url": "nosuchproto://bucket/run"}, 1, "checkpoint.url"),
+        ({"url": "memory://ckpt"}, 4, "checkpoint.url"),
+        ({"url": "  "}, 1, "checkpoint.url"),
+        ({"write_timeout_s": 0.0}, 1, "checkpoint.write_timeout_s"),
+        ({"keep": 0}, 1, "checkpoint.keep"),
+    ],
+)
+def test_bad_checkpoint_config_is_refused_naming_the_field(changes, world, field):
+    with pytest.raises(ConfigError, match=field):
+        check_config(CheckpointConfig(**changes), world)
+
+
+def test_a_bad_checkpoint_url_is_refused_before_any_rank_starts():
+    with pytest.raises(ConfigError, match="checkpoint.url = 'memory://ckpt'"):
+        _job(world=2, url="memory://ckpt")

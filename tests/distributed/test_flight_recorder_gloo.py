@@ -1,0 +1,206 @@
+"""The flight recorder on real gloo ranks: a stall read from outside names the rank that holds it
+up, and a real training run leaves consistent records.
+
+Stalls are made deterministic: the culprit rank waits for a file the test creates (or stops itself
+with SIGSTOP) before a collective the others enter. The test process reads every rank's flight file
+while the others are blocked, runs ``stall_suspects``, then releases the culprit so the run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import with_changes
+
+from megascale.config import load, validate
+from megascale.data.corpus import default_token_file
+from megascale.launcher.local import run_local
+from megascale.robustness.flight_format import (
+    OpKind,
+    OpState,
+    flight_path,
+    last_state,
+    read_flight,
+    stall_suspects,
+)
+from megascale.robustness.flight_recorder import open_recorder
+from megascale.robustness.progress import progress_path, read_progress
+from megascale.train.run import run_rank
+
+pytestmark = pytest.mark.slow
+
+WORLD = 4
+
+
+def _hold(run_dir: Path, how: str) -> None:
+    """Keep this rank out of the next collective until the test releases it."""
+    if how == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test sends SIGCONT
+        return
+    while not (run_dir / "release").exists():
+        time.sleep(0.01)
+
+
+def _stall_world(run_dir: Path, culprit: int, how: str) -> bool:
+    """Three all-reduces on the world group; the culprit holds back before the fourth."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    recorder = open_recorder(run_dir, rank, WORLD)
+    recorder.set_step(1)
+    t = torch.ones(8)
+    for _ in range(3):
+        dist.all_reduce(t)
+    if rank == culprit:
+        _hold(run_dir, how)
+    dist.all_reduce(t)
+    recorder.close()
+    dist.destroy_process_group()
+    return True
+
+
+def _stall_across_groups(run_dir: Path, culprit: int) -> bool:
+    """TP-like pairs {0,1}, {2,3} and DP-like pairs {0,2}, {1,3}: a TP all-reduce, then a DP one.
+    The culprit holds back before the TP one; its TP peer waits there, the others in DP."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tp = [dist.new_group([0, 1], group_desc="TP"), dist.new_group([2, 3], group_desc="TP")]
+    dp = [dist.new_group([0, 2], group_desc="DP"), dist.new_group([1, 3], group_desc="DP")]
+    recorder = open_recorder(run_dir, rank, WORLD)
+    t = torch.ones(4)
+    dist.all_reduce(t, group=tp[rank // 2])
+    dist.all_reduce(t, group=dp[rank % 2])
+    if rank == culprit:
+        _hold(run_dir, "file")
+    dist.all_reduce(t, group=tp[rank // 2])
+    handle = dist.all_reduce(t, group=dp[rank % 2], async_op=True)  # blocked in wait()
+    handle.wait()
+    recorder.close()
+    dist.destroy_process_group()
+    return True
+
+
+def _read_while_stalled(run_dir: Path, target, args, ready, release) -> dict:
+    """Run the ranks in the background; once ``ready(states)``, return the states and release."""
+    outcome: dict = {}
+
+    def ranks():
+        try:
+            outcome["results"] = run_local(target, WORLD, args, timeout_s=120)
+        except BaseException as e:  # reported below
+            outcome["error"] = e
+
+    thread = threading.Thread(target=ranks)
+    thread.start()
+    deadline, states = time.monotonic() + 60, {}
+    try:
+        while time.monotonic() < deadline and "error" not in outcome:
+            paths = [flight_path(run_dir, r) for r in range(WORLD)]
+            if all(p.exists() for p in paths):
+                states = {r: last_state(p) for r, p in enumerate(paths)}
+                if ready(states):
+                    break
+            time.sleep(0.02)
+    finally:
+        release(states)
+        thread.join(timeout=120)
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["results"] == [True] * WORLD
+    return states
+
+
+def _blocked(states, ranks, seq: int) -> bool:
+    """Every rank in ``ranks`` is blocked in its ``seq``-th op on some group (not an earlier one,
+    where all four ranks may be blocked for a moment)."""
+    return all(states[r].blocked and states[r].blocked[-1].seq == seq for r in ranks)
+
+
+def test_stall_names_the_rank_that_never_entered(tmp_path):
+    states = _read_while_stalled(
+        tmp_path,
+        _stall_world,
+        (tmp_path, 2, "file"),
+        ready=lambda s: _blocked(s, (0, 1, 3), 4),
+        release=lambda s: (tmp_path / "release").touch(),
+    )
+    assert stall_suspects(states) == [2]
+    waiting = states[0].blocked[0]
+    assert (waiting.kind, waiting.seq, waiting.state) == (OpKind.ALL_REDUCE, 4, OpState.ENTERED)
+    assert states[2].blocked == () and states[2].last.seq == 3 and states[2].last_left
+    assert states[2].process in ("R", "S")  # alive, computing or sleeping
+    assert states[0].groups[waiting.group].ranks == (0, 1, 2, 3)
+
+
+def test_stall_names_a_rank_stopped_with_sigstop(tmp_path):
+    def release(states):
+        pid = states[2].pid if 2 in states else None
+        for _ in range(500):  # make sure the stopped rank continues whatever happened
+            if pid is None and flight_path(tmp_path, 2).exists():
+                pid = last_state(flight_path(tmp_path, 2)).pid
+            if pid is not None:
+                os.kill(pid, signal.SIGCONT)
+                return
+            time.sleep(0.01)
+
+    states = _read_while_stalled(
+        tmp_path,
+        _stall_world,
+        (tmp_path, 2, "sigstop"),
+        ready=lambda s: _blocked(s, (0, 1, 3), 4) and s[2].stopped,
+        release=release,
+    )
+    assert states[2].process == "T"
+    assert stall_suspects(states) == [2]
+
+
+def test_stall_suspect_is_followed_across_groups(tmp_path):
+    states = _read_while_stalled(
+        tmp_path,
+        _stall_across_groups,
+        (tmp_path, 3),
+        ready=lambda s: _blocked(s, (0, 1, 2), 2),
+        release=lambda s: (tmp_path / "release").touch(),
+    )
+    # 2 waits in TP for 3; 0 and 1 wait in DP for 2 and 3: only 3 never entered
+    assert {states[r].groups[states[r].blocked[0].group].label for r in (0, 1, 2)} == {"TP", "DP"}
+    assert stall_suspects(states) == [3]
+
+
+def test_training_run_leaves_plausible_records(tmp_path, data_dir):
+    job = with_changes(
+        load("tiny"),
+        parallel={"tp": 2},
+        data={"path": str(default_token_file(data_dir))},
+        optim={"warmup_steps": 1},
+        train={"steps": 2, "log_interval": 1},
+        checkpoint={"interval": 0},
+    )
+    job = validate(job, 2, "gloo")
+    run_local(run_rank, 2, (job, tmp_path), timeout_s=300)
+    kinds_by_rank = []
+    for rank in range(2):
+        flight = read_flight(flight_path(tmp_path, rank))
+        assert flight.header.section == "done" and flight.header.step == 2
+        records = flight.records
+        assert records and all(r.state == OpState.LEFT for r in records)
+        assert {r.step for r in records} >= {1, 2}
+        seqs = defaultdict(list)
+        for r in records:
+            seqs[r.group].append(r.seq)
+        for gid, got in seqs.items():  # per group 1, 2, 3, ... (nothing overwritten yet)
+            assert got == list(range(1, len(got) + 1)), flight.groups[gid].label
+            assert flight.groups[gid].last_seq == got[-1]
+        tp = [g for g in flight.groups.values() if g.label == "TENSOR_MODEL_PARALLEL_GROUP"]
+        assert len(tp) == 1 and tp[0].ranks == (0, 1) and len(seqs[tp[0].gid]) > 10
+        kinds_by_rank.append([(r.group, r.seq, r.kind) for r in records if r.group == tp[0].gid])
+        progress = read_progress(progress_path(tmp_path, rank))
+        assert (progress.section, progress.step) == ("done", 2)
+        assert progress.tokens_per_s > 0 and {"init", "step"} <= set(progress.durations)
+    assert kinds_by_rank[0] == kinds_by_rank[1]  # both TP ranks recorded the same calls

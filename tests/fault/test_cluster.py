@@ -1,0 +1,198 @@
+"""The local cluster end to end: real etcd, controller(s), agents and workers as processes, one
+injected fault per run; each recovered run must finish with the fault-free run's parameters.
+
+Every scenario is ``megascale launch`` in a subprocess: 2 nodes x 1 rank (plus a spare where
+the scenario needs one), the tiny preset for 20 steps, a checkpoint every 4 steps, heartbeats every
+0.5 s. One fault-free run (module fixture) gives the reference digest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megascale.robustness.events import read_events
+
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+BASE = [
+    "--nodes", "2", "--nproc-per-node", "1", "--heartbeat-interval", "0.5",
+    "--selfcheck", "builtin", "--timeout", "240",
+    "--set", f"train.steps={STEPS}", "--set", "checkpoint.interval=4", "--set", "checkpoint.keep=3",
+    "--set", "train.log_interval=5",
+]  # fmt: skip
+
+
+class Run:
+    """One ``megascale launch`` run: exit code, output, final.json, events."""
+
+    def __init__(self, run_dir: Path, *args: str) -> None:
+        self.dir = run_dir
+        cmd = [sys.executable, "-m", "megascale.cli", "launch", *BASE, "--run-dir", str(run_dir)]
+        proc = subprocess.run(
+            [*cmd, *args], capture_output=True, text=True, timeout=300, env=_env()
+        )
+        self.rc, self.output = proc.returncode, proc.stdout + proc.stderr
+        final = run_dir / "final.json"
+        self.final = json.loads(final.read_text()) if final.exists() else {}
+        self.events = read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["kind"] == kind]
+
+    def faults(self) -> list[dict]:
+        return self.of("fault")
+
+    def check_recovered(self, reference: Run, generations: int = 2) -> None:
+        """Finished, restarted once, with the fault-free run's parameters."""
+        assert self.rc == 0, self.output[-6000:]
+        assert self.final["finished"] and self.final["final_step"] == STEPS
+        assert self.final["generations"] == generations, self.events
+        assert self.final["recoveries"] == generations - 1
+        assert self.final["param_digest"] == reference.final["param_digest"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("MEGASCALE_INJECT", None)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    return env
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Run:
+    return Run(tmp_path_factory.mktemp("reference"))
+
+
+def test_fault_free_run_finishes_and_clean_exits_are_not_faults(reference):
+    assert reference.rc == 0, reference.output[-6000:]
+    final = reference.final
+    assert final["finished"] and final["final_step"] == STEPS and final["digest_step"] == STEPS
+    assert len(final["param_digest"]) == 64
+    assert final["faults_detected"] == {} and final["recoveries"] == 0
+    assert final["generations"] == 1 and not reference.faults()
+    # Every worker exited 0 at the end: recorded, and that is how the job finished.
+    assert {(e["node"], e["rank"]) for e in reference.of("worker_exit_clean")} <= {
+        ("node-0", 0),
+        ("node-1", 1),
+    }
+    assert reference.of("finished")[0]["detail"]["reason"] == "every rank exited 0"
+
+
+def test_kill_worker_detected_named_recovered(reference, tmp_path):
+    run = Run(tmp_path, "--inject", "kill-worker:rank=1,step=12")
+    run.check_recovered(reference)
+    [fault] = run.faults()
+    assert fault["detail"]["fault"] == "worker_exit" and fault["detail"]["exit_code"] == -9
+    assert (fault["node"], fault["rank"]) == ("node-1", 1)
+    assert fault["detail"]["where"] == "rank 1 (dp=1, pp=0, tp=0)"
+    # The self-check ran on both nodes and passed; the same nodes run generation 2.
+    assert sorted(e["node"] for e in run.of("selfcheck") if e["detail"]["ok"]) == [
+        "node-0",
+        "node-1",
+    ]
+    assert run.of("generation_start")[-1]["detail"]["nodes"] == ["node-0", "node-1"]
+    [timing] = run.final["fault_timings"]
+    assert timing["detection_s"] < 1.0 and timing["resumed_s"] > timing["detection_s"]
+
+
+def test_hang_worker_stall_names_culprit_failed_node_evicted(reference, tmp_path):
+    run = Run(
+        tmp_path,
+        "--spares", "1",
+        "--inject", "hang-worker:rank=1,step=12",
+        "--inject", "fail-selfcheck:node=1",
+    )  # fmt: skip
+    run.check_recovered(reference)
+    [fault] = run.faults()
+    assert fault["detail"]["fault"] == "stall"
+    assert (fault["node"], fault["rank"]) == ("node-1", 1)
+    assert fault["detail"]["suspects"] == ["rank 1 (dp=1, pp=0, tp=0)"]
+    assert fault["detail"]["stopped"] == [1]  # the flight recorder saw it SIGSTOPped
+    [evict] = run.of("evict")
+    assert evict["node"] == "node-1" and "fail-selfcheck" in evict["detail"]["reason"]
+    start = run.of("generation_start")[-1]["detail"]
+    assert start["nodes"] == ["node-0", "node-2"] and start["replaced"] == {"node-1": "node-2"}
+    assert run.final["evicted"] == ["node-1"]
+
+
+def test_kill_agent_node_lost_and_node_reregisters(reference, tmp_path):
+    run = Run(tmp_path, "--inject", "kill-agent:node=1,step=12")
+    run.check_recovered(reference)
+    # node-0's worker died of the lost peer first; the controller still names the lost node.
+    [fault] = run.faults()
+    assert fault["detail"]["fault"] == "node_lost" and fault["node"] == "node-1"
+    assert [e["node"] for e in run.of("node_registered")].count("node-1") == 2
+    assert run.of("generation_start")[-1]["detail"]["nodes"] == ["node-0", "node-1"]
+    [timing] = run.final["fault_timings"]
+    assert timing["detection_s"] < 5.0
+
+
+def test_kill_agent_spare_takes_over(reference, tmp_path):
+    run = Run(tmp_path, "--spares", "1", "--inject", "kill-agent:node=1,step=12")
+    run.check_recovered(reference)
+    [fault] = run.faults()
+    assert fault["detail"]["fault"] == "node_lost" and fault["node"] == "node-1"
+    assert run.of("generation_start")[-1]["detail"]["replaced"] == {"node-1": "node-2"}
+
+
+def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
+    run = Run(
+        tmp_path,
+        "--inject", "kill-worker:rank=0,step=15",
+        "--inject", "corrupt-checkpoint:latest",
+    )  # fmt: skip
+    run.check_recovered(reference)
+    fired = {f["kind"]: f for f in _fired(tmp_path)}
+    # The newest complete checkpoint when the workers were stopped (step 12, unless its background
+    # write had not finished) was corrupted; the restart skipped it and resumed from the one before.
+    corrupted = int(Path(fired["corrupt-checkpoint"]["checkpoint"]).name.removeprefix("step_"))
+    assert corrupted in (8, 12) and fired["corrupt-checkpoint"]["file"] == "rank_00000.pt"
+    fallbacks = run.of("checkpoint_fallback")
+    assert any(
+        (e["node"], e["rank"]) == ("node-0", 0) and "rank_00000.pt" in e["detail"]["text"]
+        for e in fallbacks
+    ), fallbacks
+    assert run.final["faults_detected"] == {"worker_exit": 1, "checkpoint_fallback": 1}
+    log = (tmp_path / "logs" / "rank_00000.log").read_text()
+    resumed = log.rsplit("resumed from", 1)[1].split()[0]
+    assert resumed.endswith(f"step_{corrupted - 4:08d}"), resumed
+
+
+def test_etcd_restart_is_survived_without_a_restart(reference, tmp_path):
+    run = Run(tmp_path, "--inject", "etcd-restart:step=8,downtime=2")
+    run.check_recovered(reference, generations=1)
+    assert not run.faults()
+    assert run.of("etcd_unavailable") and run.of("etcd_recovered")
+    assert run.final["faults_detected"] == {"etcd_unavailable": 1}
+
+
+def test_kill_controller_standby_takes_over_and_handles_the_next_fault(reference, tmp_path):
+    run = Run(
+        tmp_path,
+        "--inject", "kill-controller:step=5",
+        "--inject", "kill-worker:rank=0,step=14",
+    )  # fmt: skip
+    run.check_recovered(reference)
+    [takeover] = run.of("controller_takeover")
+    assert takeover["detail"]["controller"] == "controller-1"
+    [fault] = run.faults()
+    assert fault["time"] > takeover["time"] and (fault["node"], fault["rank"]) == ("node-0", 0)
+
+
+def test_slow_rank_is_not_a_fault(reference, tmp_path):
+    run = Run(tmp_path, "--inject", "slow-rank:rank=1,factor=2")
+    run.check_recovered(reference, generations=1)
+    assert not run.faults() and run.final["faults_detected"] == {}
+
+
+def _fired(run_dir: Path) -> list[dict]:
+    from megascale.robustness.inject import fired
+
+    return fired(run_dir)
