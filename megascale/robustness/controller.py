@@ -342,7 +342,7 @@ class ControllerFSM:
         self.generation = 0
         self.registered: dict[str, None] = {}  # live, not evicted, in registration order
         self.blocklist: dict[str, str] = {}  # node -> reason
-        self.order: list[str] = []  # the current generation's nodes; slot i runs ranks i*K..
+        self.order = []  # the current generation's nodes; slot i runs ranks i*K..
         self.awaiting: dict[str, str] = {}  # node -> id of the command it has not acked
         self.awaiting_kind: str | None = None
         self.phase_since = now  # when the current state was entered
@@ -362,11 +362,26 @@ class ControllerFSM:
         self._commands = 0
         self._reset_generation_tracking()
 
+    @property
+    def order(self) -> list[str]:
+        """The current generation's nodes; slot i runs ranks i*K.. (assign, never mutate)."""
+        return self._order
+
+    @order.setter
+    def order(self, nodes: Iterable[str]) -> None:
+        self._order: list[str] = list(nodes)
+        self._in_order: frozenset[str] = frozenset(self._order)  # O(1) membership
+
+    def in_order(self, node: str) -> bool:
+        """Whether ``node`` is in the current generation (O(1), unlike ``node in order``)."""
+        return node in self._in_order
+
     def _reset_generation_tracking(self) -> None:
         self.step: int | None = None  # highest step reported in this generation
         self.step_at = self.now  # when it was first seen
         self.stepped = False  # whether the step advanced in this generation (init is over)
-        self.sections: dict[str, str] = {}
+        self.sections: dict[str, str] = {}  # node -> section; only on_heartbeat changes it
+        self._section_nodes: Counter[str] = Counter()  # section -> nodes in it (O(1) queries)
         self.checkpoint_since: float | None = None
         self.last_seen: dict[str, float] = {n: self.now for n in self.order}
         self.flight: dict[int, FlightRecord] = {}
@@ -380,7 +395,7 @@ class ControllerFSM:
 
     @property
     def spares(self) -> list[str]:
-        return [n for n in self.registered if n not in self.order]
+        return [n for n in self.registered if n not in self._in_order]
 
     @property
     def assignment(self) -> dict[str, tuple[int, ...]]:
@@ -394,9 +409,9 @@ class ControllerFSM:
     def section(self) -> str:
         """What the job is doing: "init" until its step first advances, "checkpoint" while any
         node says so, else "step"."""
-        if not self.stepped or "init" in self.sections.values():
+        if not self.stepped or self._section_nodes["init"]:
             return "init"
-        return "checkpoint" if "checkpoint" in self.sections.values() else "step"
+        return "checkpoint" if self._section_nodes["checkpoint"] else "step"
 
     def stall_timeout(self) -> float:
         return self.timeouts.timeout(self.section())
@@ -499,7 +514,6 @@ class ControllerFSM:
                 ranks = {
                     "ranks": list(assignment[node]),
                     "world_size": self.policy.world_size,
-                    "nodes": {n: list(r) for n, r in assignment.items()},
                     "master_node": self.order[0],
                 }
             self.awaiting[node] = command_id
@@ -547,7 +561,7 @@ class ControllerFSM:
         if node not in self.registered:
             return []
         del self.registered[node]
-        if self.state in (S.STARTING, S.RUNNING) and node in self.order:
+        if self.state in (S.STARTING, S.RUNNING) and node in self._in_order:
             return self._on_fault(Fault("node_lost", node, detail={"reason": reason}))
         actions: list[Action] = [self._record("node_lost", node, reason=reason)]
         if node in self.awaiting:
@@ -559,17 +573,23 @@ class ControllerFSM:
         """``heartbeats/<node>`` changed (see ``keys.py`` for the payload)."""
         self._begin(E.HEARTBEAT, now)
         if (
-            node not in self.order
+            node not in self._in_order
             or int(payload.get("generation", self.generation)) != self.generation
         ):
             return []
         self.last_seen[node] = now
         section = str(payload.get("section", "step"))
-        was_checkpointing = "checkpoint" in self.sections.values()
-        self.sections[node] = section
+        counts = self._section_nodes
+        was_checkpointing = counts["checkpoint"] > 0
+        previous = self.sections.get(node)
+        if previous != section:
+            if previous is not None:
+                counts[previous] -= 1
+            counts[section] += 1
+            self.sections[node] = section
         if section == "checkpoint" and not was_checkpointing:
             self.checkpoint_since = now
-        elif was_checkpointing and "checkpoint" not in self.sections.values():
+        elif was_checkpointing and not counts["checkpoint"]:
             if self.checkpoint_since is not None:
                 self.timeouts.observe("checkpoint", now - self.checkpoint_since)
             self.checkpoint_since = None
@@ -597,7 +617,7 @@ class ControllerFSM:
         """A worker process ended with ``code`` (negative: killed by signal -code)."""
         self._begin(E.WORKER_EXIT, now)
         stale = generation is not None and generation != self.generation
-        if stale or self.state not in (S.STARTING, S.RUNNING) or node not in self.order:
+        if stale or self.state not in (S.STARTING, S.RUNNING) or node not in self._in_order:
             return []
         if code != 0:
             return self._on_fault(Fault("worker_exit", node, rank, {"exit_code": code}))
@@ -613,7 +633,7 @@ class ControllerFSM:
         """The agent found an error keyword (CUDA error, NCCL error, segfault, OOM) in a worker's
         output."""
         self._begin(E.ERROR_KEYWORD, now)
-        if self.state not in (S.STARTING, S.RUNNING) or node not in self.order:
+        if self.state not in (S.STARTING, S.RUNNING) or node not in self._in_order:
             return []
         return self._on_fault(Fault("error_keyword", node, rank, {"text": text[:500]}))
 
@@ -739,7 +759,7 @@ class ControllerFSM:
     def _plan(self) -> list[str] | None:
         """The next generation's nodes: each slot keeps its node while healthy, else takes the
         first spare; None when there are too few healthy nodes."""
-        spares = deque(n for n in self.registered if n not in self.order)
+        spares = deque(n for n in self.registered if n not in self._in_order)
         order = [
             n if n in self.registered else (spares.popleft() if spares else "") for n in self.order
         ]

@@ -160,7 +160,8 @@ def make_command(
     """The JSON value of ``commands/<node>``.
 
     ``rank_assignment`` (``start`` only): ``{"ranks": [global rank of local rank 0, 1, ...],
-    "world_size": W, "nodes": {node: [ranks]}, "master_node": node of rank 0}``.
+    "world_size": W, "master_node": node of rank 0}`` (each node gets only its own ranks, so
+    a generation start writes O(N) bytes, not O(N^2)).
     """
     if kind not in COMMAND_KINDS:
         raise ValueError(f"command kind = {kind!r}: must be one of {COMMAND_KINDS}")

@@ -66,6 +66,15 @@ logger = logging.getLogger(__name__)
 
 TERMINAL = (State.FINISHED, State.FAILED)
 PASSWORD_ENV = "MEGASCALE_ETCD_PASSWORD"
+TXN_MAX_OPS = 64
+"""Puts per fenced transaction: well under etcd's default ``--max-txn-ops`` of 128."""
+_INVALID_ARGUMENT = 3  # gRPC status etcd gives a request it will never accept (not an outage)
+
+
+def _is_request_bug(error: StoreError) -> bool:
+    """Whether etcd refused the request itself (too many operations, too large): a bug to fix,
+    which a retry cannot, unlike an outage."""
+    return error.code == _INVALID_ARGUMENT or "too many operations" in str(error)
 
 
 # -- timing shared by agents and controllers -----------------------------------------------------
@@ -317,8 +326,9 @@ class ControllerService:
         present = [
             self.keys.name_of(kv.key) for kv in sorted(listed, key=lambda k: k.create_revision)
         ]
+        present_set = set(present)
         for node in list(self.fsm.registered):
-            if node not in present:
+            if node not in present_set:
                 self._act(self.fsm.on_node_lost(node, "not registered at takeover", now))
         for node in present:
             self._act(self.fsm.on_node_registered(node, now))
@@ -368,7 +378,7 @@ class ControllerService:
         before = self.fsm.step
         self._act(self.fsm.on_heartbeat(node, payload, now))
         generation = int(payload.get("generation", -1))
-        if generation != self.fsm.generation or node not in self.fsm.order:
+        if generation != self.fsm.generation or not self.fsm.in_order(node):
             return
         self._learn_step_time(payload, before)
         if self._flight_generation != generation:
@@ -508,20 +518,35 @@ class ControllerService:
         self._flush()
 
     def _flush(self) -> None:
-        """Write the outbox in one fenced transaction (kept for a retry if etcd is down)."""
+        """Write the outbox in fenced transactions of at most ``TXN_MAX_OPS`` puts each, the
+        ``state`` snapshot in the first; what is not written yet stays for a retry if etcd is
+        down. etcd refuses a transaction of more than ``--max-txn-ops`` (default 128) operations,
+        so one transaction for the whole outbox would fail from ~126 nodes on."""
         if not self._outbox:
             return
-        ops = [Put(key, value) for key, value in self._outbox.items()]
-        try:
-            result = self.store.txn([self.election.guard()], ops)
-        except StoreError as e:
-            self._store_failed(e)
-            return
-        except ValueError as e:  # guard(): not leading any more
-            raise LostLeadership(str(e)) from e
-        if not result.succeeded:
-            raise LostLeadership("a fenced write failed: another controller leads")
-        self._outbox.clear()
+        keys = list(self._outbox)
+        if self.keys.state in self._outbox:
+            keys.remove(self.keys.state)
+            keys.insert(0, self.keys.state)
+        for start in range(0, len(keys), TXN_MAX_OPS):
+            chunk = keys[start : start + TXN_MAX_OPS]
+            ops = [Put(key, self._outbox[key]) for key in chunk]
+            try:
+                result = self.store.txn([self.election.guard()], ops)
+            except StoreError as e:
+                if _is_request_bug(e):  # retrying cannot help: not an outage, a bug
+                    logger.error("etcd refused a %d-op controller write: %s", len(ops), e)
+                    raise RuntimeError(
+                        f"etcd refused a fenced write of {len(ops)} ops (a bug, not an outage): {e}"
+                    ) from e
+                self._store_failed(e)
+                return
+            except ValueError as e:  # guard(): not leading any more
+                raise LostLeadership(str(e)) from e
+            if not result.succeeded:
+                raise LostLeadership("a fenced write failed: another controller leads")
+            for key in chunk:
+                del self._outbox[key]
         self._store_ok()
 
     def _check_leadership(self, now: float) -> None:

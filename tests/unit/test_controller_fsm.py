@@ -107,9 +107,8 @@ def test_start_assigns_k_consecutive_ranks_per_node_and_keeps_spares():
     assert starts[1].rank_assignment == {
         "ranks": [2, 3],
         "world_size": 4,
-        "nodes": {"n0": [0, 1], "n1": [2, 3]},
         "master_node": "n0",
-    }
+    }  # no whole-assignment "nodes": that would make a generation start O(N^2) bytes
     assert starts[0].message("job-a")["job"] == "job-a"
     fsm.on_node_registered("n2", now=clock())
     assert fsm.spares == ["n2"]
@@ -250,6 +249,37 @@ def test_checkpoint_section_has_its_own_timeout():
     assert fsm.section() == "checkpoint" and fsm.stall_timeout() == 15.0
     assert fsm.on_tick(beat(fsm, clock, step=6, section="step")) == []
     assert list(fsm.timeouts.samples["checkpoint"]) == [pytest.approx(10.5)]
+
+
+def test_checkpoint_lasts_until_the_last_node_leaves_it():
+    fsm, clock = running(nodes=("n0", "n1", "n2"))
+    for step in range(1, 4):
+        beat(fsm, clock, step=step)
+    start = beat(fsm, clock, step=3, section="checkpoint", nodes=["n0"])
+    assert fsm.section() == "checkpoint" and fsm.checkpoint_since == start
+    beat(fsm, clock, step=3, section="checkpoint", nodes=["n1"])
+    beat(fsm, clock, step=3, section="step", nodes=["n0"])
+    assert fsm.section() == "checkpoint"  # n1 still checkpoints
+    beat(fsm, clock, step=3, section="init", nodes=["n0"])
+    assert fsm.section() == "init"
+    beat(fsm, clock, step=3, section="step", nodes=["n0"])
+    end = beat(fsm, clock, step=3, section="step", nodes=["n1"])
+    assert fsm.section() == "step" and fsm.checkpoint_since is None
+    assert list(fsm.timeouts.samples["checkpoint"]) == [pytest.approx(end - start)]
+    fsm.on_heartbeat("n2", {"generation": fsm.generation, "section": "checkpoint"}, clock())
+    assert fsm.section() == "step"  # n2 is a spare: not in the generation
+
+
+def test_order_membership_follows_every_assignment_of_order():
+    fsm, clock = running(nodes=("n0", "n1", "n2"))
+    assert fsm.in_order("n0") and not fsm.in_order("n2") and fsm.spares == ["n2"]
+    restored = ControllerFSM.restore(fsm.policy, fsm.snapshot(), clock())
+    assert restored.in_order("n1") and not restored.in_order("n2")
+    assert restored.snapshot() == fsm.snapshot()
+    out = fsm.on_node_lost("n1", now=clock())  # stop, self-check, the spare n2 takes the slot
+    ack_all(fsm, ack_all(fsm, ack_all(fsm, out, clock), clock), clock)
+    assert fsm.state is State.RUNNING and fsm.order == ["n0", "n2"]
+    assert fsm.in_order("n2") and not fsm.in_order("n1") and fsm.spares == []
 
 
 def test_external_stall_detection_names_suspects_by_coordinates():

@@ -1,0 +1,64 @@
+"""The controller's fenced writes against a real etcd: an outbox larger than etcd's
+``--max-txn-ops`` (default 128) is written in several fenced transactions, not refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from megascale.robustness import service as service_mod
+from megascale.robustness.controller import ControllerFSM, ControllerPolicy
+from megascale.robustness.keys import make_command
+from megascale.robustness.service import ControllerService, LostLeadership, ServiceOptions
+
+NODES = 300  # > 2 x 128: several transactions
+
+
+@pytest.fixture
+def leader(store, job, tmp_path):
+    policy = ControllerPolicy(nodes=NODES, nproc_per_node=1)
+    opts = ServiceOptions(job.job_id, tmp_path, policy, candidate_id="c0")
+    shell = ControllerService(store, opts)
+    assert shell.election.campaign(timeout_s=10.0)
+    shell.fsm = ControllerFSM(policy)
+    yield shell
+    shell.election.close()
+
+
+def fill(shell: ControllerService) -> None:
+    for i in range(NODES):
+        shell._outbox[shell.keys.command(f"n{i}")] = make_command(
+            shell.opts.job_id, 1, "stop", f"g1-stop-{i}"
+        )
+    shell._outbox[shell.keys.generation] = {"generation": 1, "assignment": {}}
+    shell._outbox[shell.keys.state] = shell.fsm.snapshot()  # last in the outbox: written first
+
+
+def test_a_flush_of_more_than_128_puts_is_written_in_fenced_chunks(leader, store):
+    fill(leader)
+    leader._flush()
+    assert not leader._outbox and leader._outage_since is None
+    commands = store.snapshot(leader.keys.commands_prefix).items
+    assert len(commands) == NODES
+    assert store.get(leader.keys.state).json()["state"] == "init"
+    assert store.get(leader.keys.generation).json()["generation"] == 1
+    # Several transactions (one revision each), the state snapshot in the first.
+    revisions = sorted({kv.mod_revision for kv in commands})
+    assert len(revisions) == -(-(NODES + 2) // service_mod.TXN_MAX_OPS)
+    assert store.get(leader.keys.state).mod_revision == revisions[0]
+
+
+def test_etcd_refusing_a_transaction_is_a_bug_not_an_outage(leader, monkeypatch):
+    monkeypatch.setattr(service_mod, "TXN_MAX_OPS", 1000)  # what one transaction used to be
+    fill(leader)
+    with pytest.raises(RuntimeError, match="not an outage") as raised:
+        leader._flush()
+    assert not isinstance(raised.value, LostLeadership)
+    assert leader._outage_since is None  # not mistaken for etcd being down
+
+
+def test_a_deposed_leader_writes_nothing(leader, store):
+    fill(leader)
+    store.delete(leader.keys.controller_leader)  # another controller's term would follow
+    with pytest.raises(LostLeadership):
+        leader._flush()
+    assert not store.snapshot(leader.keys.commands_prefix).items
