@@ -13,8 +13,8 @@ Where the segments come from (span names follow ``megascale::<pkg>::<op>``, see 
   (``ModelParallelConfig.timers``, ``OptimizerConfig.timers``). ``Timeline.attach`` sets ours, so
   every micro-batch's forward and backward, each pipeline send/receive and the DP grad sync are
   segments with no patching of megatron-core (``MEGATRON_SEGMENTS`` maps the names).
-* Every collective and p2p call, through ``megascale.diagnostics.comm_timer.CommTimer`` (a thin
-  wrapper installed with ``megascale.parallel.comm_hooks``): the interval the caller was blocked (a
+* On CPU (gloo), every collective and p2p call, through ``comm_timer.CommTimer`` (a thin wrapper
+  installed with ``megascale.parallel.comm_hooks``): the interval the caller was blocked (a
   synchronous call, or ``wait()`` on an asynchronous one) becomes a ``comm.dp``/``comm.pp``/
   ``comm.tp``/``comm.other`` segment, and an asynchronous call's issue-to-completion interval an
   "in flight" record. Which parallelism a call belongs to is read from its kind and the segment
@@ -28,10 +28,11 @@ waits for the events *there*, and places each at ``host time of the step's ancho
 elapsed_time(anchor, event)``. When the GPU runs behind the host the device segments of a step are
 therefore shifted early by that lag, while their durations are exact. Host segments (data loading,
 the step itself, checkpoint, the blocked intervals of comm calls) use the host clock everywhere.
-On a GPU a NCCL call returns to the host at once, so the host sees little blocking there: the
-communication a GPU waits for shows in megatron-core's device segments (p2p, grad sync), while TP
-collectives inside a layer stay part of its forward/backward (the straggler analysis then points
-at the whole TP group, i.e. the machine, rather than one GPU in it).
+On a GPU a NCCL call returns to the host at once, so host-side timing of comm calls says nothing
+and ``CommTimer`` is not installed: the communication a GPU waits for shows in megatron-core's
+device segments (p2p, grad sync), while TP collectives inside a layer stay part of its
+forward/backward (the straggler analysis then points at the whole TP group, i.e. the machine,
+rather than one GPU in it).
 
 Across ranks: ``Timeline.start`` (collective) passes a barrier, and every rank notes its monotonic
 clock as it leaves; rank 0 also notes the wall clock and shares it. Merging places each rank's
@@ -588,5 +589,6 @@ def build_timeline(diagnostics, run_dir: Path, groups, device: str) -> Timeline 
         meta,
         flush_interval_steps=diagnostics.flush_interval_steps,
         device=device,
+        trace_comm=device != "cuda",  # NCCL calls return at once: nothing to time on the host
     )
     return timeline.start()
