@@ -24,22 +24,7 @@ import time
 
 import torch.distributed as dist
 
-from megascale.parallel.comm_hooks import CommWrapper, Patches, Reentry
-
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "_all_gather_base",
-    "_reduce_scatter_base",
-    "broadcast",
-    "all_gather",
-    "isend",
-    "irecv",
-    "send",
-    "recv",
-)
-_P2P_ASYNC = ("isend", "irecv")
+from megascale.parallel.comm_hooks import COLLECTIVES, P2P_ASYNC, CommWrapper, Patches, Reentry
 
 
 class _State(Reentry):
@@ -55,7 +40,7 @@ class _Timed(CommWrapper):
     def __init__(self, name: str, original, timer: CommTimer) -> None:
         super().__init__(name, original)
         self.timer = timer
-        self.is_p2p_async = name in _P2P_ASYNC
+        self.is_p2p_async = name in P2P_ASYNC
 
     def __call__(self, *args, **kwargs):
         timer = self.timer
@@ -132,7 +117,7 @@ class CommTimer:
         self.installed = True
         self._patches.install(
             {name: _Timed(name, getattr(dist, name), self) for name in COLLECTIVES},
-            in_c10d=_P2P_ASYNC,  # P2POp's identity check reads the c10d module's names
+            in_c10d=P2P_ASYNC,  # P2POp's identity check reads the c10d module's names
             batch=self._batch,
             coalescing=self._coalescing,
         )

@@ -28,24 +28,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from megascale.parallel.comm_hooks import CommWrapper, Patches
-
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather_into_tensor",
-    "reduce_scatter_tensor",
-    "_all_gather_base",
-    "_reduce_scatter_base",
-    "broadcast",
-    "all_gather",
-    "isend",
-    "irecv",
-    "send",
-    "recv",
-)
-_P2P_ASYNC = ("isend", "irecv")
-_P2P_SYNC = ("send", "recv")
-
+from megascale.parallel.comm_hooks import COLLECTIVES, P2P_ASYNC, CommWrapper, Patches
 
 _ACTIVE: CommTrace | None = None
 
@@ -121,7 +104,7 @@ class _Wrapped(CommWrapper):
             trace.state.events.append(CommEvent(self.name, time.perf_counter(), coalesced=True))
             with trace.entered():
                 return self.original(*args, **kwargs)
-        is_async = self.name in _P2P_ASYNC or kwargs.get("async_op", False)
+        is_async = self.name in P2P_ASYNC or kwargs.get("async_op", False)
         issued = time.perf_counter()
         event = CommEvent(self.name, issued)
         trace.state.events.append(event)
@@ -180,8 +163,8 @@ class CommTrace:
         _ACTIVE = self
         self.installed = True
         self._patches.install(
-            {name: _Wrapped(name, getattr(dist, name), self) for name in _COLLECTIVES},
-            in_c10d=_P2P_ASYNC,  # P2POp's identity check reads the c10d module's names
+            {name: _Wrapped(name, getattr(dist, name), self) for name in COLLECTIVES},
+            in_c10d=P2P_ASYNC,  # P2POp's identity check reads the c10d module's names
             batch=self._batch,
             coalescing=self._coalescing,
         )

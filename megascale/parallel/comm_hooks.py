@@ -45,6 +45,22 @@ MCORE_ALIAS_MODULES = (
 MCORE_FUNCTION_ALIASES = ("dist_all_gather_func", "dist_reduce_scatter_func")
 MCORE_COALESCING_ALIAS = "_coalescing_manager"
 
+# The torch.distributed functions the comm wrappers (trace, timers) stand in for.
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+    "broadcast",
+    "all_gather",
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+)
+P2P_ASYNC = ("isend", "irecv")
+
 
 class CommWrapper:
     """Base of a stand-in for one torch.distributed function (``name``, wrapping ``original``).
