@@ -44,7 +44,8 @@ def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
         )
     from megascale.train.checkpoint_io import check_config  # names checkpoint.* fields itself
 
-    check_config(cfg.checkpoint, world_size)
+    # Machine-independent rules only: a config may be validated away from where it runs.
+    check_config(cfg.checkpoint, world_size, check_installed=False)
     out = copy.deepcopy(cfg)
     out.parallel.dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
     return out

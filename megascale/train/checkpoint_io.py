@@ -71,11 +71,16 @@ def location(cfg: CheckpointConfig, run_dir: Path) -> str:
     return str(Path(run_dir) / cfg.url)
 
 
-def check_config(cfg: CheckpointConfig, world_size: int) -> None:
-    """Raise ConfigError naming the field when the checkpoint section cannot work for this job."""
+def check_config(cfg: CheckpointConfig, world_size: int, *, check_installed: bool = True) -> None:
+    """Raise ConfigError naming the field when the checkpoint section cannot work for this job.
+
+    ``check_installed=False`` skips what depends on this machine (whether the URL's fsspec
+    protocol's package is installed): for validating a config where it will not run, e.g. in the
+    Kubernetes operator; the ranks check it again where they run.
+    """
     problems = []
     if cfg.url is not None:
-        problems += _url_problems(cfg.url, world_size)
+        problems += _url_problems(cfg.url, world_size, check_installed)
     if not cfg.write_timeout_s > 0:
         problems.append(f"checkpoint.write_timeout_s = {cfg.write_timeout_s}: must be > 0")
     if cfg.keep < 1:
@@ -88,7 +93,7 @@ def check_config(cfg: CheckpointConfig, world_size: int) -> None:
         raise ConfigError("invalid checkpoint config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _url_problems(url: str, world_size: int) -> list[str]:
+def _url_problems(url: str, world_size: int, check_installed: bool) -> list[str]:
     if not url.strip():
         return [f"checkpoint.url = {url!r}: must be a directory or an fsspec URL, or left out"]
     protocol, _ = fsspec.core.split_protocol(url)
@@ -101,7 +106,8 @@ def _url_problems(url: str, world_size: int) -> list[str]:
             f"memory://, s3://, gcs://, hdfs://, or a plain directory)"
         ]
     except ImportError as e:
-        return [f"checkpoint.url = {url!r}: protocol {protocol!r} needs a package: {e}"]
+        if check_installed:
+            return [f"checkpoint.url = {url!r}: protocol {protocol!r} needs a package: {e}"]
     if protocol == "memory" and world_size > 1:
         return [
             f"checkpoint.url = {url!r}: memory:// lives inside one process, so {world_size} "
