@@ -40,7 +40,13 @@ from megascale.launcher.workers import WorkerPool, Zygote, free_port
 from megascale.robustness import inject
 from megascale.robustness.keys import JobKeys, is_current
 from megascale.robustness.progress import progress_path, read_progress
-from megascale.robustness.service import add_store_arguments, lease_ttl, setup_logging, store_config
+from megascale.robustness.service import (
+    add_store_arguments,
+    lease_ttl,
+    setup_logging,
+    store_config,
+    write_metrics_url,
+)
 from megascale.robustness.store import (
     KeepAlive,
     Lease,
@@ -78,6 +84,8 @@ class AgentOptions:
     """``CUDA_VISIBLE_DEVICES`` for this node's workers (several "nodes" on one GPU machine)."""
     stop_grace_s: float = 3.0
     rendezvous_timeout_s: float = 60.0
+    metrics_port: int = 0
+    """Port of this agent's Prometheus ``/metrics`` on 127.0.0.1 (0: a free one; -1: none)."""
 
     @property
     def lease_ttl(self) -> int:
@@ -124,6 +132,19 @@ class Agent:
         self._etcd_ok = True
         self.hardware = hardware_info()
         self.selfchecks = 0
+        self.metrics: Any = None
+        self.metrics_server: Any = None
+        if opts.metrics_port >= 0:
+            from megascale.diagnostics.metrics import AgentMetrics
+
+            self.metrics = AgentMetrics(opts.job_id, opts.node)
+            self.metrics_server = self.metrics.serve(opts.metrics_port)
+            logger.info("node %s metrics at %s", opts.node, self.metrics_server.url)
+            write_metrics_url(opts.run_dir, opts.node, self.metrics_server.url)
+
+    @property
+    def metrics_url(self) -> str | None:
+        return self.metrics_server.url if self.metrics_server is not None else None
 
     def wake(self) -> None:
         """Send a heartbeat now (a worker exited)."""
@@ -166,6 +187,7 @@ class Agent:
                 "pid": os.getpid(),
                 "hardware": self.hardware,
                 "registered_at": time.time(),
+                "metrics_url": self.metrics_url,
             }
             self.store.put(self.keys.node(self.opts.node), info, lease=self._lease)
         except StoreError as e:
@@ -223,6 +245,8 @@ class Agent:
 
     def _beat(self) -> None:
         payload = self.heartbeat()
+        if self.metrics is not None:
+            self.metrics.observe_heartbeat(payload)
         try:
             self.store.put(self.keys.heartbeat(self.opts.node), payload, lease=self._lease)
         except LeaseNotFound:
@@ -244,6 +268,9 @@ class Agent:
             except StoreError as e:
                 logger.warning("could not revoke the lease: %s", e)
         self.zygote.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
     # -- the heartbeat ----------------------------------------------------------------------------
 
@@ -256,6 +283,9 @@ class Agent:
         host, addr, pid, hardware (static), gpus (NVML, live; None without NVML),
         network: {iface: {rx_bytes, tx_bytes, rx_packets, tx_packets, rx_errs, tx_errs}},
         selfchecks (how many run)
+        ranks: {"<rank>": {"step", "step_time_s", "compute_time_s"}}  (current workers')
+        compute_time_s: the slowest rank's compute time of its last full step period (None:
+        not known yet); the controller's straggler scores compare nodes by it
         """
         self._collect_output()
         workers = self.pool.status(self.generation)
@@ -278,6 +308,10 @@ class Agent:
             "section": section,
             "tokens_per_s": sum(p.get("tokens_per_s") or 0.0 for p in progress.values()),
             "step_time_s": max((p.get("step_time_s") or 0.0 for p in progress.values()), default=0),
+            "compute_time_s": max(
+                (p["compute_time_s"] for p in progress.values() if p.get("compute_time_s")),
+                default=None,
+            ),
             "workers": workers,
             "flight": self._flight(),
             "errors": [f"rank {e['rank']}: {e['kind']}: {e['text']}" for e in errors],
@@ -290,6 +324,14 @@ class Agent:
             "gpus": gpu_status(),
             "network": network_counters(),
             "selfchecks": self.selfchecks,
+            "ranks": {
+                str(r): {
+                    "step": p.get("step"),
+                    "step_time_s": p.get("step_time_s"),
+                    "compute_time_s": p.get("compute_time_s"),
+                }
+                for r, p in progress.items()
+            },
         }
 
     def _collect_output(self) -> None:
@@ -500,6 +542,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--inject", action="append", default=[], metavar="SPEC", help="faults (tests, demos)"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus /metrics port on 127.0.0.1 (0: a free one, -1: disabled)",
+    )
     add_store_arguments(parser)
 
 
@@ -516,6 +564,7 @@ def options_from_args(args: argparse.Namespace) -> AgentOptions:
         addr=args.addr,
         faults=tuple(faults),
         selfcheck=args.selfcheck,
+        metrics_port=args.metrics_port,
     )
 
 

@@ -181,6 +181,7 @@ class LocalCluster:
             faults=tuple(self.opts.faults),
             visible_devices=self.visible_devices(node),
             selfcheck=self.opts.selfcheck,
+            metrics_port=0,
         )
 
     def visible_devices(self, node: str) -> str | None:
@@ -224,7 +225,13 @@ class LocalCluster:
         for i in range(2 if o.standby_controller else 1):
             name = f"controller-{i}"
             service_opts = ServiceOptions(
-                o.job_id, self.run_dir, policy, name, o.heartbeat_interval
+                o.job_id,
+                self.run_dir,
+                policy,
+                name,
+                o.heartbeat_interval,
+                metrics_port=0,
+                straggler_threshold=self.job.diagnostics.straggler_threshold,
             )
             proc = self.ctx.Process(
                 target=_controller_process, args=(service_opts, self.store_cfg), name=name
@@ -232,6 +239,20 @@ class LocalCluster:
             proc.start()
             self.controllers[name] = proc
             time.sleep(0.2)  # controller-0 campaigns first and leads
+        self.log_metrics_urls()
+
+    def log_metrics_urls(self, wait_s: float = 5.0) -> None:
+        """Log the controllers' and agents' ``/metrics`` URLs (``RUN_DIR/metrics/*.url``)."""
+        names = [*self.controllers, *self.agents]
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if all((self.run_dir / "metrics" / f"{n}.url").exists() for n in names):
+                break
+            time.sleep(0.05)
+        for n in names:
+            path = self.run_dir / "metrics" / f"{n}.url"
+            if path.exists():
+                logger.info("%s metrics at %s", n, path.read_text().strip())
 
     def job_state(self) -> str | None:
         from megascale.robustness.store import StoreError
@@ -292,6 +313,9 @@ def describe_event(event: dict[str, Any]) -> str | None:
             + ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("fault", "step", "where"))
         ),
         "evict": lambda: f"evicted {where}: {d.get('reason')}",
+        "straggler": lambda: (
+            f"straggler {where}: {d.get('score')}x the others' compute time ({d.get('action')})"
+        ),
         "selfcheck": lambda: (
             f"self-check {where}: {'pass' if d.get('ok') else 'FAIL'} ({d.get('detail', '')[:120]})"
         ),

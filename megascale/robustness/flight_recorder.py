@@ -203,6 +203,9 @@ class FlightRecorder:
         self.active = False
         self._patches = Patches()
         self._table_full_warned = False
+        self.blocked_s = 0.0
+        """Seconds spent blocked in synchronous ops and ``wait()`` (``WorkerSignals`` subtracts
+        it from the step period to get the compute time a straggler analysis needs)."""
 
     @property
     def written(self) -> int:
@@ -430,6 +433,7 @@ class NullFlightRecorder:
     """The recorder when disabled: same methods, no file, nothing patched."""
 
     path = None
+    blocked_s = 0.0
 
     def install(self) -> NullFlightRecorder:
         return self
@@ -490,6 +494,7 @@ class _OpWrapper(CommWrapper):
             pending.nbytes += self._size(args, kwargs)
             pending.count += 1
         local.inside = True
+        started = time.monotonic()
         try:
             result = self.original(*args, **kwargs)
         except BaseException:
@@ -503,6 +508,7 @@ class _OpWrapper(CommWrapper):
         if is_async and result is not None:
             return _RecordedWork(result, recorder, (index,))
         recorder.leave(index)
+        recorder.blocked_s += time.monotonic() - started
         return result
 
     def _size(self, args, kwargs) -> int:
@@ -532,6 +538,7 @@ class _RecordedWork:
         if self._done:
             return self._work.wait(*args, **kwargs)
         self._recorder.mark(self.indices, OpState.WAITING)
+        started = time.monotonic()
         try:
             result = self._work.wait(*args, **kwargs)
         except BaseException:
@@ -540,6 +547,7 @@ class _RecordedWork:
         finally:
             self._done = True
         self._recorder.mark(self.indices, OpState.LEFT)
+        self._recorder.blocked_s += time.monotonic() - started
         return result
 
     def __getattr__(self, name):

@@ -5,7 +5,13 @@ or the new content, never a torn one; no fsync) when a section starts and after 
 
   {"version": 1, "rank": 3, "pid": 4242, "section": "step", "section_started": <wall>,
    "section_started_mono": <monotonic>, "step": 120, "step_time_s": 0.41, "tokens_per_s": 9987.0,
-   "heartbeat": <wall>, "heartbeat_mono": <monotonic>, "durations": {"init": 12.5, "step": 0.41}}
+   "heartbeat": <wall>, "heartbeat_mono": <monotonic>, "durations": {"init": 12.5, "step": 0.41},
+   "compute_time_s": 0.30}
+
+``compute_time_s`` (absent or None until known) is the *previous* step's period (its start to
+this step's start) minus the time the rank was blocked in communication (the flight recorder's
+``blocked_s``): in synchronous training every rank's step takes as long as the slowest one's,
+and a straggler shows as the rank that computes longest while its peers wait for it.
 
 Sections (STYLE.md #9) are "init" (start of the process to the first step), "step", "checkpoint",
 and "done" (written by ``close``). ``durations`` holds the last observed length of each finished
@@ -63,6 +69,7 @@ class ProgressFile:
             "heartbeat": 0.0,
             "heartbeat_mono": 0.0,
             "durations": {},
+            "compute_time_s": None,
         }
 
     def enter(self, section: str) -> None:
@@ -82,6 +89,10 @@ class ProgressFile:
         state["step"], state["step_time_s"], state["tokens_per_s"] = step, step_time_s, tokens_per_s
         state["durations"]["step"] = step_time_s
         self._write()
+
+    def compute_time(self, seconds: float) -> None:
+        """The last full step period's compute time (written with the next write)."""
+        self._state["compute_time_s"] = seconds
 
     def beat(self) -> None:
         """Still moving inside a long section."""
@@ -108,6 +119,9 @@ class NullProgressFile:
     def step(self, step: int, step_time_s: float, tokens_per_s: float) -> None:
         pass
 
+    def compute_time(self, seconds: float) -> None:
+        pass
+
     def beat(self) -> None:
         pass
 
@@ -130,6 +144,7 @@ class ProgressState:
     heartbeat: float
     heartbeat_mono: float
     durations: dict[str, float] = field(default_factory=dict)
+    compute_time_s: float | None = None
 
 
 def read_progress(path: Path | str) -> ProgressState:
@@ -151,6 +166,7 @@ def read_progress(path: Path | str) -> ProgressState:
             heartbeat=float(data["heartbeat"]),
             heartbeat_mono=float(data["heartbeat_mono"]),
             durations={str(k): float(v) for k, v in data["durations"].items()},
+            compute_time_s=data.get("compute_time_s"),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a megascale progress file ({e!r})") from None
@@ -169,6 +185,7 @@ class WorkerSignals:
     def __init__(self, recorder, progress) -> None:
         self.recorder, self.progress = recorder, progress
         self.current = ""
+        self._step_mark: tuple[float, float] | None = None  # (monotonic, blocked_s) at a start
 
     @classmethod
     def open(cls, run_dir: Path | str, rank: int, world_size: int) -> WorkerSignals:
@@ -187,6 +204,8 @@ class WorkerSignals:
         return signals
 
     def enter(self, section: str) -> None:
+        if section != "step":
+            self._step_mark = None  # a period with a checkpoint in it is not a step's
         self.current = section
         self.progress.enter(section)
         self.recorder.set_section(section)
@@ -203,6 +222,11 @@ class WorkerSignals:
     def step_started(self, step: int) -> None:
         if self.current != "step":
             self.enter("step")
+        now, blocked = time.monotonic(), float(self.recorder.blocked_s)
+        if self._step_mark is not None:
+            period, waited = now - self._step_mark[0], blocked - self._step_mark[1]
+            self.progress.compute_time(max(0.0, period - waited))
+        self._step_mark = (now, blocked)
         self.recorder.set_step(step)
 
     def step_done(self, metrics) -> None:

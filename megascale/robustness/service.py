@@ -61,6 +61,7 @@ from megascale.robustness.events import EventLog
 from megascale.robustness.flight_format import RankState, stall_suspects
 from megascale.robustness.keys import JobKeys
 from megascale.robustness.store import Put, Store, StoreConfig, StoreError, WatchEvent
+from megascale.robustness.stragglers import StragglerTracker
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,15 @@ def setup_logging(label: str, log_file: Path | None, console_level: int = loggin
         root.addHandler(to_file)
 
 
+def write_metrics_url(run_dir: Path, name: str, url: str) -> None:
+    """Publish a process's ``/metrics`` URL as ``RUN_DIR/metrics/<name>.url`` (best effort)."""
+    try:
+        (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics" / f"{name}.url").write_text(url + "\n")
+    except OSError as e:
+        logger.warning("could not write the metrics URL of %s: %s", name, e)
+
+
 # -- the service ------------------------------------------------------------------------------
 
 
@@ -191,6 +201,15 @@ class ServiceOptions:
     """How often the FSM's clock advances (``on_tick``)."""
     check_s: float = 1.0
     """How often leadership (and so etcd) is confirmed with a read."""
+    metrics_port: int = 0
+    """Port of the Prometheus ``/metrics`` on 127.0.0.1 (0: a free one; -1: none)."""
+    straggler_threshold: float = 1.10
+    """A node whose compute time is this many times the others' median is slow
+    (``stragglers``)."""
+    straggler_window: int = 4
+    """Heartbeats (with a new step) per node in the sliding window."""
+    straggler_consecutive: int = 3
+    """Windows in a row a node must be slow to be recorded as a ``straggler`` event."""
 
     @property
     def election_ttl(self) -> int:
@@ -228,10 +247,27 @@ class ControllerService:
         self._outage_since: float | None = None
         self._flight: dict[int, RankState] = {}  # rank -> flight state, this generation
         self._flight_generation = -1
+        self.stragglers = StragglerTracker(
+            opts.straggler_threshold, opts.straggler_window, opts.straggler_consecutive
+        )
+        self._straggler_steps: dict[str, int] = {}  # node -> step of its last sample
+        self.metrics: Any = None
+        self.metrics_server: Any = None
+
+    def _serve_metrics(self) -> None:
+        if self.opts.metrics_port < 0 or self.metrics_server is not None:
+            return
+        from megascale.diagnostics.metrics import ControllerMetrics
+
+        self.metrics = self.metrics or ControllerMetrics(self.opts.job_id)
+        self.metrics_server = self.metrics.serve(self.opts.metrics_port)
+        logger.info("controller metrics at %s", self.metrics_server.url)
+        write_metrics_url(self.opts.run_dir, self.opts.candidate_id, self.metrics_server.url)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def run(self) -> int:
+        self._serve_metrics()
         try:
             while not self.stopping.is_set():
                 try:
@@ -256,6 +292,9 @@ class ControllerService:
                 self.election.resign()
             except StoreError as e:
                 logger.warning("could not resign: %s", e)
+            if self.metrics_server is not None:
+                self.metrics_server.close()
+                self.metrics_server = None
 
     def stop(self) -> None:
         """Ask ``run`` to return (from a signal handler or another thread)."""
@@ -266,6 +305,8 @@ class ControllerService:
         now = self.clock()
         fresh = self._begin(now)
         assert self.fsm is not None
+        if self.metrics is not None:
+            self.metrics.set_generation(self.fsm.generation)
         if self.fsm.state in TERMINAL:  # the job ended under the previous leader
             return self.fsm.state
         nodes = self._watch("node", self.keys.nodes_prefix)
@@ -376,11 +417,14 @@ class ControllerService:
     def _heartbeat(self, node: str, payload: Mapping[str, Any], now: float) -> None:
         assert self.fsm is not None
         before = self.fsm.step
+        if self.metrics is not None:
+            self.metrics.observe_heartbeat(node, payload)
         self._act(self.fsm.on_heartbeat(node, payload, now))
         generation = int(payload.get("generation", -1))
         if generation != self.fsm.generation or not self.fsm.in_order(node):
             return
         self._learn_step_time(payload, before)
+        self._observe_straggler(node, payload)
         if self._flight_generation != generation:
             self._flight, self._flight_generation = {}, generation
         for rank, state in (payload.get("flight") or {}).items():
@@ -422,6 +466,44 @@ class ControllerService:
             return
         for _ in range(min(int(step) - before, 4)):
             self.fsm.timeouts.observe("step", float(seconds))
+
+    def _observe_straggler(self, node: str, payload: Mapping[str, Any]) -> None:
+        """Feed the node's compute time (its slowest rank's, once per new step; the step time
+        when the workers report none) to the straggler tracker; publish the scores; record a
+        ``straggler`` event for a node slow in ``straggler_consecutive`` windows in a row."""
+        assert self.fsm is not None
+        step = payload.get("step")
+        seconds = payload.get("compute_time_s") or payload.get("step_time_s")
+        if step is None or not seconds or payload.get("section") != "step":
+            return
+        if int(step) <= self._straggler_steps.get(node, -1):
+            return
+        self._straggler_steps[node] = int(step)
+        flagged = self.stragglers.observe(node, float(seconds))
+        if self.metrics is not None and self.stragglers.scores:
+            assignment = self.fsm.assignment
+            self.metrics.set_straggler_scores(
+                {
+                    (n, r): score
+                    for n, score in self.stragglers.scores.items()
+                    for r in assignment.get(n, ())
+                }
+            )
+        for slow in flagged:
+            score = self.stragglers.scores.get(slow, 0.0)
+            logger.warning("straggler: %s at %.2fx the others' compute time", slow, score)
+            self.events.append(
+                "straggler",
+                generation=self.fsm.generation,
+                node=slow,
+                detail={
+                    "score": round(score, 3),
+                    "threshold": self.opts.straggler_threshold,
+                    "windows": self.opts.straggler_consecutive,
+                    "step": int(step),
+                    "action": "report",
+                },
+            )
 
     def _new(self, items: Any, what: str, node: str, generation: int) -> list[dict]:
         """Items of a heartbeat list not seen before (by their ``seq``)."""
@@ -500,6 +582,8 @@ class ControllerService:
         for action in actions:
             if isinstance(action, RecordEvent):
                 self.events.record(action)
+                if self.metrics is not None and action.kind == "fault":
+                    self.metrics.record_fault(str(action.detail.get("fault", "unknown")))
             elif isinstance(action, SendCommand):
                 self._outbox[self.keys.command(action.node)] = action.message(self.opts.job_id)
             elif isinstance(action, Evict):
@@ -509,6 +593,14 @@ class ControllerService:
                     "time": time.time(),
                 }
             elif isinstance(action, StartGeneration):
+                self.stragglers.reset()
+                self._straggler_steps.clear()
+                if self.metrics is not None:
+                    self.metrics.set_straggler_scores({})
+                    if action.generation > 1:
+                        self.metrics.record_restart(action.generation)
+                    else:
+                        self.metrics.set_generation(action.generation)
                 self._outbox[self.keys.generation] = {
                     "generation": action.generation,
                     "assignment": {n: list(r) for n, r in action.assignment.items()},
@@ -606,6 +698,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--node-wait-timeout", type=float, default=None, help="fail after waiting this long (s)"
     )
     parser.add_argument("--init-timeout", type=float, default=600.0, help="start-up stall (s)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus /metrics port on 127.0.0.1 (0: a free one, -1: disabled)",
+    )
+    parser.add_argument(
+        "--straggler-threshold",
+        type=float,
+        default=1.10,
+        help="a node this many times the others' median compute time is a straggler (> 1)",
+    )
+    parser.add_argument(
+        "--straggler-action",
+        choices=("report",),
+        default="report",
+        help="what to do about a persistent straggler: record a 'straggler' event",
+    )
     add_store_arguments(parser)
 
 
@@ -623,7 +733,17 @@ def main(args: argparse.Namespace) -> int:
         start_timeout_s=min(120.0, args.init_timeout),
     )
     name = args.id or f"{socket.gethostname()}-{os.getpid()}"
-    opts = ServiceOptions(args.job, Path(args.run_dir), policy, name, args.heartbeat_interval)
+    if not args.straggler_threshold > 1.0:
+        raise ValueError(f"--straggler-threshold {args.straggler_threshold}: must be > 1.0")
+    opts = ServiceOptions(
+        args.job,
+        Path(args.run_dir),
+        policy,
+        name,
+        args.heartbeat_interval,
+        metrics_port=args.metrics_port,
+        straggler_threshold=args.straggler_threshold,
+    )
     return serve(opts, store_config(args), console_level=logging.INFO)
 
 
