@@ -215,6 +215,11 @@ class DiagnosticsConfig:
     step (step time minus time blocked in communication) is at least this many times the median
     of its pipeline-stage peers', persistently (median over steps, and in at least half of them).
     MegaScale found a machine 10% slower than its peers."""
+    straggler_action: str = "report"
+    """What the controller does about a persistent straggler: ``"report"`` (a ``straggler`` event
+    and the dashboards' scores) or ``"evict"`` (also stop the job, block the node and restart on a
+    spare from the last checkpoint; with no spare registered the node is kept and that is
+    recorded)."""
 
 
 @dataclass

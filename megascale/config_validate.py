@@ -94,6 +94,11 @@ def _ranges(cfg: JobConfig) -> list[str]:
             f"diagnostics.straggler_threshold = {cfg.diagnostics.straggler_threshold}: must be "
             "> 1 (a slowdown ratio against the median of a rank's peers, e.g. 1.1 for 10%)"
         )
+    if cfg.diagnostics.straggler_action not in ("report", "evict"):
+        problems.append(
+            f"diagnostics.straggler_action = {cfg.diagnostics.straggler_action!r}: must be "
+            "'report' or 'evict'"
+        )
     for name, value in [
         ("optim.warmup_steps", o.warmup_steps),
         ("optim.min_lr", o.min_lr),

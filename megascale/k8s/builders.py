@@ -269,7 +269,11 @@ def training_overrides(job: Job) -> list[str]:
     """``--set`` items for the training config: what ``faultTolerance`` says about checkpoints
     and stragglers, then the spec's own ``config.overrides`` (which win)."""
     ft = job.spec["faultTolerance"]
-    out = [f"diagnostics.straggler_threshold={float(ft['straggler']['threshold'])}"]
+    straggler = ft["straggler"]
+    out = [
+        f"diagnostics.straggler_threshold={float(straggler['threshold'])}",
+        f"diagnostics.straggler_action={json.dumps(straggler['action'])}",
+    ]
     checkpoint = ft["checkpoint"]
     if checkpoint["intervalSteps"]:
         out.append(f"checkpoint.interval={int(checkpoint['intervalSteps'])}")
@@ -569,6 +573,10 @@ def controller_args(job: Job, tp: int = 1, pp: int = 1) -> list[str]:
         str(ft["heartbeatIntervalSeconds"]),
         "--max-restarts",
         str(ft["maxRestarts"]),
+        "--straggler-threshold",
+        str(float(ft["straggler"]["threshold"])),
+        "--straggler-action",
+        str(ft["straggler"]["action"]),
         *store_args(job),
     ]
 

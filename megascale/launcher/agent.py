@@ -17,7 +17,8 @@ expired meanwhile, the agent registers again under a new lease. Commands are wat
 revision current at start-up, so a command left from before this agent started is never run.
 
 The agent exits when told to (SIGTERM/SIGINT: workers stopped, lease revoked) or when the job's
-``state`` is terminal and its workers are gone (0 finished, 1 failed).
+``status`` (the controller's few-byte summary) says the job ended and its workers are gone (0
+finished, 1 failed).
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ class Agent:
             self._shutdown()
 
     def _register(self) -> None:
-        """Take a lease, publish ``nodes/<node>``, watch commands and the job state."""
+        """Take a lease, publish ``nodes/<node>``, watch commands and the job status."""
         try:
             if not self._watches:
                 self._watch_commands()
@@ -213,10 +214,10 @@ class Agent:
                 self.keys.command(self.opts.node), start_revision=start, callback=self._on_command
             )
         )
-        self._watches.append(self.store.watch(self.keys.state, callback=self._on_state))
-        state = self.store.get(self.keys.state)
-        if state is not None:
-            self._job_state = state.json().get("state")
+        self._watches.append(self.store.watch(self.keys.status, callback=self._on_status))
+        status = self.store.get(self.keys.status)
+        if status is not None:
+            self._job_state = status.json().get("state")
 
     def _lease_lost(self, lease: Lease) -> None:
         logger.warning("lease %x expired: registering again", lease.id)
@@ -227,7 +228,7 @@ class Agent:
         if event.kind == "put":
             self._commands.put(event.json())
 
-    def _on_state(self, event: WatchEvent) -> None:
+    def _on_status(self, event: WatchEvent) -> None:
         if event.kind == "put":
             self._job_state = event.json().get("state")
             if self._job_state in TERMINAL_STATES:

@@ -232,6 +232,7 @@ class LocalCluster:
                 o.heartbeat_interval,
                 metrics_port=0,
                 straggler_threshold=self.job.diagnostics.straggler_threshold,
+                straggler_action=self.job.diagnostics.straggler_action,
             )
             proc = self.ctx.Process(
                 target=_controller_process, args=(service_opts, self.store_cfg), name=name

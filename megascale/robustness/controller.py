@@ -22,6 +22,8 @@ and a stall: the highest step reported stops advancing for longer than the curre
 timeout (``SectionTimeouts``: learned from observed gaps between progress x a safety factor, with
 a floor). A stall names its suspects with ``stall_suspects`` over the ranks' flight records.
 A worker exiting 0 is not a fault; when every rank has, training is finished.
+A persistent straggler (``on_straggler``, when the policy is to evict them) is a fault too when a
+spare can take its slot: the slow node is evicted once every node has stopped.
 
 On a fault: stop every active node; self-check every live node; evict (blocklist) nodes that fail
 it, do not answer in time, or were named culprit in ``evict_repeat_culprit`` faults; fill the
@@ -74,6 +76,7 @@ class Event(enum.Enum):
     SELFCHECK_RESULT = "selfcheck_result"
     GENERATION_STARTED = "generation_started"
     TRAINING_FINISHED = "training_finished"
+    STRAGGLER = "straggler"
     TICK = "tick"
 
 
@@ -92,6 +95,7 @@ TRANSITIONS: dict[tuple[State, Event], frozenset[State]] = {
     (S.STARTING, E.ACK): _FAULT | {S.RUNNING},
     (S.STARTING, E.TRAINING_FINISHED): frozenset({S.FINISHED}),
     (S.RUNNING, E.TRAINING_FINISHED): frozenset({S.FINISHED}),
+    (S.RUNNING, E.STRAGGLER): _FAULT | {S.RUNNING},
     **{
         (state, event): _FAULT | {state, S.FINISHED}
         for state in (S.STARTING, S.RUNNING)
@@ -116,6 +120,7 @@ OBSERVATIONS = (
     E.WORKER_EXIT,
     E.ERROR_KEYWORD,
     E.ACK,
+    E.STRAGGLER,
     E.TICK,
 )
 for _state in State:
@@ -509,16 +514,34 @@ class ControllerFSM:
         for node in nodes:
             self._commands += 1
             command_id = f"g{generation}-{kind}-{self._commands}"
-            ranks = None
-            if kind == "start":
-                ranks = {
-                    "ranks": list(assignment[node]),
-                    "world_size": self.policy.world_size,
-                    "master_node": self.order[0],
-                }
             self.awaiting[node] = command_id
-            actions.append(SendCommand(node, kind, generation, command_id, ranks))
+            actions.append(self._command(node, kind, generation, command_id, assignment))
         return actions
+
+    def _command(
+        self, node: str, kind: str, generation: int, command_id: str, assignment: Mapping
+    ) -> SendCommand:
+        ranks = None
+        if kind == "start":
+            ranks = {
+                "ranks": list(assignment[node]),
+                "world_size": self.policy.world_size,
+                "master_node": self.order[0],
+            }
+        return SendCommand(node, kind, generation, command_id, ranks)
+
+    def pending_commands(self) -> list[Action]:
+        """The commands still awaited, as sent (same ids): a controller taking over sends them
+        again, since its predecessor may have died before writing all of them. Agents run a
+        command id once, so a command that did arrive is not run twice."""
+        kind = self.awaiting_kind
+        if kind is None:
+            return []
+        assignment = self.assignment
+        return [
+            self._command(node, kind, self.generation, command_id, assignment)
+            for node, command_id in self.awaiting.items()
+        ]
 
     # -- events: nodes -------------------------------------------------------------------------
 
@@ -673,6 +696,19 @@ class ControllerFSM:
         actions += self._send(live, "stop", self.generation)
         return actions + self._maybe_phase_done()
 
+    def on_straggler(
+        self, node: str, detail: Mapping[str, Any], now: float | None = None
+    ) -> list[Action]:
+        """``node`` is persistently slower than its peers and stragglers are to be evicted: with
+        a spare to take its slot, stop the job, evict the node and restart on the spare from the
+        last checkpoint (a fault of kind ``straggler``); without one, keep it and say so."""
+        self._begin(E.STRAGGLER, now)
+        if self.state is not S.RUNNING or node not in self._in_order:
+            return []
+        if not any(n not in self._in_order for n in self.registered):
+            return [self._record("straggler_kept", node, reason="no spare node", **detail)]
+        return self._on_fault(Fault("straggler", node, None, dict(detail)))
+
     # -- events: the stop / self-check / start protocol ---------------------------------------
 
     def on_ack(
@@ -723,6 +759,10 @@ class ControllerFSM:
                     fault=self.fault.kind if self.fault else None,
                 )
             ]
+        fault = self.fault
+        if fault is not None and fault.kind == "straggler" and fault.node in self.registered:
+            score = fault.detail.get("score")
+            actions += self._evict(fault.node, f"straggler at {score}x its peers' compute time")
         self._enter(S.DIAGNOSING)
         actions += self._send(list(self.registered), "selfcheck", self.generation)
         return actions + self._maybe_phase_done()

@@ -10,6 +10,12 @@ An event::
 ``evict``, ``generation_started``, ...); ``node``/``rank`` are null when the decision is about the
 job as a whole. Reports and tests read the file with ``read_events``.
 
+Unbuffered (the default), ``append`` writes the event to etcd and the file before it returns.
+Buffered (``buffered=True``, the controller's), ``append`` only queues it and ``flush`` writes every
+queued event: to etcd in transactions of up to ``TXN_MAX_OPS`` creates, then to the file. A
+decision that records many events (a self-check round records one per node) then costs a few round
+trips, not one per event on the decision thread.
+
 Contract: the etcd mirror is best effort: when etcd is unreachable (after the store's retries) the
 failure is logged and the event is still written to the file, which is the complete record.
 Sequence numbers continue from the highest one already in etcd (or in the file), so a standby
@@ -28,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.robustness.keys import JobKeys
-from megascale.robustness.store import Store, StoreError
+from megascale.robustness.store import TXN_MAX_OPS, Put, Store, StoreError, missing
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,7 @@ class EventLog:
         run_dir: the run directory; events go to ``run_dir/events.jsonl``. None: etcd only.
         store / keys: where to mirror; None: file only.
         clock: wall clock for the ``time`` field (injectable for tests).
+        buffered: queue events until ``flush`` (see the module docstring).
     """
 
     def __init__(
@@ -51,12 +58,15 @@ class EventLog:
         keys: JobKeys | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        buffered: bool = False,
     ) -> None:
         if (store is None) != (keys is None):
             raise ValueError("EventLog: give both store and keys to mirror to etcd, or neither")
         self.path = Path(run_dir) / EVENTS_FILE if run_dir is not None else None
         self.store, self.keys, self.clock = store, keys, clock
+        self.buffered = buffered
         self._lock = threading.Lock()
+        self._pending: list[dict[str, Any]] = []
         self._next_seq = self._first_seq()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,10 +106,11 @@ class EventLog:
                 "detail": dict(detail or {}),
             }
             self._next_seq += 1
-            self._mirror(event)  # first: it may move the event to a later free seq
-            if self.path is not None:
-                with open(self.path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(event, sort_keys=True, default=str) + "\n")
+            if self.buffered:
+                self._pending.append(event)
+            else:
+                self._mirror(event)  # first: it may move the event to a later free seq
+                self._write([event])
         logger.info(
             "event %s gen=%s node=%s rank=%s %s", kind, generation, node, rank, event["detail"]
         )
@@ -115,6 +126,52 @@ class EventLog:
             rank=action.rank,
             detail=action.detail,
         )
+
+    def flush(self, mirror: bool = True) -> None:
+        """Write the queued events (buffered mode): to etcd, renumbered after the newest event
+        there if another writer took their seqs meanwhile (unless ``mirror`` is False: etcd is
+        known to be down), then to the file."""
+        with self._lock:
+            events, self._pending = self._pending, []
+            if not events:
+                return
+            try:
+                if not mirror:
+                    raise StoreError("etcd is unavailable")
+                for start in range(0, len(events), TXN_MAX_OPS):
+                    self._mirror_batch(events[start : start + TXN_MAX_OPS])
+            except StoreError as e:
+                logger.warning("event log: etcd mirror failed for %d events: %s", len(events), e)
+            self._write(events)
+
+    def resync(self) -> None:
+        """Continue numbering after the newest event in etcd (a standby that just took over:
+        its predecessor appended after this log was opened)."""
+        with self._lock:
+            self._next_seq = max(self._next_seq, self._first_seq())
+            for event in self._pending:  # queued before: keep their order, after the newest
+                event["seq"], self._next_seq = self._next_seq, self._next_seq + 1
+
+    def _mirror_batch(self, events: list[dict[str, Any]]) -> None:
+        if self.store is None or self.keys is None:
+            return
+        for _ in range(100):
+            keys = [self.keys.event(e["seq"]) for e in events]
+            done = self.store.txn(
+                [missing(k) for k in keys], [Put(k, e) for k, e in zip(keys, events, strict=True)]
+            )
+            if done.succeeded:
+                return
+            newest = self.store.get_prefix(self.keys.events_prefix, limit=1, descending=True)
+            self._next_seq = max(self._next_seq, self.keys.seq_of(newest[0].key) + 1)
+            for event in events:
+                event["seq"], self._next_seq = self._next_seq, self._next_seq + 1
+        logger.warning("event log: no free seqs for %d events", len(events))
+
+    def _write(self, events: list[dict[str, Any]]) -> None:
+        if self.path is not None:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(e, sort_keys=True, default=str) + "\n" for e in events)
 
     def _mirror(self, event: dict[str, Any]) -> None:
         if self.store is None or self.keys is None:

@@ -5,6 +5,8 @@ A spec is ``KIND:KEY=VALUE,KEY=VALUE`` (``corrupt-checkpoint:latest`` takes a ba
     kill-worker:rank=3,step=20        the worker of global rank 3 SIGKILLs itself before step 20
     hang-worker:rank=5,step=30        ... SIGSTOPs itself before step 30 (an NCCL-style hang)
     slow-rank:rank=2,factor=1.5       rank 2 sleeps (factor - 1) x its step time after every step
+    slow-node:node=1,factor=1.5       so does every rank that runs on node 1 (a slow machine: the
+                                      ranks it gets in a later generation are slow too)
     kill-agent:node=1,step=25         the launcher SIGKILLs node 1's agent (its workers die with it)
     etcd-restart:step=40[,downtime=1] the launcher stops etcd for ``downtime`` s, then restarts it
     kill-controller:step=N            the launcher SIGKILLs the active controller (standby takes over)
@@ -59,6 +61,7 @@ KINDS: dict[str, Kind] = {
     "kill-worker": Kind(("rank", "step"), (), "worker", "SIGKILL a worker before a step"),
     "hang-worker": Kind(("rank", "step"), (), "worker", "SIGSTOP a worker before a step"),
     "slow-rank": Kind(("rank", "factor"), (), "worker", "a rank's steps take factor x as long"),
+    "slow-node": Kind(("node", "factor"), (), "worker", "a node's ranks' steps: factor x as long"),
     "kill-agent": Kind(("node", "step"), (), "launcher", "SIGKILL a node's agent and workers"),
     "etcd-restart": Kind(("step",), ("downtime",), "launcher", "stop and restart etcd"),
     "kill-controller": Kind(("step",), (), "launcher", "SIGKILL the active controller"),
@@ -138,6 +141,7 @@ def _example(kind_name: str) -> str:
         "kill-worker": "rank=1,step=12",
         "hang-worker": "rank=1,step=12",
         "slow-rank": "rank=1,factor=1.5",
+        "slow-node": "node=1,factor=1.5",
         "kill-agent": "node=1,step=12",
         "etcd-restart": "step=12,downtime=1",
         "kill-controller": "step=12",
@@ -244,10 +248,20 @@ class WorkerFaults:
     after each step. Built by ``worker_faults``.
     """
 
-    def __init__(self, specs: Iterable[FaultSpec], rank: int, run_dir: Path) -> None:
+    def __init__(
+        self, specs: Iterable[FaultSpec], rank: int, run_dir: Path, node: str | None = None
+    ) -> None:
         self.rank, self.run_dir = rank, Path(run_dir)
-        self.specs = [s for s in specs if s.side == "worker" and s.get("rank") == rank]
-        self.slow = max((s.get("factor") for s in self.specs if s.kind == "slow-rank"), default=1)
+        self.specs = [
+            s
+            for s in specs
+            if s.side == "worker"
+            and (
+                s.get("rank") == rank if s.kind != "slow-node" else f"node-{s.get('node')}" == node
+            )
+        ]
+        slow = [s.get("factor") for s in self.specs if s.kind in ("slow-rank", "slow-node")]
+        self.slow = max(slow, default=1)
 
     def before_step(self, step: int) -> None:
         for spec in self.specs:
@@ -266,8 +280,9 @@ class WorkerFaults:
 
 
 def worker_faults(rank: int, run_dir: str | Path) -> WorkerFaults:
-    """This rank's faults from ``MEGASCALE_INJECT`` (none when unset)."""
-    return WorkerFaults(from_env(), rank, Path(run_dir))
+    """This rank's faults from ``MEGASCALE_INJECT`` (none when unset); ``slow-node`` by the node
+    the agent named in ``MEGASCALE_NODE``."""
+    return WorkerFaults(from_env(), rank, Path(run_dir), os.environ.get("MEGASCALE_NODE"))
 
 
 # -- the agent side ------------------------------------------------------------------------------

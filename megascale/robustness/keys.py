@@ -19,10 +19,16 @@ key (under /megascale/<job>/)   lease     written by              value (JSON)
                                                                   "time"}``: never used again
 ``controller/leader``           leader's  ``Election``            ``{"id", "host", "pid",
                                                                   "since"}``
-``state``                       --        controller (fenced)     ``ControllerFSM.snapshot()``
+``state``                       --        controller (fenced)     ``ControllerFSM.snapshot()``:
+                                                                  for a standby and the operator
+``status``                      --        controller (fenced)     ``{"state", "generation"}``: a
+                                                                  few bytes, what agents watch
 ``events/<seq>``                --        ``EventLog``            one event (``events.py``)
 ``generation``                  --        controller (fenced)     ``{"generation", "assignment"}``
 ==============================  ========  ======================  ==================================
+
+``state`` is O(nodes) bytes and changes with every decision; agents watch ``status`` instead, so a
+decision costs every agent a few bytes of watch traffic, not the whole snapshot.
 
 "Leased" keys vanish when their writer stops renewing its lease: a node whose ``nodes/<node>``
 key is deleted is lost. "Fenced" writes are transactions guarded by the leader key's create
@@ -131,6 +137,10 @@ class JobKeys:
     @property
     def state(self) -> str:
         return self.prefix + "state"
+
+    @property
+    def status(self) -> str:
+        return self.prefix + "status"
 
     @property
     def generation(self) -> str:

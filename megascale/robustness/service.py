@@ -56,19 +56,26 @@ from megascale.robustness.controller import (
     StartGeneration,
     State,
 )
+from megascale.robustness.effective import EffectiveTime
 from megascale.robustness.election import Election
 from megascale.robustness.events import EventLog
 from megascale.robustness.flight_format import RankState, stall_suspects
 from megascale.robustness.keys import JobKeys
-from megascale.robustness.store import Put, Store, StoreConfig, StoreError, WatchEvent
+from megascale.robustness.store import (
+    TXN_MAX_OPS,
+    Put,
+    Store,
+    StoreConfig,
+    StoreError,
+    WatchEvent,
+)
 from megascale.robustness.stragglers import StragglerTracker
 
 logger = logging.getLogger(__name__)
 
 TERMINAL = (State.FINISHED, State.FAILED)
+STRAGGLER_ACTIONS = ("report", "evict")
 PASSWORD_ENV = "MEGASCALE_ETCD_PASSWORD"
-TXN_MAX_OPS = 64
-"""Puts per fenced transaction: well under etcd's default ``--max-txn-ops`` of 128."""
 _INVALID_ARGUMENT = 3  # gRPC status etcd gives a request it will never accept (not an outage)
 
 
@@ -201,6 +208,12 @@ class ServiceOptions:
     """How often the FSM's clock advances (``on_tick``)."""
     check_s: float = 1.0
     """How often leadership (and so etcd) is confirmed with a read."""
+    snapshot_s: float = 0.25
+    """The ``state`` snapshot (O(nodes) bytes) is written at most this often when nothing else
+    is: a decision that sends commands writes it with them at once."""
+    drain: int = 512
+    """Watch events handled per loop iteration before the outbox is written (one write for a
+    burst of acks or heartbeats, not one per event)."""
     metrics_port: int = 0
     """Port of the Prometheus ``/metrics`` on 127.0.0.1 (0: a free one; -1: none)."""
     straggler_threshold: float = 1.10
@@ -210,6 +223,15 @@ class ServiceOptions:
     """Heartbeats (with a new step) per node in the sliding window."""
     straggler_consecutive: int = 3
     """Windows in a row a node must be slow to be recorded as a ``straggler`` event."""
+    straggler_action: str = "report"
+    """``"report"``: a ``straggler`` event and the metrics; ``"evict"``: also replace the node
+    with a spare (``ControllerFSM.on_straggler``)."""
+
+    def __post_init__(self) -> None:
+        if self.straggler_action not in STRAGGLER_ACTIONS:
+            raise ValueError(
+                f"straggler_action = {self.straggler_action!r}: must be one of {STRAGGLER_ACTIONS}"
+            )
 
     @property
     def election_ttl(self) -> int:
@@ -228,7 +250,7 @@ class ControllerService:
     ) -> None:
         self.store, self.opts, self.clock = store, opts, clock
         self.keys = JobKeys(opts.job_id)
-        self.events = EventLog(opts.run_dir, store, self.keys)
+        self.events = EventLog(opts.run_dir, store, self.keys, buffered=True)
         self.election = Election(
             store,
             self.keys.controller_leader,
@@ -241,6 +263,8 @@ class ControllerService:
         self._inbox: Queue[tuple[str, WatchEvent]] = Queue()
         self._watches: list[Any] = []
         self._outbox: dict[str, Any] = {}
+        self._dirty = False  # the FSM changed since the last ``state`` write
+        self._snapshot_at = -math.inf
         self._fed_exits: dict[tuple[int, int], int] = {}  # (generation, rank) -> code
         self._seen: dict[tuple[str, str, int], int] = {}  # (what, node, generation) -> last seq
         self._held: list[tuple[float, Evidence]] = []
@@ -251,6 +275,7 @@ class ControllerService:
             opts.straggler_threshold, opts.straggler_window, opts.straggler_consecutive
         )
         self._straggler_steps: dict[str, int] = {}  # node -> step of its last sample
+        self.effective = EffectiveTime(self.clock())
         self.metrics: Any = None
         self.metrics_server: Any = None
 
@@ -288,6 +313,7 @@ class ControllerService:
             return 1
         finally:
             self._drop_watches()
+            self.events.flush(mirror=self._outage_since is None)
             try:
                 self.election.resign()
             except StoreError as e:
@@ -303,6 +329,7 @@ class ControllerService:
 
     def _lead(self) -> State | None:
         now = self.clock()
+        self.effective = EffectiveTime(now)
         fresh = self._begin(now)
         assert self.fsm is not None
         if self.metrics is not None:
@@ -319,7 +346,10 @@ class ControllerService:
             self._dispatch("hb", WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease))
         for kv in acks:
             self._dispatch("ack", WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.lease))
+        if not fresh:  # the predecessor may have died before all of them were written
+            self._act(self.fsm.pending_commands())
         self._act([], snapshot=True)
+        self._flush(force=True)
         return self._loop()
 
     def _begin(self, now: float) -> bool:
@@ -338,6 +368,7 @@ class ControllerService:
         self.fsm = ControllerFSM.restore(self.opts.policy, state, now)
         if self.fsm.state in TERMINAL:
             return False
+        self.events.resync()
         self.events.append(
             "controller_takeover",
             generation=self.fsm.generation,
@@ -382,17 +413,23 @@ class ControllerService:
                 item = self._inbox.get(timeout=max(0.0, next_tick - self.clock()))
             except Empty:
                 item = None
-            now = self.clock()
             if item is not None:
                 self._dispatch(*item)
+                for _ in range(self.opts.drain - 1):  # the burst that came with it
+                    try:
+                        self._dispatch(*self._inbox.get_nowait())
+                    except Empty:
+                        break
+            now = self.clock()
             if now >= next_tick:
                 self._tick(now)
                 next_tick = now + self.opts.tick_s
             if now >= next_check:
                 self._check_leadership(now)
                 next_check = now + self.opts.check_s
-            self._flush()
-            if self.fsm.state in TERMINAL and not self._outbox:
+            terminal = self.fsm.state in TERMINAL
+            self._flush(force=terminal)
+            if terminal and not self._outbox and not self._dirty:
                 return self.fsm.state
         return None
 
@@ -420,11 +457,13 @@ class ControllerService:
         if self.metrics is not None:
             self.metrics.observe_heartbeat(node, payload)
         self._act(self.fsm.on_heartbeat(node, payload, now))
+        if self.fsm.step is not None and self.fsm.step != before:
+            self.effective.observe(self.fsm.step, now)
         generation = int(payload.get("generation", -1))
         if generation != self.fsm.generation or not self.fsm.in_order(node):
             return
         self._learn_step_time(payload, before)
-        self._observe_straggler(node, payload)
+        self._observe_straggler(node, payload, now)
         if self._flight_generation != generation:
             self._flight, self._flight_generation = {}, generation
         for rank, state in (payload.get("flight") or {}).items():
@@ -467,10 +506,11 @@ class ControllerService:
         for _ in range(min(int(step) - before, 4)):
             self.fsm.timeouts.observe("step", float(seconds))
 
-    def _observe_straggler(self, node: str, payload: Mapping[str, Any]) -> None:
+    def _observe_straggler(self, node: str, payload: Mapping[str, Any], now: float) -> None:
         """Feed the node's compute time (its slowest rank's, once per new step; the step time
         when the workers report none) to the straggler tracker; publish the scores; record a
-        ``straggler`` event for a node slow in ``straggler_consecutive`` windows in a row."""
+        ``straggler`` event for a node slow in ``straggler_consecutive`` windows in a row, and
+        under ``straggler_action="evict"`` hand it to the FSM to be replaced."""
         assert self.fsm is not None
         step = payload.get("step")
         seconds = payload.get("compute_time_s") or payload.get("step_time_s")
@@ -492,18 +532,21 @@ class ControllerService:
         for slow in flagged:
             score = self.stragglers.scores.get(slow, 0.0)
             logger.warning("straggler: %s at %.2fx the others' compute time", slow, score)
+            detail = {
+                "score": round(score, 3),
+                "threshold": self.opts.straggler_threshold,
+                "windows": self.opts.straggler_consecutive,
+                "step": int(step),
+            }
+            action = self.opts.straggler_action
             self.events.append(
                 "straggler",
                 generation=self.fsm.generation,
                 node=slow,
-                detail={
-                    "score": round(score, 3),
-                    "threshold": self.opts.straggler_threshold,
-                    "windows": self.opts.straggler_consecutive,
-                    "step": int(step),
-                    "action": "report",
-                },
+                detail={**detail, "action": action},
             )
+            if action == "evict":
+                self._act(self.fsm.on_straggler(slow, detail, now))
 
     def _new(self, items: Any, what: str, node: str, generation: int) -> list[dict]:
         """Items of a heartbeat list not seen before (by their ``seq``)."""
@@ -541,6 +584,10 @@ class ControllerService:
             self._feed(ev, now)
         if self._outage_since is None and not self._stall(now):  # etcd down: silence is its fault
             self._act(self.fsm.on_tick(now))
+        if self.metrics is not None:
+            self.metrics.set_effective_training_time(
+                self.effective.productive_s, now - self.effective.start
+            )
 
     def _stall(self, now: float) -> bool:
         """Declare a stall the FSM's ``on_tick`` would declare now, with the suspects of the
@@ -577,7 +624,7 @@ class ControllerService:
     # -- outputs -------------------------------------------------------------------------------
 
     def _act(self, actions: list[Action], snapshot: bool = False) -> None:
-        """Execute ``actions`` in order: events now, puts into the outbox with the snapshot."""
+        """Execute ``actions`` in order: events and puts into their queues, for ``_flush``."""
         assert self.fsm is not None
         for action in actions:
             if isinstance(action, RecordEvent):
@@ -593,6 +640,7 @@ class ControllerService:
                     "time": time.time(),
                 }
             elif isinstance(action, StartGeneration):
+                self.effective.new_generation()
                 self.stragglers.reset()
                 self._straggler_steps.clear()
                 if self.metrics is not None:
@@ -606,20 +654,38 @@ class ControllerService:
                     "assignment": {n: list(r) for n, r in action.assignment.items()},
                 }
         if actions or snapshot:
-            self._outbox[self.keys.state] = self.fsm.snapshot()
-        self._flush()
+            self._dirty = True
 
-    def _flush(self) -> None:
-        """Write the outbox in fenced transactions of at most ``TXN_MAX_OPS`` puts each, the
-        ``state`` snapshot in the first; what is not written yet stays for a retry if etcd is
-        down. etcd refuses a transaction of more than ``--max-txn-ops`` (default 128) operations,
-        so one transaction for the whole outbox would fail from ~126 nodes on."""
-        if not self._outbox:
-            return
+    def _flush(self, force: bool = False) -> None:
+        """Write the outbox, then the queued events.
+
+        The outbox goes in fenced transactions of at most ``TXN_MAX_OPS`` puts each (etcd refuses
+        more than ``--max-txn-ops``, default 128, so one transaction would fail from ~126 nodes
+        on), the ``state`` snapshot and the agents' ``status`` in the first; what is not written
+        yet stays for a retry if etcd is down. The snapshot is the FSM as it is now, so one write
+        covers every decision since the last: it goes with any command, or alone once
+        ``snapshot_s`` has passed (or ``force``)."""
+        assert self.fsm is not None
+        now = self.clock()
+        if self._dirty and (
+            force or self._outbox or now - self._snapshot_at >= self.opts.snapshot_s
+        ):
+            self._outbox[self.keys.state] = self.fsm.snapshot()
+            self._outbox[self.keys.status] = {
+                "state": self.fsm.state.value,
+                "generation": self.fsm.generation,
+            }
+            self._dirty, self._snapshot_at = False, now
+        if self._outbox:
+            self._write_outbox()
+        self.events.flush(mirror=self._outage_since is None)
+
+    def _write_outbox(self) -> None:
         keys = list(self._outbox)
-        if self.keys.state in self._outbox:
-            keys.remove(self.keys.state)
-            keys.insert(0, self.keys.state)
+        for first in (self.keys.status, self.keys.state):
+            if first in self._outbox:
+                keys.remove(first)
+                keys.insert(0, first)
         for start in range(0, len(keys), TXN_MAX_OPS):
             chunk = keys[start : start + TXN_MAX_OPS]
             ops = [Put(key, self._outbox[key]) for key in chunk]
@@ -712,9 +778,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--straggler-action",
-        choices=("report",),
+        choices=STRAGGLER_ACTIONS,
         default="report",
-        help="what to do about a persistent straggler: record a 'straggler' event",
+        help="what to do about a persistent straggler: record a 'straggler' event (report), and "
+        "also replace it with a spare node, restarting from the last checkpoint (evict)",
     )
     add_store_arguments(parser)
 
@@ -743,6 +810,7 @@ def main(args: argparse.Namespace) -> int:
         args.heartbeat_interval,
         metrics_port=args.metrics_port,
         straggler_threshold=args.straggler_threshold,
+        straggler_action=args.straggler_action,
     )
     return serve(opts, store_config(args), console_level=logging.INFO)
 

@@ -212,6 +212,11 @@ class WatchEvent:
 # -- transactions ------------------------------------------------------------------------------
 
 
+TXN_MAX_OPS = 64
+"""Operations per transaction that writers batch into: well under etcd's default
+``--max-txn-ops`` of 128, which refuses larger ones (``InvalidArgument``)."""
+
+
 @dataclass(frozen=True)
 class Compare:
     """One condition of a transaction; build with the helpers below (``value_is``, ``missing``)."""

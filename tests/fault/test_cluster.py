@@ -192,6 +192,26 @@ def test_slow_rank_is_not_a_fault(reference, tmp_path):
     assert not run.faults() and run.final["faults_detected"] == {}
 
 
+def test_slow_node_is_evicted_when_configured_and_a_spare_takes_its_ranks(reference, tmp_path):
+    run = Run(
+        tmp_path,
+        "--spares", "1",
+        "--inject", "slow-node:node=1,factor=4",
+        "--set", "diagnostics.straggler_action=evict",
+    )  # fmt: skip
+    run.check_recovered(reference)
+    [straggler] = run.of("straggler")
+    assert straggler["node"] == "node-1" and straggler["detail"]["action"] == "evict"
+    assert straggler["detail"]["score"] > straggler["detail"]["threshold"]
+    [fault] = run.faults()
+    assert fault["detail"]["fault"] == "straggler" and fault["node"] == "node-1"
+    [evict] = run.of("evict")
+    assert evict["node"] == "node-1" and "straggler" in evict["detail"]["reason"]
+    start = run.of("generation_start")[-1]["detail"]
+    assert start["nodes"] == ["node-0", "node-2"] and start["replaced"] == {"node-1": "node-2"}
+    assert run.final["evicted"] == ["node-1"]
+
+
 def _fired(run_dir: Path) -> list[dict]:
     from megascale.robustness.inject import fired
 

@@ -34,6 +34,16 @@ def _scrape(url: str) -> str:
         return ""
 
 
+def _value(text: str, series: str) -> float:
+    """The value of the one sample of ``series`` (name and opening brace) in an exposition; -1
+    when absent."""
+    values = [
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series)
+    ]
+    assert len(values) <= 1, values
+    return values[0] if values else -1.0
+
+
 def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("MEGASCALE_INJECT", None)
@@ -41,9 +51,9 @@ def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    want = {
-        "controller-0": "megascale_heartbeats_total{",
-        "node-1": "megascale_heartbeats_sent_total{",
+    want = {  # what each exporter must show: the controller once some training time counted
+        "controller-0": lambda text: _value(text, "megascale_productive_seconds{") > 0,
+        "node-1": lambda text: "megascale_heartbeats_sent_total{" in text,
     }
     seen: dict[str, str] = {}
     try:
@@ -53,7 +63,7 @@ def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
                 url_file = tmp_path / "metrics" / f"{name}.url"
                 if name not in seen and url_file.exists():
                     text = _scrape(url_file.read_text().strip())
-                    if needle in text:
+                    if needle(text):
                         seen[name] = text
             time.sleep(0.1)
         output, _ = proc.communicate(timeout=120)
@@ -64,6 +74,8 @@ def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
     assert proc.returncode == 0, output[-6000:]
     assert set(seen) == set(want), output[-6000:]
     assert 'megascale_generation{megascale_job="' in seen["controller-0"]
+    ratio = _value(seen["controller-0"], "megascale_effective_training_time_ratio{")
+    assert 0.0 < ratio < 1.0, seen["controller-0"]
     assert "controller-0 metrics at http://127.0.0.1:" in output
     events = read_events(tmp_path)
     stragglers = [e for e in events if e["kind"] == "straggler"]

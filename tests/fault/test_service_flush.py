@@ -1,5 +1,6 @@
 """The controller's fenced writes against a real etcd: an outbox larger than etcd's
-``--max-txn-ops`` (default 128) is written in several fenced transactions, not refused."""
+``--max-txn-ops`` (default 128) is written in several fenced transactions, not refused; a burst of
+decisions costs one ``state`` write, agents get a few-byte ``status``, events are batched."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from megascale.robustness import service as service_mod
 from megascale.robustness.controller import ControllerFSM, ControllerPolicy
+from megascale.robustness.events import EventLog, read_events
 from megascale.robustness.keys import make_command
 from megascale.robustness.service import ControllerService, LostLeadership, ServiceOptions
 
@@ -62,3 +64,36 @@ def test_a_deposed_leader_writes_nothing(leader, store):
     with pytest.raises(LostLeadership):
         leader._flush()
     assert not store.snapshot(leader.keys.commands_prefix).items
+
+
+def test_a_burst_of_decisions_is_one_snapshot_write_and_agents_get_a_small_status(leader, store):
+    for i in range(NODES):
+        leader._act(leader.fsm.on_node_registered(f"n{i}", now=1.0))
+    assert store.get(leader.keys.state) is None  # queued, nothing written yet
+    leader._flush(force=True)
+    state, status = store.get(leader.keys.state), store.get(leader.keys.status)
+    assert state.version == 1 and len(state.json()["registered"]) == NODES
+    assert status.json() == {"state": "init", "generation": 0}
+    assert len(status.value) < 64 < 4000 < len(state.value)  # O(1) vs O(nodes) bytes
+    leader._act(leader.fsm.on_start(now=2.0))  # sends start commands: written at once
+    leader._flush()
+    assert store.get(leader.keys.state).version == 2
+    assert len(store.snapshot(leader.keys.commands_prefix).items) == NODES
+    assert store.get(leader.keys.status).json() == {"state": "starting", "generation": 1}
+
+
+def test_buffered_events_are_batched_and_renumbered_after_another_writer(store, job, tmp_path):
+    log = EventLog(tmp_path, store, job, buffered=True)
+    for i in range(100):
+        log.append("straggler", generation=1, node=f"n{i}")
+    assert not store.snapshot(job.events_prefix).items and not (tmp_path / "events.jsonl").exists()
+    store.put(job.event(70), {"seq": 70, "kind": "written by a predecessor"})
+    log.flush()
+    mirrored = store.snapshot(job.events_prefix).items
+    assert len(mirrored) == 101
+    # The batch holding seq 70 moved after it, in order; the file says what etcd says.
+    ours = [kv.json() for kv in mirrored if kv.json()["kind"] == "straggler"]
+    assert [e["node"] for e in ours] == [f"n{i}" for i in range(100)]
+    assert [e["seq"] for e in ours] == sorted(e["seq"] for e in ours)
+    assert min(e["seq"] for e in ours[64:]) > 70
+    assert read_events(tmp_path) == ours

@@ -170,7 +170,7 @@ def test_config_map_holds_the_resolved_config_and_the_policy():
     assert "lr = 0.0002" in toml  # the override won over the file
     # faultTolerance flows into the training config
     assert 'url = "s3://checkpoints/gpt-7b"' in toml and "interval = 200" in toml
-    assert "straggler_threshold = 1.15" in toml
+    assert "straggler_threshold = 1.15" in toml and 'straggler_action = "evict"' in toml
     assert "dp = 2" in toml  # resolved for 4 nodes x 8 ranks with tp 8, pp 2
     policy = json.loads(cm["data"]["job.json"])
     assert policy["nodes"] == 4 and policy["spares"] == 1 and policy["nprocPerNode"] == 8
@@ -213,6 +213,10 @@ def test_controller_deployment_runs_the_controller_with_the_worker_image():
         "1",
         "--max-restarts",
         "10",
+        "--straggler-threshold",
+        "1.15",
+        "--straggler-action",
+        "evict",
         "--endpoints",
         ",".join(builders.etcd_endpoints(job)),
     ]

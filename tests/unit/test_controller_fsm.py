@@ -451,6 +451,43 @@ def test_snapshot_restores_a_standby_mid_recovery():
     assert not ids & set(snap["awaiting"].values())  # command ids never repeat
 
 
+def test_a_straggler_is_replaced_by_a_spare_and_evicted_once_stopped():
+    fsm, clock = running()  # n0, n1 running, n2 spare
+    out = fsm.on_straggler("n1", {"score": 1.8}, now=clock())
+    [fault] = records(out, "fault")
+    assert fault.node == "n1" and fault.detail["fault"] == "straggler"
+    assert fsm.state is State.STOPPING and {c.node for c in commands(out, "stop")} == {"n0", "n1"}
+    standby = ControllerFSM.restore(fsm.policy, fsm.snapshot(), now=clock())  # survives takeover
+    out = ack_all(standby, out, clock)
+    [evict] = [a for a in out if isinstance(a, Evict)]
+    assert evict.node == "n1" and "1.8x" in evict.reason
+    assert {c.node for c in commands(out, "selfcheck")} == {"n0", "n2"}  # not the evicted node
+    out = ack_all(standby, out, clock)
+    assert standby.order == ["n0", "n2"] and standby.generation == 2
+
+
+def test_a_straggler_without_a_spare_is_kept_and_that_is_recorded():
+    fsm, clock = running(nodes=("n0", "n1"))
+    out = fsm.on_straggler("n1", {"score": 1.8}, now=clock())
+    assert fsm.state is State.RUNNING and not commands(out)
+    [kept] = records(out, "straggler_kept")
+    assert kept.node == "n1" and kept.detail == {"reason": "no spare node", "score": 1.8}
+    assert fsm.on_straggler("n9", {}, now=clock()) == []  # not in this generation: ignored
+
+
+def test_a_standby_resends_exactly_the_commands_still_awaited():
+    clock = Clock()
+    fsm = ControllerFSM(policy(), now=clock())
+    for n in ("n0", "n1", "n2"):
+        fsm.on_node_registered(n, now=clock())
+    start = commands(fsm.on_start(now=clock()), "start")
+    fsm.on_ack(start[0].node, start[0].id, ok=True, now=clock())  # n0 acked before the takeover
+    standby = ControllerFSM.restore(fsm.policy, fsm.snapshot(), now=clock(1.0))
+    assert standby.pending_commands() == start[1:]  # same ids, same rank assignment
+    ack_all(standby, start[1:], clock)
+    assert standby.state is State.RUNNING and standby.pending_commands() == []
+
+
 def test_policy_validation_names_the_field():
     with pytest.raises(ValueError, match="nproc_per_node = 0"):
         ControllerPolicy(nodes=1, nproc_per_node=0)
