@@ -2,7 +2,7 @@
 control plane (controller + N simulated agents against a real etcd).
 
     python benchmarks/scale.py rendezvous [--sizes 256,1024,2048,4096,10240]
-    python benchmarks/scale.py control [--nodes 125,250,625,1250] [--kills 3]
+    python benchmarks/scale.py control [--nodes 125,250,625,1250] [--kills 3] [--agents asyncio]
 
 Prints what was compared, a table, and ratios / growth exponents. Numbers come from this machine
 (2 shared cores): quote the ratios, not the absolute times. See docs/scale.md for the model.
@@ -77,28 +77,26 @@ def control(
     processes: int,
     steady: float,
     hb: float,
-    limits: bool,
-    proposed: bool = False,
+    agents: str,
 ) -> None:
     from megascale.launcher.etcd import EmbeddedEtcd
-    from megascale.robustness.simulate import ScaleEtcd, as_row, run_scenario
+    from megascale.robustness.simulate import as_row, run_scenario
 
+    how = {"asyncio": "asyncio tasks", "threads": "threads"}[agents]
     print(
-        f"Control plane: real etcd + real controller process + N real agents (threads, "
+        f"Control plane: real etcd + real controller process + N real agents ({how}, "
         f"{processes} processes, simulated workers), heartbeat {hb} s, {kills} kills per N "
-        f"(target: detection <= {2 * hb + 1:.0f} s, controller CPU < 1 core); etcd "
-        + ("with --max-txn-ops/--max-request-bytes raised" if limits else "with default limits")
-        + ("; PROPOSED FIXES 2, 3a, 3b patched in (docs/scale.md)" if proposed else "")
+        f"(target: detection <= {2 * hb + 1:.0f} s, controller CPU < 1 core); etcd with its "
+        "default limits"
     )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in nodes:
-            etcd_cls = ScaleEtcd if limits else EmbeddedEtcd
-            with etcd_cls(unsafe_no_fsync=True) as etcd:
+            with EmbeddedEtcd(unsafe_no_fsync=True) as etcd:
                 started = time.time()
                 r = run_scenario(
                     etcd.endpoint, etcd.pid, Path(tmp) / f"n{n}", n, heartbeat_s=hb,
-                    kills=kills, processes=processes, steady_s=steady, proposed=proposed,
+                    kills=kills, processes=processes, steady_s=steady, agents=agents,
                 )  # fmt: skip
                 row = as_row(r)
                 rows.append(row)
@@ -110,24 +108,29 @@ def control(
 def decision_sizes(nodes: list[int]) -> None:
     from megascale.robustness.simulate import decision_bytes
 
-    print("Bytes the controller writes per decision (pure FSM, JSON before base64)")
+    print(
+        "Bytes the controller writes when a generation starts (pure FSM, JSON before base64): "
+        "the state snapshot (once per burst of decisions, read by standbys), the status every "
+        "agent watches, the start commands (one per node, in transactions of <= 64 puts)"
+    )
     rows = []
     for n in nodes:
         b = decision_bytes(n)
-        fan = b["snapshot"] * (n + 1)
         rows.append(
             {
                 "nodes": n,
                 "state snapshot KB": round(b["snapshot"] / 1e3, 1),
-                "x agent watches MB": round(fan / 1e6, 1),
-                "start cmd KB": round(b["start_command"] / 1e3, 1),
-                "start txn MB": round(b["start_txn"] / 1e6, 2),
-                "txn puts": b["commands"] + 2,
+                "status B": b["status"],
+                "x agent watches KB": round(b["status"] * n / 1e3, 1),
+                "start cmd B": b["start_command"],
+                "start cmds MB": round(b["start_txn"] / 1e6, 3),
+                "txns": -(-(b["commands"] + 3) // 64),
             }
         )
     table(rows)
-    exps = [r["start txn MB"] for r in rows]
-    print(f"growth exponent start txn: {growth_exponent(nodes, exps):.2f}")
+    for name in ("state snapshot KB", "start cmds MB", "start cmd B"):
+        exponent = growth_exponent(nodes, [r[name] for r in rows])
+        print(f"growth exponent {name}: {exponent:.2f}")
 
 
 def main() -> None:
@@ -145,9 +148,11 @@ def main() -> None:
     c.add_argument("--processes", type=int, default=4)
     c.add_argument("--steady", type=float, default=10.0)
     c.add_argument("--heartbeat", type=float, default=1.0)
-    c.add_argument("--proposed", action="store_true", help="patch in docs/scale.md fixes 2, 3a, 3b")
     c.add_argument(
-        "--default-etcd-limits", action="store_true", help="keep etcd's 128-op txn limit"
+        "--agents",
+        choices=("asyncio", "threads"),
+        default="asyncio",
+        help="simulated agents as coroutines (hundreds per process) or as the agent's threads",
     )
     b = sub.add_parser("bytes")
     b.add_argument("--nodes", default="125,250,625,1250")
@@ -160,10 +165,7 @@ def main() -> None:
         rendezvous(sizes, args.tp, args.pp, args.cap, args.threads)
     else:
         sizes = [int(s) for s in args.nodes.split(",")]
-        control(
-            sizes, args.kills, args.processes, args.steady, args.heartbeat,
-            not args.default_etcd_limits, args.proposed,
-        )  # fmt: skip
+        control(sizes, args.kills, args.processes, args.steady, args.heartbeat, args.agents)
 
 
 if __name__ == "__main__":

@@ -7,15 +7,14 @@ What is real and what is simulated:
 * controller: the real ``megascale controller`` process (``ControllerService`` around the FSM),
   with its production timeouts for the given heartbeat interval (``service.policy_for``).
 * agents: the real ``Agent`` class -- registration under a lease, keep-alive, heartbeat payload
-  and loop, command watch, command execution and acks, job-state watch -- run as threads, many per
-  process (``agents_main``). Only the workers are simulated (``SimPool``: no processes; a
-  self-check passes at once), so a "node" costs the control plane what a real one does.
+  and loop, command watch, command execution and acks, job-status watch -- many per process,
+  either as the agent's own threads (``agents="threads"``: ``agents_main``, five threads a node)
+  or driven by coroutines on one event loop (``agents="asyncio"``: ``AsyncSimAgent`` in
+  ``simulate_async``, the same etcd requests; hundreds of nodes per process). Only the workers
+  are simulated (``SimPool``: no processes; a self-check passes at once), so a "node" costs the
+  control plane what a real one does.
 * a node killed at a random moment (``SimAgent.kill``): it stops heartbeating and its lease is no
   longer kept alive -- a machine that vanished, not an agent that shut down politely.
-
-``proposed=True`` patches docs/scale.md's fixes 2, 3a, 3b into the controller process
-(``apply_proposed_fixes``) and makes the agents watch the small status key
-(``ProposedSimAgent``): evidence for those fixes, which belong in the controller and agent.
 
 ``run_scenario`` measures, for one N: the etcd write rate (revisions per second) and the
 controller's and etcd's CPU (process CPU time / wall) in steady state, then per kill the
@@ -25,7 +24,6 @@ kill-to-decision latency (the controller's ``fault`` event), the time to stop al
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import multiprocessing as mp
@@ -41,30 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from megascale.launcher.agent import Agent, AgentOptions
-from megascale.launcher.etcd import EmbeddedEtcd
 from megascale.robustness.keys import JobKeys
 from megascale.robustness.store import Store, StoreConfig
 
 logger = logging.getLogger(__name__)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-class ScaleEtcd(EmbeddedEtcd):
-    """``EmbeddedEtcd`` with etcd's per-request limits raised (``--max-txn-ops``, default 128;
-    ``--max-request-bytes``, default 1.5 MiB): the controller writes all of a generation's
-    commands in one transaction, which the defaults refuse from ~126 nodes on (docs/scale.md)."""
-
-    def __init__(self, *, max_txn_ops: int = 100_000, max_request_bytes: int = 256 << 20, **kw):
-        super().__init__(**kw)
-        self.max_txn_ops, self.max_request_bytes = max_txn_ops, max_request_bytes
-
-    def _command(self) -> list[str]:
-        return [
-            *super()._command(),
-            "--max-txn-ops", str(self.max_txn_ops),
-            "--max-request-bytes", str(self.max_request_bytes),
-        ]  # fmt: skip
 
 
 class SimPool:
@@ -133,72 +113,6 @@ class SimAgent(Agent):
             watch.cancel()
 
 
-STATUS = "status"
-"""Under ``proposed=True``: the small key (``{"state", "generation"}``) agents watch instead of
-the controller's full ``state`` snapshot (docs/scale.md, fix 3a)."""
-
-
-@dataclass(frozen=True)
-class _StatusKeys(JobKeys):
-    @property
-    def state(self) -> str:
-        return self.prefix + STATUS
-
-
-class ProposedSimAgent(SimAgent):
-    """``SimAgent`` watching the small status key instead of ``state`` (fix 3a)."""
-
-    def __init__(self, store: Store, opts: AgentOptions) -> None:
-        super().__init__(store, opts)
-        self.keys = _StatusKeys(opts.job_id)
-
-
-def apply_proposed_fixes(min_flush_s: float = 0.1) -> None:
-    """Patch, in this process only, the controller with docs/scale.md's fixes 2, 3a and 3b: start
-    commands without the whole assignment, a small status key written with every snapshot, and
-    the outbox (snapshot included) written at most every ``min_flush_s`` instead of per action.
-    For the simulator's ``proposed=True`` runs: evidence for the fixes, not the fixes."""
-    from megascale.robustness import controller, service
-
-    send = controller.ControllerFSM._send
-
-    def _send(self, nodes, kind, generation):
-        out = []
-        for a in send(self, nodes, kind, generation):
-            if isinstance(a, controller.SendCommand) and a.rank_assignment:
-                slim = {k: v for k, v in a.rank_assignment.items() if k != "nodes"}
-                a = dataclasses.replace(a, rank_assignment=slim)
-            out.append(a)
-        return out
-
-    flush = service.ControllerService._flush
-
-    def _flush(self):
-        now = time.monotonic()
-        if not self._outbox or now - getattr(self, "_last_flush", 0.0) < min_flush_s:
-            return
-        if self.keys.state in self._outbox and self.fsm is not None:
-            status = {"state": self.fsm.state.value, "generation": self.fsm.generation}
-            self._outbox[f"{self.keys.prefix}{STATUS}"] = status
-        self._last_flush = now
-        flush(self)
-
-    controller.ControllerFSM._send = _send
-    service.ControllerService._flush = _flush
-
-
-def proposed_controller_main(argv: list[str]) -> int:
-    """``megascale controller`` with ``apply_proposed_fixes()``."""
-    import argparse
-
-    from megascale.robustness import service
-
-    apply_proposed_fixes()
-    parser = argparse.ArgumentParser()
-    service.add_arguments(parser)
-    return service.main(parser.parse_args(argv))
-
-
 def agents_main(
     endpoint: str,
     job: str,
@@ -206,7 +120,6 @@ def agents_main(
     interval: float,
     run_dir: str,
     conn: Any,
-    proposed: bool = False,
 ) -> None:
     """One simulator process: run ``nodes`` agents as threads; obey ``("kill", node)`` and
     ``("exit",)`` from ``conn`` (answering a kill with its wall time)."""
@@ -218,7 +131,7 @@ def agents_main(
         opts = AgentOptions(
             job_id=job, node=node, run_dir=Path(run_dir), config=None, heartbeat_interval=interval
         )
-        agents[node] = (ProposedSimAgent if proposed else SimAgent)(Store(cfg), opts)
+        agents[node] = SimAgent(Store(cfg), opts)
         threading.Thread(target=agents[node].run, name=f"agent-{node}", daemon=True).start()
         time.sleep(0.002)  # a ramp, as pods starting: not one burst of N lease grants
     conn.send(("ready", len(agents)))
@@ -279,11 +192,22 @@ def _wait_event(run_dir: Path, kind: str, generation: int, timeout_s: float) -> 
     return None
 
 
+AGENT_KINDS = ("asyncio", "threads")
+"""How ``run_scenario`` runs its simulated agents (see the module docstring)."""
+
+
+def _agents_main(agents: str) -> Any:
+    """The function a simulator process runs for ``agents`` (one of ``AGENT_KINDS``)."""
+    if agents == "threads":
+        return agents_main
+    if agents == "asyncio":
+        from megascale.robustness.simulate_async import async_agents_main  # needs aiohttp
+
+        return async_agents_main
+    raise ValueError(f"agents = {agents!r}: expected one of {', '.join(AGENT_KINDS)}")
+
+
 _REAL = "import sys; from megascale import cli; sys.exit(cli.main(['controller', *sys.argv[1:]]))"
-_PROPOSED = (
-    "import sys; from megascale.robustness import simulate; "
-    "sys.exit(simulate.proposed_controller_main(sys.argv[1:]))"
-)
 
 
 def run_scenario(
@@ -298,17 +222,18 @@ def run_scenario(
     steady_s: float = 10.0,
     nproc_per_node: int = 8,
     seed: int = 0,
-    proposed: bool = False,
+    agents: str = "threads",
 ) -> ScenarioResult:
-    """Start the controller and ``nodes + kills`` agents (the extra are spares), measure steady
-    state for ``steady_s``, then kill ``kills`` nodes one at a time at random moments.
-    ``proposed``: with ``apply_proposed_fixes`` in the controller and ``ProposedSimAgent``s."""
+    """Start the controller and ``nodes + kills`` agents (the extra are spares) in ``processes``
+    processes, as ``agents`` (``AGENT_KINDS``), measure steady state for ``steady_s``, then kill
+    ``kills`` nodes one at a time at random moments."""
+    target = _agents_main(agents)
     job = f"sim-{nodes}-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
     result = ScenarioResult(nodes, heartbeat_s)
     rng = random.Random(seed)
     ctl = subprocess.Popen(
-        [sys.executable, "-c", _PROPOSED if proposed else _REAL, "--job", job, "--run-dir",
+        [sys.executable, "-c", _REAL, "--job", job, "--run-dir",
          str(run_dir), "--nodes", str(nodes), "--nproc-per-node", str(nproc_per_node),
          "--tp", str(nproc_per_node), "--heartbeat-interval", str(heartbeat_s),
          "--max-restarts", str(kills + 5), "--endpoints", endpoint],
@@ -323,8 +248,8 @@ def run_scenario(
             mine = names[p::processes]
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=agents_main,
-                args=(endpoint, job, mine, heartbeat_s, str(run_dir), child, proposed),
+                target=target,
+                args=(endpoint, job, mine, heartbeat_s, str(run_dir), child),
             )
             proc.start()
             procs.append(proc)
@@ -389,8 +314,8 @@ def _steady(
 
 def decision_bytes(nodes: int, nproc_per_node: int = 8) -> dict[str, int]:
     """What the controller writes when generation 1 starts on ``nodes`` nodes, in JSON bytes
-    (before the gateway's base64): the FSM ``state`` snapshot (written with every decision and
-    sent to every agent's ``state`` watch), one ``start`` command, and all of them (one txn)."""
+    (before the gateway's base64): the FSM ``state`` snapshot, the ``status`` agents watch, one
+    ``start`` command, and all of them."""
     from megascale.robustness.controller import ControllerFSM, SendCommand
     from megascale.robustness.service import policy_for
 
@@ -400,8 +325,10 @@ def decision_bytes(nodes: int, nproc_per_node: int = 8) -> dict[str, int]:
     for i in range(nodes):
         actions += fsm.on_node_registered(f"node-{i:05d}", 0.0)
     sizes = [len(json.dumps(a.message("job"))) for a in actions if isinstance(a, SendCommand)]
+    status = {"state": fsm.state.value, "generation": fsm.generation}
     return {
         "snapshot": len(json.dumps(fsm.snapshot())),
+        "status": len(json.dumps(status)),
         "start_command": sizes[0],
         "start_txn": sum(sizes),
         "commands": len(sizes),
@@ -435,7 +362,7 @@ def as_row(r: ScenarioResult) -> dict[str, Any]:
 
 
 __all__ = [
-    "ScaleEtcd",
+    "AGENT_KINDS",
     "ScenarioResult",
     "SimAgent",
     "SimPool",
