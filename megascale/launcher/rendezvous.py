@@ -67,12 +67,14 @@ class Op:
         return self.kind in ("set", "add")
 
 
-def megatron_groups(layout: Layout) -> list[GroupSpec]:
+def megatron_groups(layout: Layout, *, gloo: bool = True) -> list[GroupSpec]:
     """The groups megatron-core 0.16 ``initialize_model_parallel`` creates for ``layout`` (context
     and expert parallelism 1; the expert groups, which repeat the data-parallel ones, left out),
-    in its creation order: data-parallel with and without context parallelism (NCCL + gloo each),
-    context-parallel (singletons), model-parallel, tensor-parallel, pipeline, embedding,
-    position-embedding, tensor+data-parallel (twice, with and without cp)."""
+    in its creation order: data-parallel with and without context parallelism (NCCL, and gloo
+    twins unless ``gloo`` is False: ``create_gloo_process_groups=False``, as
+    ``parallel.build_groups`` calls it), context-parallel (singletons), model-parallel,
+    tensor-parallel, pipeline, embedding, position-embedding, tensor+data-parallel (twice, with
+    and without cp)."""
     dp, tp, pp = layout.dp_groups(), layout.tp_groups(), layout.pp_groups()
     mp = [
         [layout.rank(dp=d, pp=p, tp=t) for p in range(layout.pp) for t in range(layout.tp)]
@@ -82,9 +84,10 @@ def megatron_groups(layout: Layout) -> list[GroupSpec]:
         [layout.rank(dp=d, pp=p, tp=t) for d in range(layout.dp) for t in range(layout.tp)]
         for p in range(layout.pp)
     ]
+    twins = ("nccl", "gloo") if gloo else ("nccl",)
     kinds: list[tuple[str, list[list[int]], tuple[str, ...]]] = [
-        ("dp-cp", dp, ("nccl", "gloo")),
-        ("dp", dp, ("nccl", "gloo")),
+        ("dp-cp", dp, twins),
+        ("dp", dp, twins),
         ("cp", [[r] for r in range(layout.world_size)], ("nccl",)),
         ("mp", mp, ("nccl",)),
         ("tp", tp, ("nccl",)),
@@ -118,13 +121,14 @@ def _world_barrier(tag: str, world: int) -> tuple[list[Op], list[Op]]:
 
 
 def default_ops(
-    layout: Layout, *, barrier: bool, sample_every: int = 1
+    layout: Layout, *, barrier: bool, sample_every: int = 1, gloo: bool = True
 ) -> Iterator[tuple[list[Op], list[Op]]]:
     """The default path, per ``new_group`` call: (its writes, its reads). ``barrier``: with the
     world barrier after each call (``TORCH_DIST_INIT_BARRIER=1``). ``sample_every``: only every
-    k-th group (a uniform sample, for streams too long to replay whole)."""
+    k-th group (a uniform sample, for streams too long to replay whole). ``gloo``: with the gloo
+    twins of the data-parallel groups."""
     yield _world_barrier("init", layout.world_size)
-    for i, g in enumerate(megatron_groups(layout)):
+    for i, g in enumerate(megatron_groups(layout, gloo=gloo)):
         if i % sample_every:
             continue
         pre, size = f"{i}/", len(g.ranks)
@@ -168,10 +172,10 @@ def count_ops(batches: Iterator[tuple[list[Op], list[Op]]]) -> Counter[str]:
     return counts
 
 
-def default_op_count(layout: Layout, *, barrier: bool) -> int:
+def default_op_count(layout: Layout, *, barrier: bool, gloo: bool = True) -> int:
     """Exact number of store round trips of the default path (closed form of ``default_ops``)."""
     world, total = layout.world_size, 3 * layout.world_size + 1
-    for g in megatron_groups(layout):
+    for g in megatron_groups(layout, gloo=gloo):
         size = len(g.ranks)
         total += size if g.backend == "nccl" else (size * size if size > 1 else 0)
         if barrier:

@@ -80,6 +80,10 @@ def build_groups(parallel: ParallelConfig) -> Groups:
         pipeline_model_parallel_size=parallel.pp,
         virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
         order="tp-cp-ep-dp-pp",  # the order megascale.parallel.layout computes
+        # No gloo twin of every data-parallel group: nothing here uses them (the optimizer is
+        # built without them, checkpoints hold per-rank shards), and their full-mesh connect
+        # through the store is what makes default group setup grow as N^2 (docs/scale.md).
+        create_gloo_process_groups=False,
     )
     initialize_rerun_state_machine()  # explicit, or megatron-core warns on the first step
     coord = layout.coords(rank)

@@ -64,8 +64,9 @@ def build_optimizer(
     ``use_distributed_optimizer`` must match the chunks' ``ddp_config`` (the DDP buffers are laid
     out for it). Gradients are clipped to ``cfg.clip_grad`` inside ``optimizer.step()``. Learning
     rate and per-group weight decay (0 for biases and 1-D params, megatron's ``wd_mult``) are set by
-    :func:`build_scheduler`: build it before the first step. With ``pg_collection`` the gloo
-    data-parallel groups megatron-core uses for some checkpoint formats are not created.
+    :func:`build_scheduler`: build it before the first step. Never with gloo twins of the
+    data-parallel groups (megatron-core needs them only for its dp-zero checkpoint format, which
+    megascale does not use; ``parallel.build_groups`` does not create them).
     """
     if cfg.name not in OPTIMIZER_NAMES:
         raise ValueError(f"optim.name={cfg.name!r}: expected one of {OPTIMIZER_NAMES}")
@@ -99,7 +100,7 @@ def build_optimizer(
     optimizer = get_megatron_optimizer(
         mcore_config,
         model_chunks,
-        use_gloo_process_groups=pg_collection is None,
+        use_gloo_process_groups=False,  # build_groups creates none (docs/scale.md)
         pg_collection=pg_collection,
     )
     if cfg.name == "lamb":

@@ -69,8 +69,12 @@ def _child(conn, port: int) -> None:
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         cpu_backend.activate()
+        from megatron.core import parallel_state as ps
+
         groups = build_groups(config.load("tiny").parallel)
-        conn.send(("ok", {name: _inspect(o, groups) for name, o in CASES.items()}))
+        cases = {name: _inspect(o, groups) for name, o in CASES.items()}
+        created = {"dp_gloo": ps._DATA_PARALLEL_GROUP_GLOO is not None}
+        conn.send(("ok", {"cases": cases, "groups": created}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
@@ -78,7 +82,8 @@ def _child(conn, port: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def built() -> dict[str, dict]:
+def child() -> dict[str, dict]:
+    """What the child built: ``cases`` (one entry per CASES) and the process ``groups``."""
     from megascale.launcher.local import free_port
 
     ctx = mp.get_context("fork")
@@ -97,6 +102,11 @@ def built() -> dict[str, dict]:
             proc.join()
     assert status == "ok", f"model-building child failed:\n{value}"
     return value
+
+
+@pytest.fixture(scope="module")
+def built(child) -> dict[str, dict]:
+    return child["cases"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -140,3 +150,8 @@ def test_parallel_block_shares_one_layernorm(built):
 def test_window_size_maps_to_megatron_left_right(built):
     # Ours: the token and the window_size - 1 before it; megatron-core: (left, right) excluding it.
     assert built["parallel_block"]["window_size"] == (15, 0)
+
+
+def test_build_groups_creates_no_gloo_twins_of_the_data_parallel_groups(child):
+    # Their full-mesh store connect is the N^2 term of default group setup (docs/scale.md).
+    assert child["groups"] == {"dp_gloo": False}

@@ -55,6 +55,12 @@ def test_ours_is_linear_and_the_default_paths_are_not():
     assert 3.9 < o4 / o1 < 4.1  # O(N): about 5 round trips per rank
     assert o4 < 6 * 4096
     assert d4 / d1 > 8  # gloo full mesh of the data-parallel groups: O(N^2 / (tp * pp))
+    # Without the gloo twins (parallel.build_groups) the default path is linear too.
+    no_gloo = [
+        rdzv.default_op_count(Layout.from_world(n, tp=8, pp=4), barrier=False, gloo=False)
+        for n in (1024, 4096)
+    ]
+    assert 3.9 < no_gloo[1] / no_gloo[0] < 4.1
     assert l4 / l1 > 14  # a world barrier per new_group: O(groups x world) = O(N^2)
 
 
