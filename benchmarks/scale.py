@@ -45,14 +45,18 @@ def rendezvous(sizes: list[int], tp: int, pp: int, cap: int, threads: int) -> No
         f"real TCPStore on loopback from {threads} client threads (<= {cap} ops replayed per cell; "
         "longer streams are uniformly sampled by group and scaled by the exact op count)."
     )
-    rows, times = [], {"legacy": [], "default": [], "ours": []}
+    rows, times = [], {"legacy": [], "default": [], "no-gloo": [], "ours": []}
     for n in sizes:
         layout = Layout.from_world(n, tp=tp, pp=pp)
         row: dict = {"ranks": n, "groups": len(rdzv.megatron_groups(layout))}
-        for name, barrier in (("legacy", True), ("default", False)):
-            total = rdzv.default_op_count(layout, barrier=barrier)
+        for name, barrier, gloo in (
+            ("legacy", True, True),
+            ("default", False, True),
+            ("no-gloo", False, False),
+        ):
+            total = rdzv.default_op_count(layout, barrier=barrier, gloo=gloo)
             every = max(1, math.ceil(total / cap))
-            ops = rdzv.default_ops(layout, barrier=barrier, sample_every=every)
+            ops = rdzv.default_ops(layout, barrier=barrier, sample_every=every, gloo=gloo)
             r = rdzv.replay(ops, total, threads=threads)
             row[f"{name} ops"], row[f"{name} s"] = total, round(r.estimated_s, 2)
             times[name].append(r.estimated_s)
@@ -62,10 +66,12 @@ def rendezvous(sizes: list[int], tp: int, pp: int, cap: int, threads: int) -> No
         times["ours"].append(r.estimated_s)
         row["legacy/ours"] = round(row["legacy s"] / max(r.estimated_s, 1e-9), 1)
         row["default/ours"] = round(row["default s"] / max(r.estimated_s, 1e-9), 1)
+        row["default/no-gloo"] = round(row["default s"] / max(row["no-gloo s"], 1e-9), 1)
         rows.append(row)
         print(f"  ... {n} ranks done", file=sys.stderr, flush=True)
     print("legacy = TORCH_DIST_INIT_BARRIER=1 (torch < 2.1, MegaScale's baseline); default = "
-          "torch 2.13 (no barrier, gloo DP groups); ours = one barrier + NCCL ids, batched")  # fmt: skip
+          "torch 2.13 (no barrier, gloo DP groups); no-gloo = torch 2.13 without the gloo twins "
+          "(what parallel.build_groups runs); ours = one barrier + NCCL ids, batched (modeled)")  # fmt: skip
     table(rows)
     for name, ts in times.items():
         print(f"growth exponent (time vs ranks) {name}: {growth_exponent(sizes, ts):.2f}")

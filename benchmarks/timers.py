@@ -1,11 +1,16 @@
 """Timeline overhead: training step time with the timeline recording vs not, interleaved in one run.
 
-Every rank builds one trainer and one timeline. Steps alternate between "on" (the timeline attached:
-megatron-core's timers, every collective and p2p call traced, the trainer's own segments) and "off"
-(``NULL_TIMELINE``, nothing attached); the order flips every round (on/off, off/on) so drift lands
-on both, and every step starts after a barrier. After each round, outside the timed steps, the
-records are flushed to disk; the writer thread's own time is reported separately (it runs in the
-background during training; counting all of it on the critical path is the upper bound).
+Every rank builds one trainer and one timeline, with the flight recorder installed for the whole run
+as ``run_rank`` installs it (``--no-flight-recorder``: without it, as with
+``MEGASCALE_FLIGHT_RECORDER=0``). Steps alternate between "on" (the timeline attached:
+megatron-core's timers, every collective and p2p call's timing, the trainer's own segments) and
+"off" (``NULL_TIMELINE``, nothing attached); the order flips every round (on/off, off/on) so drift
+lands on both, and every step starts after a barrier. With the flight recorder installed the
+timeline reads the calls from its records (no wrapper of its own), and the recorder runs in both
+"on" and "off" steps: it is part of training, not of the timeline. Without it the timeline wraps
+each call itself (``CommTimer``). After each round, outside the timed steps, the records are flushed
+to disk; the writer thread's own time is reported separately (it runs in the background during
+training; counting all of it on the critical path is the upper bound).
 
 Three views of the overhead:
 * measured: median over rounds of (on - off) / off of the step time (slowest rank);
@@ -13,11 +18,18 @@ Three views of the overhead:
   shared, oversubscribed machine the work added is what the timeline costs, and it is far less
   noisy than wall time;
 * bottom-up: segments and comm calls per step x their unit costs (a span enter/exit; a real
-  all-reduce through the comm hook vs bare, main-thread CPU, measured in the ranks after training)
-  + writer time per step, over the step time: not blurred by the noise of 8 ranks on 2 cores.
+  all-reduce on a group of the rank alone with the timeline's comm source attached vs not, and
+  taking a step's comm records at the step boundary; main-thread CPU, measured in the ranks after
+  training) + writer time per step, over the step time: not blurred by the noise of 8 ranks on 2
+  cores.
+
+The default model (hidden 256, seq 128, 4 micro-batches of 2 per DP rank) computes about 1 ms per
+collective on a rank, as training does; the collectives per step are what megatron-core issues for
+the layout, whatever the model size.
 
     python benchmarks/timers.py                 # 8 CPU ranks: TP2 x PP2 x DP2 + SP, 30 rounds
-    python benchmarks/timers.py --rounds 10 --set model.num_layers=2
+    python benchmarks/timers.py --no-flight-recorder
+    python benchmarks/timers.py --rounds 10 --set model.hidden_size=64 --set model.seq_length=64
 """
 
 from __future__ import annotations
@@ -38,12 +50,14 @@ import torch.distributed as dist
 from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
 from megascale.diagnostics import timers
-from megascale.diagnostics.comm_timer import CommTimer
+from megascale.diagnostics.comm_timer import CommTimer, timeline_comm
 from megascale.launcher.local import run_local
 from megascale.logs import quiet_expected_noise
 from megascale.overlap.trace import CommTrace
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
+from megascale.robustness.flight_format import flight_path
+from megascale.robustness.flight_recorder import FlightRecorder, NullFlightRecorder
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 
@@ -64,9 +78,14 @@ DEFAULT_SETS = [
 ]
 
 
-def _rank(job, data_dir: Path, run_dir: Path, rounds: int, warmup: int) -> dict:
+def _rank(job, data_dir: Path, run_dir: Path, rounds: int, warmup: int, flight: bool) -> dict:
     torch.set_num_threads(1)
-    init_distributed("cpu")
+    rank, world = init_distributed("cpu")
+    recorder = (
+        FlightRecorder(flight_path(run_dir, rank), rank, world).install()
+        if flight
+        else NullFlightRecorder()
+    )  # installed first, as run_rank does
     cpu_backend.activate()
     groups = build_groups(job.parallel)
     seed_everything(job.train.seed, groups.tp_rank, "cpu")
@@ -83,49 +102,99 @@ def _rank(job, data_dir: Path, run_dir: Path, rounds: int, warmup: int) -> dict:
                 timeline.detach()
                 trainer.timeline = timers.NULL_TIMELINE
             dist.barrier()
+            recorder.set_step(trainer.step_num + 1)  # as run_rank does, in both modes
+            comm_before = timeline._comm.count()
             start, cpu_start = time.perf_counter(), time.process_time()
             trainer.step()
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-            if mode == "on":
-                batch = timeline._batch  # this step's records, for the counts
-                records.append((len(batch.spans), len(batch.comm) + len(timeline._comm.events)))
+            if mode == "on":  # this step's records, for the counts
+                spans = len(timeline._batch.spans)
+                records.append((spans, timeline._comm.count() - comm_before))
             if r >= warmup:
                 times[mode].append(elapsed)
                 times[f"cpu_{mode}"].append(cpu)
         timeline.detach()
         timeline.flush()  # outside the timed steps; timed by the writer itself
     timeline.close()
-    costs = comm_call_costs()
+    comm = statistics.median(c for _, c in records)
+    costs = {**comm_costs(int(comm)), **wrapper_costs()}
+    recorder.close()
     destroy_groups()
     return {
         **times,
         **costs,
         "span_s": span_cost(),
         "spans": statistics.median(s for s, _ in records),
-        "comm": statistics.median(c for _, c in records),
+        "comm": comm,
         "write_s": timeline.write_seconds / len(records),
     }
 
 
-def comm_call_costs(n: int = 300, reps: int = 8) -> dict[str, float]:
-    """Main-thread CPU seconds per small all-reduce on the world group through each comm hook,
-    over the bare call, in this rank (so with the CPU backend's torch-function mode and gloo, as in
-    training); the best of ``reps`` loops each, as noise only adds. Collective."""
-    tensor = torch.ones(64)
-    per_call: dict[str, list[float]] = {"bare": [], "CommTimer": [], "CommTrace": []}
+def _paired_cpu(fn, hook_on, hook_off, reps: int = 15) -> float:
+    """Main-thread CPU seconds ``fn()`` takes with a hook over without it: the least of ``reps``
+    runs each (noise only adds), alternating, so load on the machine lands on both."""
+    on, off = float("inf"), float("inf")
     for _ in range(reps):
-        for name in per_call:
-            hook = {"CommTimer": CommTimer, "CommTrace": CommTrace}.get(name)
-            hook = hook().install() if hook is not None else None
-            dist.barrier()
-            start = time.thread_time()
-            for _ in range(n):
-                dist.all_reduce(tensor)
-            per_call[name].append((time.thread_time() - start) / n)
-            if hook is not None:
-                hook.uninstall()
-    bare = min(per_call["bare"])
-    return {k: min(v) - bare for k, v in per_call.items() if k != "bare"}
+        start = time.thread_time()
+        fn()
+        off = min(off, time.thread_time() - start)
+        hook = hook_on()
+        start = time.thread_time()
+        fn()
+        on = min(on, time.thread_time() - start)
+        hook_off(hook)
+    return on - off
+
+
+def _own_group():
+    """A process group of this rank alone: a call on it runs the whole call path (the hooks, the
+    CPU backend's torch-function mode, gloo) without waiting for another rank, so its CPU time is
+    what the hooks cost, not 8 ranks' scheduling on 2 cores. Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [dist.new_group([r]) for r in range(world)][rank]
+
+
+def comm_costs(calls: int, n: int = 300) -> dict[str, float]:
+    """What the timeline's comm records cost on the training thread, with this rank's hooks as in
+    training (the flight recorder when installed), on a group of this rank alone:
+    ``comm_call_s``, a small all-reduce with the timeline's comm source attached
+    (``timeline_comm``) less without; ``comm_take_s``, taking a step's worth (``calls``) of
+    records at the step boundary. Collective."""
+    tensor, group = torch.ones(64), _own_group()
+
+    def loop(k: int):
+        return lambda: [dist.all_reduce(tensor, group=group) for _ in range(k)]
+
+    call_s = _paired_cpu(loop(n), timeline_comm, lambda source: source.uninstall()) / n
+    source = timeline_comm()
+    takes = []
+    for _ in range(8):
+        loop(calls)()
+        start = time.thread_time()
+        source.take()
+        takes.append(time.thread_time() - start)
+    source.uninstall()
+    return {"comm_call_s": call_s, "comm_take_s": min(takes)}
+
+
+def wrapper_costs(n: int = 300) -> dict[str, float]:
+    """Main-thread CPU seconds per small all-reduce (on a group of this rank alone) through each
+    wrapper of its own over the call without it (stacked on the flight recorder when installed).
+    Collective."""
+    tensor, group = torch.ones(64), _own_group()
+
+    def loop():
+        for _ in range(n):
+            dist.all_reduce(tensor, group=group)
+
+    def installer(hook_type):
+        return lambda: hook_type().install()
+
+    hooks = {"CommTimer": CommTimer, "CommTrace": CommTrace}
+    return {
+        f"{name}_s": _paired_cpu(loop, installer(hook), lambda h: h.uninstall()) / n
+        for name, hook in hooks.items()
+    }
 
 
 def span_cost(n: int = 20000) -> float:
@@ -151,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=30, help="on/off pairs timed")
     parser.add_argument("--warmup", type=int, default=2, help="untimed pairs first")
+    parser.add_argument(
+        "--no-flight-recorder",
+        dest="flight",
+        action="store_false",
+        help="run without the flight recorder: the timeline times each call with its own wrapper",
+    )
     args = parser.parse_args(argv)
 
     job = validate(load(args.config, [*DEFAULT_SETS, *args.overrides]), args.nproc, "gloo")
@@ -160,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = work / "data"
     default_token_file(data_dir)
     per_rank = run_local(
-        _rank, args.nproc, (job, data_dir, work / "run", args.rounds, args.warmup), timeout_s=3600
+        _rank,
+        args.nproc,
+        (job, data_dir, work / "run", args.rounds, args.warmup, args.flight),
+        timeout_s=3600,
     )
     print(report(args, job, per_rank))
     return 0
@@ -180,10 +258,13 @@ def report(args, job, per_rank: list[dict]) -> str:
     spans = max(r["spans"] for r in per_rank)
     comm = max(r["comm"] for r in per_rank)
     write = max(r["write_s"] for r in per_rank)
-    comm_cost = statistics.median(r["CommTimer"] for r in per_rank)
-    trace_cost = statistics.median(r["CommTrace"] for r in per_rank)
+    call_s = statistics.median(r["comm_call_s"] for r in per_rank)
+    take_s = statistics.median(r["comm_take_s"] for r in per_rank)
+    timer_s = statistics.median(r["CommTimer_s"] for r in per_rank)
+    trace_s = statistics.median(r["CommTrace_s"] for r in per_rank)
     span_s = statistics.median(r["span_s"] for r in per_rank)
-    hot = spans * span_s + comm * comm_cost
+    hot = spans * span_s + comm * call_s + take_s
+    source = "flight recorder's records" if args.flight else "CommTimer wrapper"
     # A rank's CPU time per step: with 8 ranks on 2 cores the ranks' CPU adds up to the step, so
     # added work is judged against it (stricter than against the wall-clock step).
     rank_cpu = statistics.median(cpu_off) / args.nproc
@@ -197,6 +278,8 @@ def report(args, job, per_rank: list[dict]) -> str:
             f"gbs {job.train.global_batch_size}, mbs {job.train.micro_batch_size}",
             f"{args.rounds} on/off pairs interleaved (order flipped each round) after "
             f"{args.warmup} warm-up pairs; step time = slowest rank after a barrier",
+            f"flight recorder: {'installed in both on and off steps' if args.flight else 'off'}; "
+            f"timeline comm timing from the {source}",
             "",
             "| | value |",
             "|---|---|",
@@ -210,10 +293,14 @@ def report(args, job, per_rank: list[dict]) -> str:
             f"{100 * statistics.median(cpu_paired):+.2f}% (IQR {100 * c1:+.1f}% .. "
             f"{100 * c3:+.1f}%) |",
             f"| segments recorded per step (busiest rank) | {spans} |",
-            f"| comm calls traced per step (busiest rank) | {comm} |",
+            f"| comm calls recorded per step (busiest rank) | {comm} |",
             f"| unit cost: span enter/exit | {1e6 * span_s:.2f} us |",
-            f"| unit cost: a comm call through CommTimer over the bare call (main-thread CPU, "
-            f"median over ranks) | {1e6 * comm_cost:.2f} us (CommTrace: {1e6 * trace_cost:.2f} us) |",
+            f"| unit cost: a comm call, timeline's comm source attached vs not (main-thread CPU, "
+            f"group of one rank, median over ranks) | {1e6 * call_s:+.2f} us |",
+            f"| unit cost: taking a step's comm records at the step boundary | "
+            f"{1e6 * take_s:.1f} us |",
+            f"| for comparison: a comm call through CommTimer / CommTrace over the call without it "
+            f"| {1e6 * timer_s:.2f} us / {1e6 * trace_s:.2f} us |",
             f"| a rank's CPU time per step, timeline off (median) | {1e3 * rank_cpu:.1f} ms |",
             f"| bottom-up hot-path cost per step | {1e3 * hot:.2f} ms = "
             f"{100 * hot / rank_cpu:.2f}% of a rank's CPU time per step |",

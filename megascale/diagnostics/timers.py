@@ -13,26 +13,29 @@ Where the segments come from (span names follow ``megascale::<pkg>::<op>``, see 
   (``ModelParallelConfig.timers``, ``OptimizerConfig.timers``). ``Timeline.attach`` sets ours, so
   every micro-batch's forward and backward, each pipeline send/receive and the DP grad sync are
   segments with no patching of megatron-core (``MEGATRON_SEGMENTS`` maps the names).
-* On CPU (gloo), every collective and p2p call, through ``comm_timer.CommTimer`` (a thin wrapper
-  installed with ``megascale.parallel.comm_hooks``): the interval the caller was blocked (a
+* On CPU (gloo), every collective and p2p call: the interval the caller was blocked (a
   synchronous call, or ``wait()`` on an asynchronous one) becomes a ``comm.dp``/``comm.pp``/
   ``comm.tp``/``comm.other`` segment, and an asynchronous call's issue-to-completion interval an
   "in flight" record. Which parallelism a call belongs to is read from its kind and the segment
-  that issued it (``classify_comm``).
+  that issued it (``classify_comm``). The records come from the flight recorder when it is
+  installed (training runs install it before the trainer is built), so a call is wrapped once;
+  otherwise from a thin wrapper of the timeline's own (``comm_timer.timeline_comm``). A span notes
+  the comm record count on entry and exit; the records are taken at each step boundary and turned
+  into segments on the writer thread.
 
-Clocks. On CPU every timestamp is ``time.perf_counter_ns()``. On CUDA, device segments (forward,
-backward, optimizer, megatron-core's communication timers) are pairs of CUDA events recorded on the
-current stream; nothing waits for them on the training thread. At each step boundary the step's
-records are queued; every ``flush_interval_steps`` steps the background writer receives them,
-waits for the events *there*, and places each at ``host time of the step's anchor event +
-elapsed_time(anchor, event)``. When the GPU runs behind the host the device segments of a step are
-therefore shifted early by that lag, while their durations are exact. Host segments (data loading,
-the step itself, checkpoint, the blocked intervals of comm calls) use the host clock everywhere.
-On a GPU a NCCL call returns to the host at once, so host-side timing of comm calls says nothing
-and ``CommTimer`` is not installed: the communication a GPU waits for shows in megatron-core's
+Clocks. On CPU every timestamp is ``time.monotonic_ns()`` (the flight recorder's clock). On CUDA,
+device segments (forward, backward, optimizer, megatron-core's communication timers) are pairs of
+CUDA events recorded on the current stream; nothing waits for them on the training thread. At each
+step boundary the step's records are queued; every ``flush_interval_steps`` steps the background
+writer receives them, waits for the events *there*, and places each at ``host time of the step's
+anchor event + elapsed_time(anchor, event)``. When the GPU runs behind the host the device segments
+of a step are therefore shifted early by that lag, while their durations are exact. Host segments
+(data loading, the step itself, checkpoint, the blocked intervals of comm calls) use the host clock
+everywhere. On a GPU a NCCL call returns to the host at once, so host-side timing of comm calls says
+nothing and no comm records are taken: the communication a GPU waits for shows in megatron-core's
 device segments (p2p, grad sync), while TP collectives inside a layer stay part of its
-forward/backward (the straggler analysis then points at the whole TP group, i.e. the machine,
-rather than one GPU in it).
+forward/backward (the straggler analysis then points at the whole TP group, i.e. the machine, rather
+than one GPU in it).
 
 Across ranks: ``Timeline.start`` (collective) passes a barrier, and every rank notes its monotonic
 clock as it leaves; rank 0 also notes the wall clock and shares it. Merging places each rank's
@@ -50,6 +53,7 @@ Disabled (``diagnostics.timeline = false``): ``NULL_TIMELINE``, the same methods
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -112,7 +116,7 @@ CATEGORIES = (
 )
 """Every category a span can have, in the order the merged trace shows them as threads."""
 
-_P2P_KINDS = frozenset({"isend", "irecv", "send", "recv", "batch_isend_irecv"})
+_P2P_KINDS = frozenset({"isend", "irecv", "send", "recv"})
 
 
 def megatron_segment(name: str) -> tuple[str, str]:
@@ -138,7 +142,7 @@ def classify_comm(kind: str, coalesced: bool, enclosing_category: str | None) ->
         return enclosing_category.removeprefix("comm.")
     if kind in _P2P_KINDS:
         return "pp"
-    if coalesced or kind == "coalesced":
+    if coalesced:
         return "dp"
     if enclosing_category == "compute":
         return "tp"
@@ -151,10 +155,10 @@ def classify_comm(kind: str, coalesced: bool, enclosing_category: str | None) ->
 
 
 class _HostClock:
-    """Device segments on CPU: the host clock (``perf_counter_ns``)."""
+    """Device segments on CPU: the host clock (``monotonic_ns``)."""
 
     def now(self) -> int:
-        return time.perf_counter_ns()
+        return time.monotonic_ns()
 
     def anchor(self) -> None:
         return None
@@ -198,9 +202,9 @@ class _Batch:
     step: int
     anchor: Any
     anchor_ns: int
-    # (name, category, start token, end token, first comm event index, end comm event index)
+    # (name, category, start token, end token, first comm record index, end comm record index)
     spans: list[tuple] = field(default_factory=list)
-    comm: list = field(default_factory=list)  # CommTimer records
+    comm: list = field(default_factory=list)  # chunks of comm records (see comm_timer)
 
 
 class _Span:
@@ -212,7 +216,7 @@ class _Span:
         self._timeline, self._name, self._cat, self._now = timeline, name, cat, now
 
     def __enter__(self) -> _Span:
-        self._first = self._timeline._comm_count()
+        self._first = self._timeline._comm.count()
         self._start = self._now()
         return self
 
@@ -283,8 +287,8 @@ class Timeline:
         self.flush_interval_steps = flush_interval_steps
         self._device_clock = _CudaClock(_cuda_index()) if device == "cuda" else _HostClock()
         self._trace_comm = trace_comm
-        self._comm = None  # CommTimer, while attached
-        self._batch = _Batch(step=0, anchor=None, anchor_ns=time.perf_counter_ns())
+        self._comm: Any = _NO_COMM  # a comm record source (comm_timer), while attached
+        self._batch = _Batch(step=0, anchor=None, anchor_ns=time.monotonic_ns())
         self._step_start = 0
         self._pending: list[_Batch] = []
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -303,7 +307,7 @@ class Timeline:
         import torch.distributed as dist
 
         dist.barrier(group=group)
-        mono_ns = time.perf_counter_ns()  # as this rank leaves the barrier
+        mono_ns = time.monotonic_ns()  # as this rank leaves the barrier
         wall = torch.tensor([time.time_ns() if dist.get_rank() == 0 else 0], dtype=torch.int64)
         if dist.get_backend(group) == "nccl":
             wall = wall.cuda()
@@ -329,10 +333,12 @@ class Timeline:
 
     def attach(self, config, optimizer) -> None:
         """Have megatron-core's own timers (schedule, p2p, grad sync, optimizer) report here, and
-        start recording communication calls (after ``open``).
+        start recording communication calls (after ``open``; between steps).
 
         ``config`` is the model's ``TransformerConfig`` (the schedule reads ``config.timers``),
         ``optimizer`` megatron-core's optimizer (each inner optimizer's config is set too).
+        Communication is read from the flight recorder if one is installed now, else timed by the
+        timeline's own wrappers (``comm_timer.timeline_comm``).
         """
         targets = [config]
         for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
@@ -341,8 +347,10 @@ class Timeline:
         for target in targets:
             target.timers = self._megatron_timers
         self._attached = targets
-        if self._trace_comm and self._writer is not None and self._comm is None:
-            self._install_comm_timer()
+        if self._trace_comm and self._writer is not None and self._comm is _NO_COMM:
+            from megascale.diagnostics.comm_timer import timeline_comm
+
+            self._comm = timeline_comm()
 
     def detach(self) -> None:
         """Undo ``attach``: megatron-core's timers unset, communication no longer recorded
@@ -350,10 +358,10 @@ class Timeline:
         for target in self._attached:
             target.timers = None
         self._attached = []
-        if self._comm is not None:
-            self._batch.comm.extend(self._comm.take())  # keep this step's calls so far
+        if self._comm is not _NO_COMM:
+            self._take_comm()  # keep this step's calls so far
             self._comm.uninstall()
-            self._comm = None
+            self._comm = _NO_COMM
 
     def flush(self) -> None:
         """Hand every finished step to the writer and wait until it is written (e.g. before
@@ -385,46 +393,40 @@ class Timeline:
         self._close_batch()
         if len(self._pending) >= self.flush_interval_steps:
             self._hand_off()
-        now = time.perf_counter_ns()
+        now = time.monotonic_ns()
         self._batch = _Batch(step=step, anchor=self._device_clock.anchor(), anchor_ns=now)
         self._step_start = now
 
     def step_end(self) -> None:
         """The step's last operation returned (its loss is known)."""
         self._batch.spans.append(
-            ("megascale::train::step", "step", self._step_start, time.perf_counter_ns(), 0, 0)
+            ("megascale::train::step", "step", self._step_start, time.monotonic_ns(), 0, 0)
         )
 
     def span(self, name: str) -> _Span:
         """``with timeline.span("megascale::data::load"): ...``: one of ``SEGMENTS``."""
         cat, on_device = SEGMENTS[name]
-        now = self._device_clock.now if on_device else time.perf_counter_ns
+        now = self._device_clock.now if on_device else time.monotonic_ns
         return _Span(self, name, cat, now)
 
     def _record(self, name: str, cat: str, start: Any, end: Any, first_comm: int) -> None:
-        self._batch.spans.append((name, cat, start, end, first_comm, self._comm_count()))
-
-    def _comm_count(self) -> int:
-        """The index the next comm call will have in this step's ``_Batch.comm``."""
-        traced = len(self._comm.events) if self._comm is not None else 0
-        return len(self._batch.comm) + traced
+        self._batch.spans.append((name, cat, start, end, first_comm, self._comm.count()))
 
     def _close_batch(self) -> None:
+        self._take_comm()
         batch = self._batch
-        if self._comm is not None:
-            batch.comm.extend(self._comm.take())
         if batch.spans or batch.comm:
             self._pending.append(batch)
+
+    def _take_comm(self) -> None:
+        chunk = self._comm.take()
+        if len(chunk):
+            self._batch.comm.append(chunk)
 
     def _hand_off(self) -> None:
         if self._pending:
             self._queue.put(self._pending)
             self._pending = []
-
-    def _install_comm_timer(self) -> None:
-        from megascale.diagnostics.comm_timer import CommTimer
-
-        self._comm = CommTimer().install()
 
     # -- the writer thread -------------------------------------------------------------------------
 
@@ -461,42 +463,57 @@ def resolve_batch(batch: _Batch, clock) -> dict[str, Any]:
         s = clock.resolve(start, batch.anchor, batch.anchor_ns)
         e = clock.resolve(end, batch.anchor, batch.anchor_ns)
         spans.append([name, cat, s, max(0, e - s)])
-    blocked, inflight = comm_segments(batch.comm, batch.spans)
+    records = [record for chunk in batch.comm for record in chunk.records()]
+    blocked, inflight = comm_segments(records, batch.spans)
     return {"type": "step", "step": batch.step, "spans": spans + blocked, "inflight": inflight}
 
 
-def comm_segments(events: list[list], spans: list[tuple]) -> tuple[list[list], list[list]]:
-    """``CommTimer`` records -> (blocked segments, in-flight intervals of asynchronous calls).
+def comm_segments(records: list[tuple], spans: list[tuple]) -> tuple[list[list], list[list]]:
+    """Comm records (``megascale.diagnostics.comm_timer``: ``(index, kind, coalesced, issued,
+    wait_start, wait_end)``, by index) -> (blocked segments, in-flight intervals of asynchronous
+    calls).
 
     ``spans`` carry the range of comm record indices issued inside each; the innermost one that
     holds a record decides its group (``classify_comm``). A coalesced block (one DP bucket) is
     named after the ops inside it.
     """
-    enclosing: list[tuple[int, str] | None] = [None] * len(events)
+    indices = [record[0] for record in records]
+    enclosing: list[tuple[int, str] | None] = [None] * len(records)
     for _name, cat, _s, _e, first, last in spans:
         if cat != "compute" and not cat.startswith("comm."):
             continue  # no other category changes a call's group (classify_comm)
         width = last - first
-        for i in range(first, min(last, len(events))):
+        for i in range(bisect.bisect_left(indices, first), bisect.bisect_left(indices, last)):
             current = enclosing[i]
             if current is None or width < current[0]:
                 enclosing[i] = (width, cat)
     blocked, inflight = [], []
-    inner_kind = None
-    for i, (kind, coalesced, issued, wait_start, wait_end) in enumerate(events):
-        if coalesced:  # issued inside a coalescing block: the block's record carries the timing
-            inner_kind = kind
-            continue
-        name_kind = inner_kind if kind == "coalesced" and inner_kind else kind
-        inner_kind = None
-        where = enclosing[i][1] if enclosing[i] is not None else None
-        group = classify_comm(kind, False, where)
-        name, cat = f"megascale::{group}::{name_kind}", f"comm.{group}"
+    for (_index, kind, coalesced, issued, wait_start, wait_end), where in zip(
+        records, enclosing, strict=True
+    ):
+        group = classify_comm(kind, coalesced, where[1] if where is not None else None)
+        name, cat = f"megascale::{group}::{kind}", f"comm.{group}"
         if wait_start is not None and wait_end is not None:
             blocked.append([name, cat, wait_start, wait_end - wait_start])
             if wait_start > issued:  # asynchronous: in flight from issue until the wait returned
                 inflight.append([name, cat, issued, wait_end - issued])
     return blocked, inflight
+
+
+class _NoComm:
+    """The comm record source while none is attached: no records."""
+
+    def count(self) -> int:
+        return 0
+
+    def take(self) -> list:
+        return []
+
+    def uninstall(self) -> None:
+        pass
+
+
+_NO_COMM = _NoComm()
 
 
 def _cuda_index() -> int:

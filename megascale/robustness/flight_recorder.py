@@ -20,6 +20,11 @@ every member numbers the same call alike.
 On CUDA, "left" means the host returned from the call or from ``wait()``; with
 ``TORCH_NCCL_BLOCKING_WAIT=1`` that is when the collective completed, otherwise the GPU may still be
 running it and a hang shows up at the next host synchronisation.
+
+The timeline (``megascale.diagnostics.timers``) reads its communication segments from these
+records when a recorder is installed (``installed_recorder``, ``FlightRecorder.copy``), so each
+call is wrapped once: the recorder also keeps, in memory only, when each asynchronous op's
+``wait()`` was called (the start of the interval its caller was blocked).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +75,14 @@ from megascale.robustness.flight_format import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FlightRecorder", "NullFlightRecorder", "open_recorder", "flight_path"]
+__all__ = [
+    "FlightRecorder",
+    "NullFlightRecorder",
+    "RingCopy",
+    "flight_path",
+    "installed_recorder",
+    "open_recorder",
+]
 
 DEFAULT_CAPACITY = 4096
 DEFAULT_GROUP_TABLE_BYTES = 64 * 1024
@@ -145,6 +158,25 @@ class _Local(Reentry):
     coalescing: _Pending | None = None
 
 
+@dataclass(frozen=True)
+class RingCopy:
+    """Records ``first`` .. ``first + n - 1`` of a recorder's ring as they were when copied
+    (``FlightRecorder.copy``): their bytes in the file's layout and, per record, when its
+    ``wait()`` was called (monotonic seconds; stale, i.e. before the record's ``enter_mono``, when
+    it was never called)."""
+
+    first: int
+    data: bytes
+    wait_mono: array
+
+    def __len__(self) -> int:
+        return len(self.wait_mono)
+
+    def records(self) -> Iterator[tuple[tuple, float]]:
+        """(the record's fields as ``RECORD`` unpacks them, its wait time), oldest first."""
+        return zip(RECORD.iter_unpack(self.data), self.wait_mono, strict=True)
+
+
 @dataclass
 class _Pending:
     """The ops issued inside one coalescing block, recorded as one op on leaving it."""
@@ -203,6 +235,7 @@ class FlightRecorder:
         self.active = False
         self._patches = Patches()
         self._table_full_warned = False
+        self._wait_mono = array("d", bytes(8 * capacity))  # per slot; see RingCopy
         self.blocked_s = 0.0
         """Seconds spent blocked in synchronous ops and ``wait()`` (``WorkerSignals`` subtracts
         it from the step period to get the compute time a straggler analysis needs)."""
@@ -290,8 +323,11 @@ class FlightRecorder:
             for index in indices:
                 if index < oldest:
                     continue  # overwritten by newer records
-                offset = self._ring + (index % self.capacity) * RECORD.size
-                if state != OpState.WAITING:
+                slot = index % self.capacity
+                offset = self._ring + slot * RECORD.size
+                if state == OpState.WAITING:
+                    self._wait_mono[slot] = now
+                else:
                     _F64.pack_into(self._mm, offset + OFF_LEAVE, now)
                 _U8.pack_into(self._mm, offset + OFF_STATE, state)
 
@@ -303,6 +339,26 @@ class FlightRecorder:
             offset = self._ring + (index % self.capacity) * RECORD.size
             _F64.pack_into(self._mm, offset + OFF_LEAVE, time.monotonic())
             self._mm[offset + OFF_STATE] = _LEFT
+
+    def copy(self, first: int, end: int) -> RingCopy:
+        """Records ``first`` .. ``end - 1`` as they are now, less those already overwritten (all of
+        them once the recorder is closed): one memory copy, for a reader in this process (the
+        timeline takes each step's records at the step boundary)."""
+        with self._lock:
+            end = min(end, self._next)
+            first = max(first, end - self.capacity, 0)
+            if self._mm.closed or first >= end:
+                return RingCopy(end, b"", array("d"))
+            a, b = first % self.capacity, (end - 1) % self.capacity + 1
+            size, ring = RECORD.size, self._ring
+            if a < b:
+                data = self._mm[ring + a * size : ring + b * size]
+                waits = self._wait_mono[a:b]
+            else:  # wrapped around the end of the ring
+                data = self._mm[ring + a * size : ring + self.capacity * size]
+                data += self._mm[ring : ring + b * size]
+                waits = self._wait_mono[a:] + self._wait_mono[:b]
+        return RingCopy(first, data, waits)
 
     def group(self, pg) -> Channel | None:
         """The entry of process group ``pg`` (None: the default group), registered on first use;
@@ -552,6 +608,18 @@ class _RecordedWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+def installed_recorder() -> FlightRecorder | None:
+    """The active recorder whose wrapper stands in front of ``torch.distributed.all_reduce``
+    (anywhere in a chain of stacked wrappers), or None: read from what is patched, so it is the
+    recorder that sees this process's calls now."""
+    fn = dist.all_reduce
+    while isinstance(fn, CommWrapper):
+        if isinstance(fn, _OpWrapper) and fn.recorder.active:
+            return fn.recorder
+        fn = fn.original
+    return None
 
 
 def _nbytes(value) -> int:

@@ -10,6 +10,7 @@ import pytest
 
 from megascale.diagnostics import timeline as tl
 from megascale.diagnostics import timers
+from megascale.diagnostics.comm_timer import KIND_NAMES, CommTimer, FlightComm, _Timed
 from megascale.diagnostics.timers import (
     NULL_TIMELINE,
     NullTimeline,
@@ -48,8 +49,8 @@ def test_megatron_timer_names_map_to_megascale_spans():
         ("all_reduce", False, "comm.dp", "dp"),  # inside megatron-core's DP grad sync
         ("all_reduce", False, "comm.tp", "tp"),  # the SP LayerNorm grads
         ("irecv", False, None, "pp"),
-        ("batch_isend_irecv", False, "compute", "pp"),
-        ("coalesced", False, None, "dp"),  # one DP bucket
+        ("isend", False, "compute", "pp"),
+        ("reduce_scatter_tensor", True, None, "dp"),  # one DP bucket
         ("reduce_scatter_tensor", True, "compute", "dp"),
         ("all_gather_into_tensor", False, "compute", "tp"),  # TP/SP inside a layer
         ("all_reduce", False, "optimizer", "other"),  # grad norm
@@ -75,20 +76,6 @@ def test_null_timeline_has_every_public_method_of_timeline():
     NULL_TIMELINE.close()
 
 
-class _FakeCommTimer:
-    """Stands in for CommTimer: an events list and take()."""
-
-    def __init__(self) -> None:
-        self.events = []
-
-    def take(self):
-        events, self.events = self.events, []
-        return events
-
-    def uninstall(self) -> None:
-        self.uninstalled = True
-
-
 def _timeline(tmp_path, flush=2) -> Timeline:
     timeline = Timeline(
         tmp_path / "timeline" / "rank_00003.jsonl", META, flush_interval_steps=flush, device="cpu"
@@ -100,7 +87,7 @@ def _timeline(tmp_path, flush=2) -> Timeline:
 def test_steps_are_recorded_and_written_in_the_background(tmp_path):
     timeline = _timeline(tmp_path)
     timeline.open(ref_wall_ns=1_000_000_000_000, mono_ns=500)
-    comm = timeline._comm = _FakeCommTimer()
+    comm = timeline._comm = CommTimer()  # not installed: the test adds its records
     config, inner = SimpleNamespace(timers=None), SimpleNamespace(config=SimpleNamespace())
     optimizer = SimpleNamespace(chained_optimizers=[inner])
     timeline.attach(config, optimizer)
@@ -111,7 +98,7 @@ def test_steps_are_recorded_and_written_in_the_background(tmp_path):
         config.timers("forward-backward", log_level=1).start(barrier=True)
         for _ in range(2):  # two micro-batches, as megatron-core's schedule calls them
             config.timers("forward-compute", log_level=2).start()
-            comm.events.append(["all_reduce", False, 10, 10, 20])  # TP: issued inside a forward
+            comm.events.append(("all_reduce", False, 10, 10, 20))  # TP: issued inside a forward
             config.timers("forward-compute").stop()
             config.timers("backward-compute", log_level=2).start()
             config.timers("backward-compute").stop()
@@ -127,7 +114,7 @@ def test_steps_are_recorded_and_written_in_the_background(tmp_path):
     assert [json.loads(line)["type"] for line in text.splitlines()].count("step") == 3
     timeline.close()
     assert config.timers is None and inner.config.timers is None  # detached
-    assert comm.uninstalled
+    assert timeline._comm is timers._NO_COMM and comm.events == []  # taken, then dropped
 
     lines = [json.loads(line) for line in (tmp_path / "timeline" / "rank_00003.jsonl").open()]
     assert [line["type"] for line in lines] == ["meta", "clock", "step", "step", "step"]
@@ -189,19 +176,24 @@ def test_device_spans_are_placed_from_the_anchor_event_when_resolved():
     assert record["spans"][1] == ["megascale::data::load", "data", 10_000_100, 300]
 
 
-def test_comm_events_become_blocked_and_in_flight_segments():
+def test_comm_records_become_blocked_and_in_flight_segments():
     s = 1_000_000_000
-    events = [
-        ["reduce_scatter_tensor", True, 1 * s, None, None],  # inside a coalescing block
-        ["coalesced", False, 1 * s, 1.5 * s, 1.6 * s],  # async bucket, waited on later
-        ["all_reduce", False, 2 * s, 2 * s, 2.25 * s],  # synchronous
-        ["irecv", False, 3 * s, None, None],  # never waited on: nothing blocked
+    records = [
+        (4, "reduce_scatter_tensor", True, 1 * s, 1.5 * s, 1.6 * s),  # async bucket, waited later
+        (5, "all_reduce", False, 2 * s, 2 * s, 2.25 * s),  # synchronous
+        (7, "irecv", False, 3 * s, None, None),  # never waited on: nothing blocked
+        (8, "all_gather_into_tensor", False, 4 * s, 4 * s, 4.5 * s),
     ]
-    spans = [("megascale::model::backward", "compute", 0, 0, 0, 2)]  # events 0-1 inside backward
-    blocked, inflight = comm_segments(events, spans)
+    spans = [
+        ("megascale::model::backward", "compute", 0, 0, 4, 6),  # records 4-5 inside backward
+        ("megascale::model::forward", "compute", 0, 0, 8, 9),
+        ("megascale::pp::forward_recv", "comm.pp", 0, 0, 6, 9),  # wider: forward is innermost
+    ]
+    blocked, inflight = comm_segments(records, spans)
     assert blocked == [
         ["megascale::dp::reduce_scatter_tensor", "comm.dp", 1_500_000_000, 100_000_000],
-        ["megascale::other::all_reduce", "comm.other", 2_000_000_000, 250_000_000],
+        ["megascale::tp::all_reduce", "comm.tp", 2_000_000_000, 250_000_000],
+        ["megascale::tp::all_gather_into_tensor", "comm.tp", 4_000_000_000, 500_000_000],
     ]
     assert inflight == [
         ["megascale::dp::reduce_scatter_tensor", "comm.dp", 1_000_000_000, 600_000_000]
@@ -299,7 +291,7 @@ def test_chrome_trace_names_ranks_and_threads(tmp_path):
 def test_comm_timer_records_sync_async_coalesced_and_batched_calls():
     import contextlib
 
-    from megascale.diagnostics.comm_timer import CommTimer, _Timed
+    import torch.distributed as dist
 
     timer = CommTimer()
     timer.installed = True  # as install() leaves it, without patching torch.distributed
@@ -308,43 +300,93 @@ def test_comm_timer_records_sync_async_coalesced_and_batched_calls():
         def wait(self):
             return True
 
-    def collective(*args, async_op=False):
+    def all_reduce(tensor, op=None, group=None, async_op=False):
         return Work() if async_op else None
 
-    all_reduce = _Timed("all_reduce", collective, timer)
-    assert all_reduce(1) is None
-    work = all_reduce(1, async_op=True)
+    wrapped = _Timed("all_reduce", all_reduce, timer)
+    assert wrapped(1) is None
+    work = wrapped(1, async_op=True)
     assert work.wait() is True and work.wait() is True  # the first wait is the one timed
+    assert wrapped(1, None, None, True).wait() is True  # async_op given by position
 
     @contextlib.contextmanager
     def coalescing(group=None, device=None, async_ops=False):
         cm = SimpleNamespace(works=[], append=lambda w: None, wait=lambda: "waited")
         yield cm
 
-    reduce_scatter = _Timed("reduce_scatter_tensor", collective, timer)
+    reduce_scatter = _Timed("_reduce_scatter_base", all_reduce, timer)
     with timer._coalescing(coalescing)(async_ops=True) as cm:
         reduce_scatter(1, async_op=True)
+        reduce_scatter(1, async_op=True)
     assert cm.wait() == "waited" and cm.works == []
+    with timer._coalescing(coalescing)():
+        pass  # no op inside: no record
     batch = timer._batch(lambda ops: [Work() for _ in ops])
-    assert [w.wait() for w in batch(["op1", "op2"])] == [True, True]
+    ops = [SimpleNamespace(op=dist.isend), SimpleNamespace(op=dist.irecv)]
+    assert [w.wait() for w in batch(ops)] == [True, True]
+    assert timer.count() == 6
 
-    records = timer.take()
-    assert timer.take() == []
-    kinds = [(r[0], r[1]) for r in records]
-    assert kinds == [
-        ("all_reduce", False),
-        ("all_reduce", False),
-        ("reduce_scatter_tensor", True),
-        ("coalesced", False),
-        ("batch_isend_irecv", False),
+    records = timer.take().records()
+    assert len(timer.take()) == 0 and timer.count() == 6
+    assert [r[:3] for r in records] == [
+        (0, "all_reduce", False),
+        (1, "all_reduce", False),
+        (2, "all_reduce", False),
+        (3, "reduce_scatter_tensor", True),  # one record per block, named as the flight recorder
+        (4, "isend", False),
+        (5, "irecv", False),
     ]
-    sync, async_, inner, bucket, p2p = records
-    assert sync[2] == sync[3] <= sync[4]  # blocked from issue to return
-    assert async_[2] <= async_[3] <= async_[4]  # blocked from its wait
-    assert inner[3] is None  # the block's record carries the timing
-    assert bucket[3] is not None and p2p[3] is not None
+    sync, async_, _, bucket, send, recv = records
+    assert sync[3] == sync[4] <= sync[5]  # blocked from issue to return
+    assert async_[3] <= async_[4] <= async_[5]  # blocked from its wait
+    assert bucket[3] <= bucket[4] <= bucket[5]
+    assert send[3] <= send[4] <= send[5] <= recv[4]  # each op of a batch waited on by itself
     timer.installed = False  # uninstalled or retired: calls pass straight through
-    assert all_reduce(1) is None and timer.events == []
+    assert wrapped(1) is None and timer.events == []
+
+
+def test_comm_timer_kinds_are_the_flight_recorders():
+    from megascale.parallel.comm_hooks import COLLECTIVES
+    from megascale.robustness.flight_recorder import _KIND_OF
+
+    for name in COLLECTIVES:
+        assert KIND_NAMES.get(name, name) == _KIND_OF[name].name.lower(), name
+
+
+def test_flight_records_decode_to_timeline_records(tmp_path):
+    from megascale.robustness.flight_format import ASYNC, COALESCED, P2P, OpKind, OpState
+    from megascale.robustness.flight_recorder import FlightRecorder
+
+    recorder = FlightRecorder(tmp_path / "f.bin", rank=0, world_size=2, capacity=4)
+    group = recorder.add_group(7, (0, 1), "g")
+    recorder.leave(recorder.enter(OpKind.ALL_REDUCE, group, 8, 0))  # before: not the timeline's
+    comm = FlightComm(recorder)
+    assert comm.count() == 1
+    sync = recorder.enter(OpKind.ALL_REDUCE, group, 8, 0)
+    recorder.leave(sync)
+    bucket = recorder.enter(OpKind.REDUCE_SCATTER_TENSOR, group, 8, ASYNC | COALESCED, count=3)
+    recorder.enter(OpKind.IRECV, group, 8, ASYNC | P2P, peer=1)  # never waited on
+    recorder.mark((bucket,), OpState.WAITING)
+    recorder.mark((bucket,), OpState.LEFT)
+    assert comm.count() == 4
+    records = comm.take().records()
+    assert len(comm.take()) == 0
+    assert [r[:3] for r in records] == [
+        (1, "all_reduce", False),
+        (2, "reduce_scatter_tensor", True),
+        (3, "irecv", False),
+    ]
+    (_, _, _, issued, wait_start, wait_end), bucket_record, recv_record = records
+    assert issued == wait_start <= wait_end  # synchronous: blocked from issue
+    assert bucket_record[3] < bucket_record[4] <= bucket_record[5]  # blocked from its wait()
+    assert recv_record[4:] == (None, None)
+
+    for _ in range(5):  # more than the ring holds: the oldest are gone
+        recorder.leave(recorder.enter(OpKind.BROADCAST, group, 8, 0))
+    records = comm.take().records()
+    assert [r[0] for r in records] == [5, 6, 7, 8] and {r[1] for r in records} == {"broadcast"}
+    recorder.close()
+    assert len(comm.take()) == 0
 
 
 def test_comm_inside_a_checkpoint_is_not_subtracted_twice():
