@@ -109,6 +109,18 @@ class _Reported:
     seq: int = 0
 
 
+def ack_message(command: dict[str, Any], ok: bool, detail: str) -> dict[str, Any]:
+    """The ``acks/<node>`` value answering ``command``: its id, generation and kind, whether it
+    succeeded, and ``detail`` (cut to 2,000 characters)."""
+    return {
+        "id": command["id"],
+        "generation": command["generation"],
+        "kind": command["kind"],
+        "ok": ok,
+        "detail": detail[:2000],
+    }
+
+
 class Agent:
     """One node's agent (see the module docstring). ``run()`` returns the exit code."""
 
@@ -180,17 +192,7 @@ class Agent:
                 self._keepalive.stop()
             self._lease = self.store.grant(self.opts.lease_ttl)
             self._keepalive = self.store.keep_alive(self._lease, on_lost=self._lease_lost)
-            info = {
-                "node": self.opts.node,
-                "host": socket.gethostname(),
-                "addr": self.opts.addr,
-                "nproc": self.opts.nproc_per_node,
-                "pid": os.getpid(),
-                "hardware": self.hardware,
-                "registered_at": time.time(),
-                "metrics_url": self.metrics_url,
-            }
-            self.store.put(self.keys.node(self.opts.node), info, lease=self._lease)
+            self.store.put(self.keys.node(self.opts.node), self.registration(), lease=self._lease)
         except StoreError as e:
             self._etcd_failed(e)
             return
@@ -202,6 +204,19 @@ class Agent:
             self._lease.id,
             self._lease.ttl,
         )
+
+    def registration(self) -> dict[str, Any]:
+        """The ``nodes/<node>`` value, written under the lease at each registration."""
+        return {
+            "node": self.opts.node,
+            "host": socket.gethostname(),
+            "addr": self.opts.addr,
+            "nproc": self.opts.nproc_per_node,
+            "pid": os.getpid(),
+            "hardware": self.hardware,
+            "registered_at": time.time(),
+            "metrics_url": self.metrics_url,
+        }
 
     def _watch_commands(self) -> None:
         generation = self.store.get(self.keys.generation)
@@ -408,33 +423,33 @@ class Agent:
                 command = self._commands.get(timeout=0.2)
             except Empty:
                 continue
-            if not is_current(command, self.opts.job_id, self.generation):
-                logger.info(
-                    "ignoring command %s (agent at generation %d)", command, self.generation
-                )
-                continue
-            if command.get("id") in self._done_ids:
-                continue
-            self._done_ids.add(str(command.get("id")))
-            self.generation = max(self.generation, int(command["generation"]))
-            logger.info(
-                "command %s %s (generation %d)", command["kind"], command["id"], self.generation
-            )
-            try:
-                ok, detail = getattr(self, f"_cmd_{command['kind']}")(command)
-            except Exception as e:  # a failed command is a failed ack, not a dead agent
-                logger.exception("command %s failed", command["id"])
-                ok, detail = False, f"{type(e).__name__}: {e}"
-            self._ack(command, ok, detail)
+            ack = self.execute(command)
+            if ack is not None:
+                self._ack(ack)
 
-    def _ack(self, command: dict[str, Any], ok: bool, detail: str) -> None:
-        ack = {
-            "id": command["id"],
-            "generation": command["generation"],
-            "kind": command["kind"],
-            "ok": ok,
-            "detail": detail[:2000],
-        }
+    def execute(self, command: dict[str, Any]) -> dict[str, Any] | None:
+        """Run ``command`` if it is current (``keys.is_current``) and not run before (by id);
+        returns the ``acks/<node>`` value to write, None when the command was skipped. Called
+        for one command at a time, in the order they were written."""
+        if not is_current(command, self.opts.job_id, self.generation):
+            logger.info("ignoring command %s (agent at generation %d)", command, self.generation)
+            return None
+        if command.get("id") in self._done_ids:
+            return None
+        self._done_ids.add(str(command.get("id")))
+        self.generation = max(self.generation, int(command["generation"]))
+        logger.info(
+            "command %s %s (generation %d)", command["kind"], command["id"], self.generation
+        )
+        try:
+            ok, detail = getattr(self, f"_cmd_{command['kind']}")(command)
+        except Exception as e:  # a failed command is a failed ack, not a dead agent
+            logger.exception("command %s failed", command["id"])
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        return ack_message(command, ok, detail)
+
+    def _ack(self, ack: dict[str, Any]) -> None:
+        """Write ``ack``, retrying until etcd takes it or the agent stops."""
         while not self.stopping.is_set():
             try:
                 self.store.put(self.keys.ack(self.opts.node), ack)
