@@ -37,17 +37,34 @@ def hardware_info() -> dict[str, Any]:
     }
 
 
+_nvml: Any = None  # the pynvml module once NVML is initialised; False when it cannot be
+
+
+def _nvml_module() -> Any:
+    """``pynvml`` initialised, or None without NVML (no ``nvidia-ml-py``, no driver). Tried once
+    per process: the agent asks on every heartbeat, and a failing ``nvmlInit`` costs more than the
+    rest of the heartbeat."""
+    global _nvml
+    if _nvml is None:
+        try:
+            import pynvml
+        except ImportError:
+            _nvml = False
+            return None
+        try:
+            pynvml.nvmlInit()
+            _nvml = pynvml
+        except pynvml.NVMLError:  # no driver: no GPU to report on
+            _nvml = False
+    return _nvml or None
+
+
 def gpu_status() -> list[dict[str, Any]] | None:
     """Per GPU: name, memory used/total, temperature, utilisation, uncorrected ECC errors. None
     when NVML is not available (no ``nvidia-ml-py``, no driver)."""
-    try:
-        import pynvml
-    except ImportError:
+    pynvml = _nvml_module()
+    if pynvml is None:
         return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None  # no driver: no GPU to report on
     try:
         out = []
         for i in range(pynvml.nvmlDeviceGetCount()):
