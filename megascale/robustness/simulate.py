@@ -201,7 +201,7 @@ def _agents_main(agents: str) -> Any:
     if agents == "threads":
         return agents_main
     if agents == "asyncio":
-        from megascale.robustness.simulate_async import async_agents_main  # needs aiohttp
+        from megascale.robustness.simulate_async import async_agents_main
 
         return async_agents_main
     raise ValueError(f"agents = {agents!r}: expected one of {', '.join(AGENT_KINDS)}")
