@@ -16,6 +16,7 @@ OPTIMIZERS = ("adam", "lamb")
 SPECS = ("auto", "local", "te")
 DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+STRAGGLER_ACTIONS = ("report", "evict")
 
 
 def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
@@ -94,10 +95,10 @@ def _ranges(cfg: JobConfig) -> list[str]:
             f"diagnostics.straggler_threshold = {cfg.diagnostics.straggler_threshold}: must be "
             "> 1 (a slowdown ratio against the median of a rank's peers, e.g. 1.1 for 10%)"
         )
-    if cfg.diagnostics.straggler_action not in ("report", "evict"):
+    if cfg.diagnostics.straggler_action not in STRAGGLER_ACTIONS:
         problems.append(
-            f"diagnostics.straggler_action = {cfg.diagnostics.straggler_action!r}: must be "
-            "'report' or 'evict'"
+            f"diagnostics.straggler_action = {cfg.diagnostics.straggler_action!r}: must be one "
+            f"of {', '.join(STRAGGLER_ACTIONS)}"
         )
     for name, value in [
         ("optim.warmup_steps", o.warmup_steps),

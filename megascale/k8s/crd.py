@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from megascale.config_validate import STRAGGLER_ACTIONS
+
 logger = logging.getLogger(__name__)
 
 GROUP = "megascale.io"
@@ -49,7 +51,6 @@ MAX_NAME = 40
 """Longest job name: worker pods are ``<name>-worker-<index>`` and their hostname is a DNS label
 (at most 63 characters)."""
 GANG_SCHEDULERS = ("none", "volcano", "coscheduling")
-STRAGGLER_ACTIONS = ("report", "evict")
 PHASES = ("Pending", "Starting", "Running", "Recovering", "Succeeded", "Failed", "Suspended")
 DEFAULT_ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 

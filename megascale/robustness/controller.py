@@ -705,7 +705,7 @@ class ControllerFSM:
         self._begin(E.STRAGGLER, now)
         if self.state is not S.RUNNING or node not in self._in_order:
             return []
-        if not any(n not in self._in_order for n in self.registered):
+        if not self.spares:
             return [self._record("straggler_kept", node, reason="no spare node", **detail)]
         return self._on_fault(Fault("straggler", node, None, dict(detail)))
 

@@ -252,14 +252,7 @@ class WorkerFaults:
         self, specs: Iterable[FaultSpec], rank: int, run_dir: Path, node: str | None = None
     ) -> None:
         self.rank, self.run_dir = rank, Path(run_dir)
-        self.specs = [
-            s
-            for s in specs
-            if s.side == "worker"
-            and (
-                s.get("rank") == rank if s.kind != "slow-node" else f"node-{s.get('node')}" == node
-            )
-        ]
+        self.specs = [s for s in specs if s.side == "worker" and _targets(s, rank, node)]
         slow = [s.get("factor") for s in self.specs if s.kind in ("slow-rank", "slow-node")]
         self.slow = max(slow, default=1)
 
@@ -277,6 +270,13 @@ class WorkerFaults:
     def after_step(self, step_time_s: float) -> None:
         if self.slow > 1:
             time.sleep((self.slow - 1) * step_time_s)
+
+
+def _targets(spec: FaultSpec, rank: int, node: str | None) -> bool:
+    """Whether a worker-side ``spec`` is for this rank: by node for ``slow-node``, else by rank."""
+    if spec.kind == "slow-node":
+        return f"node-{spec.get('node')}" == node
+    return spec.get("rank") == rank
 
 
 def worker_faults(rank: int, run_dir: str | Path) -> WorkerFaults:

@@ -46,6 +46,7 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
+from megascale.config_validate import STRAGGLER_ACTIONS
 from megascale.robustness.controller import (
     Action,
     ControllerFSM,
@@ -74,7 +75,6 @@ from megascale.robustness.stragglers import StragglerTracker
 logger = logging.getLogger(__name__)
 
 TERMINAL = (State.FINISHED, State.FAILED)
-STRAGGLER_ACTIONS = ("report", "evict")
 PASSWORD_ENV = "MEGASCALE_ETCD_PASSWORD"
 _INVALID_ARGUMENT = 3  # gRPC status etcd gives a request it will never accept (not an outage)
 
