@@ -160,16 +160,28 @@ def test_stall_names_a_rank_stopped_with_sigstop(tmp_path):
     assert stall_suspects(states) == [2]
 
 
+def _blocked_in(states, where: dict[int, tuple[str, int]]) -> bool:
+    """Every rank ``r`` in ``where`` is blocked in the ``seq``-th op of its group labelled
+    ``label`` (seqs count per group, so a TP and a DP op can share one)."""
+
+    def at(state, label, seq):
+        return any(op.seq == seq and state.groups[op.group].label == label for op in state.blocked)
+
+    return all(at(states[r], label, seq) for r, (label, seq) in where.items())
+
+
 def test_stall_suspect_is_followed_across_groups(tmp_path):
+    # 2 waits in TP for 3; 0 and 1 wait in DP for 2 and 3: only 3 never entered. (0 and 1 also
+    # pass through their own second TP op, which completes: the condition must name the group.)
+    stalled = {0: ("DP", 2), 1: ("DP", 2), 2: ("TP", 2)}
     states = _read_while_stalled(
         tmp_path,
         _stall_across_groups,
         (tmp_path, 3),
-        ready=lambda s: _blocked(s, (0, 1, 2), 2),
+        ready=lambda s: _blocked_in(s, stalled),
         release=lambda s: (tmp_path / "release").touch(),
     )
-    # 2 waits in TP for 3; 0 and 1 wait in DP for 2 and 3: only 3 never entered
-    assert {states[r].groups[states[r].blocked[0].group].label for r in (0, 1, 2)} == {"TP", "DP"}
+    assert _blocked_in(states, stalled)
     assert stall_suspects(states) == [3]
 
 
