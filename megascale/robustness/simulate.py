@@ -34,6 +34,8 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,24 +128,29 @@ def agents_main(
     logging.getLogger().setLevel(logging.ERROR)
     threading.stack_size(512 * 1024)
     agents: dict[str, SimAgent] = {}
+    threads = []
     for node in nodes:
         cfg = StoreConfig.parse(endpoint, retry_s=max(0.5, interval), request_timeout_s=2.0)
         opts = AgentOptions(
             job_id=job, node=node, run_dir=Path(run_dir), config=None, heartbeat_interval=interval
         )
         agents[node] = SimAgent(Store(cfg), opts)
-        threading.Thread(target=agents[node].run, name=f"agent-{node}", daemon=True).start()
+        threads.append(threading.Thread(target=agents[node].run, name=f"agent-{node}", daemon=True))
+        threads[-1].start()
         time.sleep(0.002)  # a ramp, as pods starting: not one burst of N lease grants
     conn.send(("ready", len(agents)))
     while True:
         message = conn.recv()
         if message[0] == "kill":
             conn.send(("killed", agents[message[1]].kill()))
-        else:
-            for agent in agents.values():
-                agent.stopping.set()
-                agent.wake()
-            return
+            continue
+        for agent in agents.values():
+            agent.stopping.set()
+            agent.wake()
+        deadline = time.monotonic() + 10  # each revokes its lease on the way out
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return
 
 
 def cpu_seconds(pid: int) -> float:
@@ -182,14 +189,29 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _wait_event(run_dir: Path, kind: str, generation: int, timeout_s: float) -> dict | None:
+def _wait_event(
+    run_dir: Path, kind: str, generation: int, timeout_s: float, node: str | None = None
+) -> dict | None:
+    """The first ``kind`` event of ``generation`` or later (about ``node``, when given)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for ev in _events(run_dir):
             if ev["kind"] == kind and ev["generation"] >= generation:
-                return ev
+                if node is None or ev.get("node") == node:
+                    return ev
         time.sleep(0.1)
     return None
+
+
+def _recv(pipe: Any, timeout_s: float, what: str) -> Any:
+    """The next message on ``pipe``; ``RuntimeError`` naming ``what`` when a simulator process
+    died or said nothing for ``timeout_s`` (instead of waiting for ever)."""
+    try:
+        if pipe.poll(timeout_s):
+            return pipe.recv()
+    except (EOFError, OSError):
+        pass
+    raise RuntimeError(f"simulator process gave no {what} within {timeout_s:.0f} s")
 
 
 AGENT_KINDS = ("asyncio", "threads")
@@ -226,9 +248,9 @@ def run_scenario(
 ) -> ScenarioResult:
     """Start the controller and ``nodes + kills`` agents (the extra are spares) in ``processes``
     processes, as ``agents`` (``AGENT_KINDS``), measure steady state for ``steady_s``, then kill
-    ``kills`` nodes one at a time at random moments."""
+    ``kills`` nodes one at a time at random moments. Each call is a job of its own in etcd."""
     target = _agents_main(agents)
-    job = f"sim-{nodes}-{os.getpid()}"
+    job = f"sim-{nodes}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     run_dir.mkdir(parents=True, exist_ok=True)
     result = ScenarioResult(nodes, heartbeat_s)
     rng = random.Random(seed)
@@ -252,11 +274,12 @@ def run_scenario(
                 args=(endpoint, job, mine, heartbeat_s, str(run_dir), child),
             )
             proc.start()
+            child.close()  # the child's end lives in the child only: its death reads as EOF
             procs.append(proc)
             pipes.append(parent)
             where.update({n: p for n in mine})
         for pipe in pipes:
-            pipe.recv()
+            _recv(pipe, 120, "ready")
         running = _wait_event(run_dir, "generation_running", 1, 60 + nodes / 10)
         if running is None:
             result.notes.append("generation 1 never ran")
@@ -270,8 +293,8 @@ def run_scenario(
             generation = state.json()["generation"]
             victim = rng.choice(state.json()["order"])
             pipes[where[victim]].send(("kill", victim))
-            killed_at = pipes[where[victim]].recv()[1]
-            fault = _wait_event(run_dir, "fault", generation, 60)
+            killed_at = _recv(pipes[where[victim]], 30, "kill time")[1]
+            fault = _wait_event(run_dir, "fault", generation, 60, node=victim)
             stopped = _wait_event(run_dir, "all_stopped", generation, 120)
             back = _wait_event(run_dir, "generation_running", generation + 1, 180)
             if fault is None or stopped is None or back is None:
@@ -283,17 +306,20 @@ def run_scenario(
             logger.info("N=%d kill %d: %s", nodes, k, fault.get("detail"))
         store.close()
     finally:
-        for pipe in pipes:
-            pipe.send(("exit",))
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-        ctl.send_signal(signal.SIGTERM)
         try:
-            ctl.wait(10)
-        except subprocess.TimeoutExpired:
-            ctl.kill()
+            for pipe in pipes:
+                with suppress(OSError):  # that process has died already
+                    pipe.send(("exit",))
+            for proc in procs:
+                proc.join(15)
+                if proc.is_alive():
+                    proc.kill()
+        finally:
+            ctl.send_signal(signal.SIGTERM)
+            try:
+                ctl.wait(10)
+            except subprocess.TimeoutExpired:
+                ctl.kill()
     return result
 
 

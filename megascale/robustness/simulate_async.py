@@ -335,6 +335,7 @@ class AsyncSimAgent(SimAgent):
         self._inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
         self._keepalive_task: asyncio.Task | None = None
+        self._refreshing = False  # a keep-alive request is on its way to etcd
 
     def wake(self) -> None:
         self._woken.set()
@@ -368,13 +369,20 @@ class AsyncSimAgent(SimAgent):
             self._woken.clear()
         return 0
 
-    def kill(self) -> float:
-        """The node vanishes now: every task ends, the lease is not revoked (it expires); returns
-        the wall time."""
+    async def kill(self) -> float:  # type: ignore[override]  # awaited on the agents' loop
+        """The node vanishes: every task ends, the lease is not revoked (it expires); returns the
+        wall time from which it is gone. A keep-alive already sent is let finish first, as the
+        thread agent's ``kill`` joins its keep-alive thread: cancelling it would only close our
+        end, and etcd could still renew the lease after the time returned."""
         self.killed = True
         self.stopping.set()
+        in_flight = self._keepalive_task if self._refreshing else None
         for task in list(self._tasks):
-            task.cancel()
+            if task is not in_flight:
+                task.cancel()
+        if in_flight is not None:
+            await asyncio.wait({in_flight}, timeout=5.0)  # the loop ends once it sees ``killed``
+            in_flight.cancel()
         return time.time()
 
     async def shutdown(self) -> None:
@@ -442,8 +450,11 @@ class AsyncSimAgent(SimAgent):
     async def _keep_alive(self, lease: Lease) -> None:
         """As ``KeepAlive``: refresh every TTL/3; when etcd says the lease is gone, register
         again (``Agent._lease_lost``); other failures are retried at the next refresh."""
-        while True:
+        while not self.killed:
             await asyncio.sleep(max(lease.ttl / 3.0, 0.05))
+            if self.killed:
+                return
+            self._refreshing = True
             try:
                 await self.etcd.refresh(lease.id)
             except LeaseNotFound:
@@ -451,6 +462,8 @@ class AsyncSimAgent(SimAgent):
                 return
             except StoreError as e:
                 logger.warning("lease %x keepalive failed, retrying: %s", lease.id, e)
+            finally:
+                self._refreshing = False
 
     async def _beat_async(self) -> None:
         """As ``Agent._beat``: put ``heartbeat()`` under the lease."""
@@ -514,11 +527,17 @@ async def _serve_agents(
         await asyncio.sleep(0.002)  # a ramp, as pods starting: not one burst of N lease grants
     conn.send(("ready", len(agents)))
     done = asyncio.Event()
+    kills: set[asyncio.Task] = set()
+
+    async def kill(node: str) -> None:
+        conn.send(("killed", await agents[node].kill()))
 
     def on_message() -> None:
         message = conn.recv()
         if message[0] == "kill":
-            conn.send(("killed", agents[message[1]].kill()))
+            task = asyncio.get_running_loop().create_task(kill(message[1]))
+            kills.add(task)
+            task.add_done_callback(kills.discard)
         else:
             done.set()
 
