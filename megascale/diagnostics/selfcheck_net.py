@@ -34,6 +34,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+# torch at import, not inside the measurements: importing it takes seconds (more on a loaded
+# node), which the callers' timed windows (a check's duration_s) must not include.
+import torch
+from torch import distributed as dist
+from torch.distributed import ProcessGroupGloo
+
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
@@ -123,8 +129,6 @@ def intranode_alltoall(
     The caller's process hosts the rendezvous store on 127.0.0.1; the workers are fresh Python
     processes (``backend`` "nccl": worker r uses GPU r). All are killed at ``timeout_s``.
     """
-    from torch import distributed as dist
-
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     env = dict(os.environ, TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
     args = (
@@ -180,9 +184,6 @@ def intranode_alltoall(
 
 
 def _alltoall_worker(args: argparse.Namespace) -> int:
-    import torch
-    from torch import distributed as dist
-
     timeout = datetime.timedelta(seconds=args.timeout)
     store = dist.TCPStore("127.0.0.1", args.port, None, False, timeout=timeout)
     device = torch.device("cpu")
@@ -302,10 +303,6 @@ def _allreduce_in_group(
     members: list[str], rank: int, nbytes: int, timeout_s: float, iters: int
 ) -> float:
     """Form a gloo group of ``members`` (this node is ``rank``) and time an all-reduce."""
-    import torch
-    from torch import distributed as dist
-    from torch.distributed import ProcessGroupGloo
-
     timeout = datetime.timedelta(seconds=timeout_s)
     store_host, store_port = _split(members[0])
     if rank != 0:  # fail within timeout_s, not after the store client's retries (~2x)

@@ -122,12 +122,20 @@ def _blocked(states, ranks, seq: int) -> bool:
     return all(states[r].blocked and states[r].blocked[-1].seq == seq for r in ranks)
 
 
+def _held_back(state, seq: int | None = None) -> bool:
+    """The culprit is outside communication: blocked in nothing, its last op (``seq``-th if
+    given) left. The others can block before its flight file says so."""
+    if state.blocked or state.last is None or not state.last_left:
+        return False
+    return seq is None or state.last.seq == seq
+
+
 def test_stall_names_the_rank_that_never_entered(tmp_path):
     states = _read_while_stalled(
         tmp_path,
         _stall_world,
         (tmp_path, 2, "file"),
-        ready=lambda s: _blocked(s, (0, 1, 3), 4),
+        ready=lambda s: _blocked(s, (0, 1, 3), 4) and _held_back(s[2], seq=3),
         release=lambda s: (tmp_path / "release").touch(),
     )
     assert stall_suspects(states) == [2]
@@ -178,10 +186,10 @@ def test_stall_suspect_is_followed_across_groups(tmp_path):
         tmp_path,
         _stall_across_groups,
         (tmp_path, 3),
-        ready=lambda s: _blocked_in(s, stalled),
+        ready=lambda s: _blocked_in(s, stalled) and _held_back(s[3]),
         release=lambda s: (tmp_path / "release").touch(),
     )
-    assert _blocked_in(states, stalled)
+    assert _blocked_in(states, stalled) and _held_back(states[3])
     assert stall_suspects(states) == [3]
 
 

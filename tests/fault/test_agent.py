@@ -96,10 +96,12 @@ def test_agent_runs_current_commands_only_and_survives_losing_etcd(tmp_path):
             assert agent.poll() is None
             etcd.start()
             restarted = time.time()
-            _wait(
-                "a heartbeat after the restart",
-                lambda: store.get(keys.heartbeat(node)).json()["time"] > restarted,
-            )
+
+            def beat_since_restart():
+                kv = store.get(keys.heartbeat(node))  # absent while the agent registers again
+                return kv is not None and kv.json()["time"] > restarted
+
+            _wait("a heartbeat after the restart", beat_since_restart)
             # Its lease ends (as if it had expired while etcd was unreachable): it registers again.
             lease = store.get(keys.node(node)).lease
             store.revoke(lease)

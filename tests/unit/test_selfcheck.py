@@ -200,9 +200,14 @@ def test_judged_and_report_formats():
 
 
 def test_cpu_run_measures_host_and_skips_gpu(tmp_path):
+    # a low disk threshold: this tests the measurement, not the CI machine's disk (a stall there
+    # can drop 16 MiB + fsync below the profile's 20 MB/s)
     report = run_selfcheck(
         SelfCheckOptions(
-            quick=True, directory=str(tmp_path / "not" / "yet"), only=["gpu.*", "host.*"]
+            quick=True,
+            directory=str(tmp_path / "not" / "yet"),
+            only=["gpu.*", "host.*"],
+            overrides=["host.disk_write=1"],
         )
     )
     checks = _by_name(report.checks)
@@ -216,6 +221,7 @@ def test_cpu_run_measures_host_and_skips_gpu(tmp_path):
     ]:
         assert checks[name].status == PASS and checks[name].unit == unit
         assert checks[name].value > 0 and checks[name].duration_s >= 0
+    assert checks["host.disk_write"].threshold == 1.0  # the override was what it was held to
     assert str(tmp_path) in checks["host.disk_write"].detail  # nearest existing parent
     assert list(tmp_path.iterdir()) == []  # the temporary file is gone
 
@@ -226,7 +232,8 @@ def test_impossible_threshold_fails_that_check_only(tmp_path):
             quick=True,
             directory=str(tmp_path),
             only=["host.*"],
-            overrides=["host.memory_bandwidth=1e9"],
+            # the disk at a low threshold, so that only the impossible one can fail
+            overrides=["host.memory_bandwidth=1e9", "host.disk_write=1"],
         )
     )
     assert report.failed == ["host.memory_bandwidth"]
