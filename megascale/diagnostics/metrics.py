@@ -352,10 +352,13 @@ class ControllerMetrics(_Exporter):
             self._scored = set(current)
 
     def set_effective_training_time(self, productive_s: float, wall_s: float) -> None:
-        """Productive time (steps whose progress was kept) and wall time since the job began."""
-        self._metric("megascale_productive_seconds").set(productive_s)
+        """Productive time (steps whose progress was kept) and wall time since the job began.
+        The ratio is set first, so that it is never behind a productive time already set; a
+        scrape collects the ratio before the productive time, though, so one that overlaps this
+        call may still pair the old ratio with the new time (a reader needing both checks both)."""
         if wall_s > 0:
             self._metric("megascale_effective_training_time_ratio").set(productive_s / wall_s)
+        self._metric("megascale_productive_seconds").set(productive_s)
 
 
 def metric_names(exporter: str | None = None) -> Iterable[str]:

@@ -303,8 +303,11 @@ class Agent:
         compute_time_s: the slowest rank's compute time of its last full step period (None:
         not known yet); the controller's straggler scores compare nodes by it
         """
-        self._collect_output()
+        # Exits before output: a worker seen exited here has written all of its output, so the
+        # scan reads all of it (a peer's failure included) before its exit is reported.
         workers = self.pool.status(self.generation)
+        self._collect_output()
+        self._mark_peer_failures(workers)
         progress = self._progress()
         steps = [p["step"] for p in progress.values() if p.get("step") is not None]
         sections = {p.get("section") for p in progress.values()}
@@ -352,13 +355,19 @@ class Agent:
 
     def _collect_output(self) -> None:
         """Scan the workers' output. An error is published one beat after it was found (or at
-        once when its worker has exited), so the lines after it -- a peer's connection closing --
-        can mark it secondary first. Each item carries its worker's generation: the heartbeat
-        reports only the current generation's."""
+        once when its worker had exited before the scan), so the lines after it -- a peer's
+        connection closing -- can mark it secondary first. Each item carries its worker's
+        generation: the heartbeat reports only the current generation's."""
+        # The workers that had exited before the scan: their output is read to the end. One that
+        # exits during the scan may have lines left unread (its peer's failure): its errors wait
+        # for the next beat (which its exit wakes), whose scan reads the rest.
+        with self._lock:
+            waiting = [e["worker"] for e in self._reported.pending]
+        exited = {id(w) for w in [*self.pool.workers.values(), *waiting] if not w.alive}
         found = self.pool.scan()
         with self._lock:
             rep = self._reported
-            ready, rep.pending = rep.pending, []
+            found_before, items, rep.pending = rep.seq, rep.pending, []  # a beat ago: seq <= it
             for worker, match in found:
                 rep.seq += 1
                 item = {
@@ -371,9 +380,14 @@ class Agent:
                 }
                 if match.kind == "resumed" and worker.rank != 0:
                     continue  # every rank says so; one is enough
-                (rep.notices if match.notice else rep.pending).append(item)
-            ready += [e for e in rep.pending if not e["worker"].alive]
-            rep.pending = [e for e in rep.pending if e["worker"].alive]
+                (rep.notices if match.notice else items).append(item)
+            ready = []
+            for item in items:
+                worker = item["worker"]
+                if id(worker) in exited or (item["seq"] <= found_before and worker.alive):
+                    ready.append(item)
+                else:
+                    rep.pending.append(item)
             for error in sorted(ready, key=lambda e: e["seq"]):
                 scanner = error.pop("worker").scanner
                 error["secondary"] = bool(scanner and scanner.peer_failure)
@@ -381,6 +395,14 @@ class Agent:
                 logger.warning("rank %d: %s: %s", error["rank"], error["kind"], error["text"])
             for notice in rep.notices:
                 notice.pop("worker", None)
+
+    def _mark_peer_failures(self, workers: dict[str, dict[str, Any]]) -> None:
+        """Update the ``peer`` flags of a ``pool.status`` taken before ``_collect_output`` with
+        what that scan found."""
+        for rank, worker in self._current_workers():
+            status = workers.get(str(rank))
+            if status is not None and status["pid"] == worker.pid and worker.scanner is not None:
+                status["peer"] = status["peer"] or worker.scanner.peer_failure
 
     def _current_workers(self) -> list[tuple[int, Any]]:
         return [

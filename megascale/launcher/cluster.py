@@ -139,13 +139,28 @@ def _gpu_count() -> int:
 # -- processes ----------------------------------------------------------------------------------
 
 
-def _agent_process(agent_opts: Any, store_cfg: Any) -> None:
+def _die_with_launcher(launcher_pid: int) -> None:
+    """In a forked agent or controller: be SIGKILLed when the launcher dies (a launcher killed
+    outright, e.g. by a test's timeout, leaves no process behind: an agent's zygote and workers
+    die with the agent), and exit now if it already has (it died before the ``prctl``). Only
+    here, in the launcher's fork path: ``megascale agent`` / ``megascale controller`` started
+    by hand or by a pod are not tied to their parent."""
+    from megascale.launcher.workers import die_with_parent
+
+    die_with_parent()
+    if os.getppid() != launcher_pid:
+        os._exit(1)
+
+
+def _agent_process(agent_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
+    _die_with_launcher(launcher_pid)
     from megascale.launcher import agent
 
     sys.exit(agent.main(agent_opts, store_cfg))
 
 
-def _controller_process(service_opts: Any, store_cfg: Any) -> None:
+def _controller_process(service_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
+    _die_with_launcher(launcher_pid)
     from megascale.robustness import service
 
     sys.exit(service.serve(service_opts, store_cfg))
@@ -161,7 +176,9 @@ class LocalCluster:
 
         self.opts, self.job, self.run_dir = opts, job, run_dir
         self.keys = JobKeys(opts.job_id)
-        self.etcd = EmbeddedEtcd(unsafe_no_fsync=True).start()
+        # etcd dies with the launcher too (``die_with_parent``): the launcher starts and restarts
+        # it from its only thread, the thread whose exit the parent-death signal follows.
+        self.etcd = EmbeddedEtcd(unsafe_no_fsync=True, die_with_parent=True).start()
         self.store_cfg = StoreConfig.parse(self.etcd.endpoint)
         self.store = Store(StoreConfig.parse(self.etcd.endpoint, retry_s=2.0))
         self.ctx = mp.get_context("fork")
@@ -195,7 +212,9 @@ class LocalCluster:
     def start_agent(self, node: str, wait_s: float = 60.0) -> None:
         """Fork ``node``'s agent and wait until it has registered."""
         proc = self.ctx.Process(
-            target=_agent_process, args=(self.agent_options(node), self.store_cfg), name=node
+            target=_agent_process,
+            args=(self.agent_options(node), self.store_cfg, os.getpid()),
+            name=node,
         )
         proc.start()
         self.agents[node] = proc
@@ -235,12 +254,40 @@ class LocalCluster:
                 straggler_action=self.job.diagnostics.straggler_action,
             )
             proc = self.ctx.Process(
-                target=_controller_process, args=(service_opts, self.store_cfg), name=name
+                target=_controller_process,
+                args=(service_opts, self.store_cfg, os.getpid()),
+                name=name,
             )
             proc.start()
             self.controllers[name] = proc
-            time.sleep(0.2)  # controller-0 campaigns first and leads
+            if i == 0 and o.standby_controller:
+                self.wait_for_leader(name)  # controller-0 leads; the next one is its standby
         self.log_metrics_urls()
+
+    def wait_for_leader(self, name: str, wait_s: float = 30.0) -> None:
+        """Wait until controller ``name`` holds the leader key (RuntimeError if it exits or has
+        not won within ``wait_s``)."""
+        from megascale.robustness.store import StoreError
+
+        proc, key = self.controllers[name], self.keys.controller_leader
+        deadline = time.monotonic() + wait_s
+        holder: Any = None
+        while True:
+            try:
+                kv = self.store.get(key)
+                holder = kv.json().get("id") if kv is not None else None
+            except (StoreError, ValueError) as e:
+                holder = f"unreadable: {e}"
+            if holder == name:
+                return
+            if not proc.is_alive():
+                raise RuntimeError(f"controller {name} exited (code {proc.exitcode}) before it led")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"controller {name} did not become the leader within {wait_s:.0f} s "
+                    f"({key} holder: {holder!r})"
+                )
+            time.sleep(0.02)
 
     def log_metrics_urls(self, wait_s: float = 5.0) -> None:
         """Log the controllers' and agents' ``/metrics`` URLs (``RUN_DIR/metrics/*.url``)."""

@@ -24,10 +24,18 @@ Contract: ``start()`` returns once the server answers ``/health`` with ``true`` 
 temporary directory (a caller-provided ``data_dir`` is kept); ``kill()`` SIGKILLs the process and
 keeps the data for a later ``start()``/``restart()``. A server the program forgot to stop is
 killed, and its temporary directory removed, when the object is collected or the interpreter exits.
+With ``die_with_parent=True`` it is also SIGKILLed when this process dies without stopping it
+(Linux ``PR_SET_PDEATHSIG``; the signal follows the *thread* that started it, so start and restart
+it from a thread that lives as long as the process, e.g. the main one).
+
+Ports: a first start whose picked ports turn out to be taken (etcd exits with "address already in
+use") tries twice more with new ones; a ``restart()`` must keep its ports (clients know them), so
+it tries the same ones again a few times, ``RESTART_RETRY_WAIT_S`` apart.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import logging
@@ -42,12 +50,18 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _DEBIAN_BINARY = "/usr/bin/etcd"
 _LOG_TAIL_CHARS = 4000
+_PR_SET_PDEATHSIG = 1
+_PORT_TAKEN = b"address already in use"
+RESTART_ATTEMPTS = 5
+"""Starts a ``restart()`` tries on its (fixed) ports when they are taken."""
+RESTART_RETRY_WAIT_S = 0.5
 
 
 def _cleanup(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -99,6 +113,25 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent_preexec() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when this process dies (``prctl``
+    ``PR_SET_PDEATHSIG``, kept across ``exec`` and ``setsid``), and SIGKILLs it at once if this
+    process died before the call; None where there is no ``prctl``. ``prctl`` is looked up here,
+    in the parent, so that the forked child only makes the system call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
 class EmbeddedEtcd:
     """A single-member etcd server on loopback, owned by this process (see the module docstring).
 
@@ -114,6 +147,7 @@ class EmbeddedEtcd:
             endpoint is then ``client_url``, ``https://...``).
         ca_file: with ``cert_file``, require client certificates signed by this CA
             (``--client-cert-auth``); the health check presents ``cert_file`` as its own.
+        die_with_parent: SIGKILL the server when this process dies (see the module docstring).
     """
 
     def __init__(
@@ -129,6 +163,7 @@ class EmbeddedEtcd:
         cert_file: str | None = None,
         key_file: str | None = None,
         ca_file: str | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         if election_timeout_ms < 5 * heartbeat_interval_ms:
             raise ValueError(
@@ -147,6 +182,7 @@ class EmbeddedEtcd:
         self.unsafe_no_fsync = unsafe_no_fsync
         self.startup_timeout_s = startup_timeout_s
         self.name = name
+        self.die_with_parent = die_with_parent
         self._tmp = Path(tempfile.mkdtemp(prefix="megascale-etcd-"))
         self.data_dir = self._tmp / "data" if data_dir is None else Path(data_dir)
         self.log_path = self._tmp / "etcd.log"
@@ -184,22 +220,32 @@ class EmbeddedEtcd:
 
     def start(self) -> EmbeddedEtcd:
         """Start the server and wait until it is healthy; the ports are chosen on the first start
-        and kept by later ones. Retries twice with new ports if the first pick was taken."""
+        and kept by later ones. If they are taken, a first start retries twice with new ones and a
+        later start retries the same ones (see the module docstring)."""
         if self.running:
             return self
         if not self._finalizer.alive:  # stopped before: arm the cleanup again
             self._finalizer = weakref.finalize(self, _cleanup, self._tmp, self._procs)
         first_start = self.client_port == 0
-        for attempt in range(3 if first_start else 1):
+        attempts = 3 if first_start else RESTART_ATTEMPTS
+        for attempt in range(attempts):
             if first_start:
                 self.client_port, self.peer_port = _free_port(self.host), _free_port(self.host)
+            log_offset = self._log_size()
             try:
                 self._spawn_and_wait()
                 break
-            except EtcdStartError as e:
-                if not first_start or attempt == 2 or "address already in use" not in str(e):
+            except EtcdStartError:
+                if attempt == attempts - 1 or not self._log_has(_PORT_TAKEN, log_offset):
                     raise
-                logger.warning("etcd ports were taken, retrying with new ones")
+                if first_start:
+                    logger.warning("etcd ports were taken, retrying with new ones")
+                else:
+                    logger.warning(
+                        "etcd ports %d/%d are taken; trying them again in %.1f s",
+                        self.client_port, self.peer_port, RESTART_RETRY_WAIT_S,
+                    )  # fmt: skip
+                    time.sleep(RESTART_RETRY_WAIT_S)
         return self
 
     def stop(self) -> None:
@@ -254,6 +300,7 @@ class EmbeddedEtcd:
     def _spawn_and_wait(self) -> None:
         self._tmp.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        preexec = _die_with_parent_preexec() if self.die_with_parent else None
         with open(self.log_path, "ab") as log:
             # Own session: a Ctrl-C at the terminal reaches the launcher, which stops etcd last.
             self._proc = subprocess.Popen(
@@ -262,6 +309,7 @@ class EmbeddedEtcd:
                 stdout=log,
                 stderr=log,
                 start_new_session=True,
+                preexec_fn=preexec,
             )
         self._procs[:] = [self._proc]
         deadline = started + self.startup_timeout_s
@@ -305,6 +353,21 @@ class EmbeddedEtcd:
             ) as r:
                 return json.loads(r.read()).get("health") == "true"
         except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def _log_has(self, needle: bytes, offset: int) -> bool:
+        """Whether the server's log says ``needle`` after byte ``offset`` (this start's part)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return needle in f.read()
+        except OSError:
             return False
 
     def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:

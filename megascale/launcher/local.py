@@ -4,6 +4,10 @@ The parent imports torch and megatron-core once (~8 s on 2 cores) and forks the 
 cost one import, not N. Each child gets the environment ``torch.distributed`` expects (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). If any rank fails, the others
 are terminated and ``RankFailed`` names the failed ranks and their exit codes.
+
+MASTER_PORT is a port that was free when picked; another process may take it before rank 0 listens
+on it. When rank 0 fails with EADDRINUSE and no rank has returned, every rank is started again on a
+new port (``PORT_ATTEMPTS`` starts in all).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
+PORT_ATTEMPTS = 3
+
+
 class RankFailed(RuntimeError):
     """One or more ranks exited with a non-zero code or raised."""
 
@@ -27,6 +34,11 @@ class RankFailed(RuntimeError):
         self.failures = failures
         detail = "; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items()))
         super().__init__(f"{len(failures)} rank(s) failed: {detail}")
+
+
+class _PortTaken(RankFailed):
+    """Rank 0 could not listen on MASTER_PORT (taken since it was picked) and no rank returned:
+    the run can start again on another port."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,10 +67,31 @@ def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, results:
 def run_local(
     fn: Callable, nprocs: int, args: tuple = (), *, timeout_s: float | None = None
 ) -> list[Any]:
-    """Run ``fn(*args)`` as ranks 0..nprocs-1 in forked processes; return their results by rank."""
+    """Run ``fn(*args)`` as ranks 0..nprocs-1 in forked processes; return their results by rank.
+    ``timeout_s`` bounds the whole call, a start again on a new port (module docstring) included."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for _ in range(PORT_ATTEMPTS - 1):
+        try:
+            return _run_ranks(fn, nprocs, args, free_port(), deadline)
+        except _PortTaken as e:
+            why = (e.failures[0].strip().splitlines() or [""])[-1]
+            logger.warning("starting the ranks again on a new port: rank 0: %s", why[:300])
+    return _run_ranks(fn, nprocs, args, free_port(), deadline)
+
+
+def _port_taken(failures: dict[int, str], outcomes: dict[int, tuple[str, Any]], port: int) -> bool:
+    """Whether rank 0 failed to listen on MASTER_PORT (torch: ``DistNetworkError ... port: N ...
+    EADDRINUSE``) before any rank returned."""
+    text = failures.get(0, "")
+    taken = "EADDRINUSE" in text or "address already in use" in text.lower()
+    return taken and str(port) in text and all(status != "ok" for status, _ in outcomes.values())
+
+
+def _run_ranks(
+    fn: Callable, nprocs: int, args: tuple, port: int, deadline: float | None
+) -> list[Any]:
     ctx = mp.get_context("fork")
     results = ctx.SimpleQueue()
-    port = free_port()
     procs = [
         ctx.Process(target=_child, args=(fn, r, nprocs, port, args, results), daemon=False)
         for r in range(nprocs)
@@ -67,7 +100,6 @@ def run_local(
         p.start()
     outcomes: dict[int, tuple[str, Any]] = {}
     failures: dict[int, str] = {}
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while len(outcomes) < nprocs:
             while not results.empty():
@@ -100,5 +132,5 @@ def run_local(
         for p in procs:
             p.join()
     if failures:
-        raise RankFailed(failures)
+        raise (_PortTaken if _port_taken(failures, outcomes, port) else RankFailed)(failures)
     return [outcomes[r][1] for r in range(nprocs)]

@@ -169,12 +169,20 @@ def setup_logging(label: str, log_file: Path | None, console_level: int = loggin
 
 
 def write_metrics_url(run_dir: Path, name: str, url: str) -> None:
-    """Publish a process's ``/metrics`` URL as ``RUN_DIR/metrics/<name>.url`` (best effort)."""
+    """Publish a process's ``/metrics`` URL as ``RUN_DIR/metrics/<name>.url`` (best effort).
+    Written to a temporary file and renamed, so that a reader never sees it empty or partial."""
+    directory = run_dir / "metrics"
+    tmp = directory / f".{name}.url.{os.getpid()}.tmp"
     try:
-        (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics" / f"{name}.url").write_text(url + "\n")
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(url + "\n")
+        os.replace(tmp, directory / f"{name}.url")
     except OSError as e:
         logger.warning("could not write the metrics URL of %s: %s", name, e)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 # -- the service ------------------------------------------------------------------------------
@@ -239,7 +247,9 @@ class ServiceOptions:
 
     @property
     def secondary_hold_s(self) -> float:
-        return lease_ttl(self.heartbeat_interval) + 1.5
+        # A vanished node's lease is gone up to TTL after its last keep-alive, found by etcd's
+        # expiry scan (every 0.5 s), then delivered: 2 s for that delivery on a busy host.
+        return lease_ttl(self.heartbeat_interval) + 0.5 + 2.0
 
 
 class ControllerService:

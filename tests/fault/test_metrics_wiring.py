@@ -30,7 +30,7 @@ def _scrape(url: str) -> str:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.read().decode()
-    except OSError:
+    except (OSError, ValueError):  # ValueError: not a URL (yet)
         return ""
 
 
@@ -52,7 +52,11 @@ def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     want = {  # what each exporter must show: the controller once some training time counted
-        "controller-0": lambda text: _value(text, "megascale_productive_seconds{") > 0,
+        # (and its ratio: one scrape may pair the new productive time with the ratio before it)
+        "controller-0": lambda text: (
+            _value(text, "megascale_productive_seconds{") > 0
+            and _value(text, "megascale_effective_training_time_ratio{") > 0
+        ),
         "node-1": lambda text: "megascale_heartbeats_sent_total{" in text,
     }
     seen: dict[str, str] = {}
@@ -69,8 +73,14 @@ def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            # SIGTERM first: the launcher's agents, controllers and etcd die with it (parent-death
+            # signal), so nothing is left running; SIGKILL if it has not gone in 20 s.
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     assert proc.returncode == 0, output[-6000:]
     assert set(seen) == set(want), output[-6000:]
     assert 'megascale_generation{megascale_job="' in seen["controller-0"]
