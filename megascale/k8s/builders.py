@@ -21,49 +21,62 @@ controller's blocklist (``blocklist/<node>``) names Kubernetes nodes: a replacem
 them with a required node affinity (``metadata.name NotIn [...]``) and off nodes the self-check
 DaemonSet labelled ``megascale.io/selfcheck=failed``.
 
-The agent and controller run with the flags of ``megascale agent`` / ``megascale controller``
-(``agent_args``, ``controller_args``: a test parses them with the real CLI); the etcd password
-comes from ``$MEGASCALE_ETCD_PASSWORD``. ``faultTolerance`` reaches the training config as
-``--set`` overrides (checkpoint interval and URL, straggler threshold; ``training_overrides``) and
-``/etc/megascale/job.json`` holds the whole policy.
+The job itself, its labels and the names of its objects are in ``megascale/k8s/job.py``; what the
+megascale processes are given (command lines, environment, volumes, the training config and job
+policy) is in ``megascale/k8s/launch.py``. The names callers use are importable from here too.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import tempfile
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from megascale.k8s import crd
-from megascale.k8s.validation import apply_defaults
-
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_JOB = "megascale.io/job-name"
-LABEL_INDEX = "megascale.io/replica-index"
-LABEL_SELFCHECK = "megascale.io/selfcheck"
-"""Node label the self-check DaemonSet sets: ``passed`` or ``failed``."""
-LABEL_EVICTED = "megascale.io/evicted"
-"""Node label the operator sets on a node the controller evicted (value: the job's name)."""
-ANNOTATION_EXCLUDED = "megascale.io/excluded-nodes"
-"""Worker pod annotation: the comma-separated nodes its affinity excludes."""
-OPERATOR_NAME = "megascale-operator"
-FIELD_MANAGER = OPERATOR_NAME
-
-CONFIG_DIR = "/etc/megascale"
-ETCD_TLS_DIR = "/etc/megascale/etcd-tls"
-RUN_DIR = "/var/run/megascale"
-ETCD_CLIENT_PORT = 2379
-ETCD_PEER_PORT = 2380
-DIST_PORT = 29500
-MAIN_CONTAINER = "megascale"
+from megascale.k8s.job import (
+    ANNOTATION_EXCLUDED,
+    DIST_PORT,
+    ETCD_CLIENT_PORT,
+    ETCD_PEER_PORT,
+    FIELD_MANAGER,  # noqa: F401  (re-exported)
+    LABEL_EVICTED,
+    LABEL_INDEX,
+    LABEL_JOB,
+    LABEL_MANAGED_BY,  # noqa: F401  (re-exported)
+    LABEL_NAME,
+    LABEL_SELFCHECK,
+    OPERATOR_NAME,
+    RUN_DIR,
+    BuildError,
+    Job,
+    _object,
+    _plain,
+    config_name,
+    controller_name,
+    etcd_endpoints,  # noqa: F401  (re-exported)
+    etcd_name,
+    labels,
+    metadata,
+    selector_labels,
+    worker_account_name,
+    worker_name,
+    workers_service_name,
+)
+from megascale.k8s.launch import (
+    _field_env,
+    _megascale_container,
+    _megascale_env,
+    _megascale_volumes,
+    _merge_named,
+    agent_args,
+    controller_args,
+    job_policy,
+    main_container_index,
+    resolve_training_config,  # noqa: F401  (re-exported)
+    training_overrides,  # noqa: F401  (re-exported)
+)
 
 VOLCANO = ("scheduling.volcano.sh/v1beta1", "volcano")
 COSCHEDULING = ("scheduling.x-k8s.io/v1alpha1", "scheduler-plugins-scheduler")
@@ -75,224 +88,7 @@ CUSTOM_KINDS = (
 )
 
 
-class BuildError(ValueError):
-    """The job cannot be turned into objects (names the field, the value, what is accepted)."""
-
-
-# -- the job ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Job:
-    """A MegaScaleJob as the builders read it: identity plus the spec with defaults applied."""
-
-    name: str
-    namespace: str
-    uid: str
-    spec: Mapping[str, Any]
-    generation: int = 1
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> Job:
-        """From the resource (a dict or kopf's body); schema defaults filled in."""
-        plain = apply_defaults(_plain(body))
-        meta = plain.get("metadata", {})
-        return cls(
-            name=meta["name"],
-            namespace=meta.get("namespace") or "default",
-            uid=meta.get("uid", ""),
-            spec=plain["spec"],
-            generation=int(meta.get("generation", 1)),
-        )
-
-    @property
-    def id(self) -> str:
-        """The job id in etcd (``/megascale/<id>/``): unique across namespaces."""
-        return f"{self.namespace}.{self.name}"
-
-    @property
-    def replicas(self) -> int:
-        return int(self.spec["replicaSpecs"]["Worker"]["replicas"])
-
-    @property
-    def spares(self) -> int:
-        return int(self.spec["faultTolerance"]["spareNodes"])
-
-    @property
-    def nproc(self) -> int:
-        return int(self.spec["nprocPerNode"])
-
-    @property
-    def pods(self) -> int:
-        """Worker pods wanted: replicas plus spares."""
-        return self.replicas + self.spares
-
-    @property
-    def suspended(self) -> bool:
-        return bool(self.spec["runPolicy"]["suspend"])
-
-    @property
-    def gang(self) -> str:
-        return self.spec["runPolicy"]["scheduling"]["gang"]
-
-    @property
-    def etcd(self) -> Mapping[str, Any]:
-        return self.spec["etcd"]
-
-    @property
-    def template(self) -> Mapping[str, Any]:
-        return self.spec["replicaSpecs"]["Worker"]["template"]
-
-
-def _plain(value: Any) -> Any:
-    """Mappings and sequences as dicts and lists (kopf hands out read-only views)."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
-# -- shared metadata helpers ------------------------------------------------------------------
-
-
-def owner_reference(job: Job) -> dict[str, Any]:
-    """The controller owner reference to the job: deleting the job deletes the object."""
-    return {
-        "apiVersion": crd.API_VERSION,
-        "kind": crd.KIND,
-        "name": job.name,
-        "uid": job.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def selector_labels(job: Job, component: str) -> dict[str, str]:
-    """The labels that select one component of one job (Service and workload selectors)."""
-    return {LABEL_JOB: job.name, LABEL_COMPONENT: component}
-
-
-def labels(job: Job, component: str) -> dict[str, str]:
-    return {
-        LABEL_NAME: "megascale",
-        LABEL_INSTANCE: job.name,
-        LABEL_MANAGED_BY: OPERATOR_NAME,
-        **selector_labels(job, component),
-    }
-
-
-def metadata(
-    job: Job,
-    name: str,
-    component: str,
-    *,
-    extra_labels: Mapping[str, str] | None = None,
-    annotations: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """Metadata of a child object: its name in the job's namespace, the job's labels (after any
-    ``extra_labels``, which cannot override them), and the owner reference."""
-    meta: dict[str, Any] = {
-        "name": name,
-        "namespace": job.namespace,
-        "labels": {**(extra_labels or {}), **labels(job, component)},
-        "ownerReferences": [owner_reference(job)],
-    }
-    if annotations:
-        meta["annotations"] = dict(annotations)
-    return meta
-
-
-def _object(api_version: str, kind: str, meta: dict[str, Any], **body: Any) -> dict[str, Any]:
-    return {"apiVersion": api_version, "kind": kind, "metadata": meta, **body}
-
-
-# -- names ------------------------------------------------------------------------------------
-
-
-def etcd_name(job: Job) -> str:
-    return f"{job.name}-etcd"
-
-
-def config_name(job: Job) -> str:
-    return f"{job.name}-resolved-config"
-
-
-def controller_name(job: Job) -> str:
-    return f"{job.name}-controller"
-
-
-def worker_account_name(job: Job) -> str:
-    return f"{job.name}-worker"
-
-
-def workers_service_name(job: Job) -> str:
-    return f"{job.name}-workers"
-
-
-def worker_name(job: Job, index: int) -> str:
-    return f"{job.name}-worker-{index}"
-
-
-def worker_address(job: Job, index: int) -> str:
-    """Worker ``index``'s stable DNS name (headless Service + hostname/subdomain)."""
-    return f"{worker_name(job, index)}.{workers_service_name(job)}.{job.namespace}.svc"
-
-
-def etcd_endpoints(job: Job) -> list[str]:
-    """Client URLs of the job's etcd: every member of a managed one, or the external ones."""
-    if not job.etcd["managed"]:
-        return list(job.etcd["endpoints"])
-    svc = f"{etcd_name(job)}.{job.namespace}.svc"
-    return [
-        f"http://{etcd_name(job)}-{i}.{svc}:{ETCD_CLIENT_PORT}" for i in range(job.etcd["replicas"])
-    ]
-
-
-# -- training config --------------------------------------------------------------------------
-
-
-def resolve_training_config(toml_text: str, overrides: Sequence[str], world_size: int) -> str:
-    """The fully resolved training config (``megascale.config``: defaults < TOML < overrides),
-    validated for ``world_size`` ranks, as TOML. Raises ``ConfigError`` naming the field."""
-    from megascale import config
-
-    with tempfile.TemporaryDirectory(prefix="megascale-k8s-") as tmp:
-        path = Path(tmp) / "config.toml"
-        path.write_text(toml_text)
-        cfg = config.load(path, list(overrides))
-    backend = "gloo" if cfg.train.device == "cpu" else "nccl"
-    return config.to_toml(config.validate(cfg, world_size, backend))
-
-
-def training_overrides(job: Job) -> list[str]:
-    """``--set`` items for the training config: what ``faultTolerance`` says about checkpoints
-    and stragglers, then the spec's own ``config.overrides`` (which win)."""
-    ft = job.spec["faultTolerance"]
-    straggler = ft["straggler"]
-    out = [
-        f"diagnostics.straggler_threshold={float(straggler['threshold'])}",
-        f"diagnostics.straggler_action={json.dumps(straggler['action'])}",
-    ]
-    checkpoint = ft["checkpoint"]
-    if checkpoint["intervalSteps"]:
-        out.append(f"checkpoint.interval={int(checkpoint['intervalSteps'])}")
-    if checkpoint.get("url"):
-        out.append(f"checkpoint.url={json.dumps(checkpoint['url'])}")
-    return out + list(job.spec["config"].get("overrides", []))
-
-
-def job_policy(job: Job) -> dict[str, Any]:
-    """``job.json``: what the controller and agents need besides the training config."""
-    return {
-        "job": job.id,
-        "nodes": job.replicas,
-        "spares": job.spares,
-        "nprocPerNode": job.nproc,
-        "faultTolerance": copy.deepcopy(job.spec["faultTolerance"]),
-        "etcdEndpoints": etcd_endpoints(job),
-        "workersService": f"{workers_service_name(job)}.{job.namespace}.svc",
-    }
+# -- resolved config --------------------------------------------------------------------------
 
 
 def config_map(job: Job, resolved_toml: str) -> dict[str, Any]:
@@ -436,149 +232,6 @@ def worker_service_account(job: Job) -> dict[str, Any]:
     """The workers' ServiceAccount: no Role, and its token is not mounted."""
     meta = metadata(job, worker_account_name(job), "worker")
     return _object("v1", "ServiceAccount", meta, automountServiceAccountToken=False)
-
-
-# -- the megascale containers -----------------------------------------------------------------
-
-
-def _field_env(name: str, path: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-
-def _megascale_env(job: Job) -> list[dict[str, Any]]:
-    """Environment of the controller and agents: the pod's identity (for ``$(VAR)`` in their
-    arguments), the etcd credentials, and where the job policy is."""
-    env: list[dict[str, Any]] = [
-        _field_env("MEGASCALE_POD_NAME", "metadata.name"),
-        _field_env("MEGASCALE_NODE_NAME", "spec.nodeName"),
-        {"name": "MEGASCALE_JOB_SPEC", "value": f"{CONFIG_DIR}/job.json"},
-    ]
-    if job.etcd.get("authSecret"):
-        for var, key in (("USERNAME", "username"), ("PASSWORD", "password")):
-            ref = {"secretKeyRef": {"name": job.etcd["authSecret"], "key": key}}
-            env.append({"name": f"MEGASCALE_ETCD_{var}", "valueFrom": ref})
-    return env
-
-
-def store_args(job: Job) -> list[str]:
-    """The etcd options of ``megascale agent`` and ``megascale controller``
-    (``robustness.service.add_store_arguments``); the password comes from
-    ``$MEGASCALE_ETCD_PASSWORD``."""
-    args = ["--endpoints", ",".join(etcd_endpoints(job))]
-    if job.etcd.get("tlsSecret"):
-        args += [
-            "--ca-file",
-            f"{ETCD_TLS_DIR}/ca.crt",
-            "--cert-file",
-            f"{ETCD_TLS_DIR}/tls.crt",
-            "--key-file",
-            f"{ETCD_TLS_DIR}/tls.key",
-        ]
-    if job.etcd.get("authSecret"):
-        args += ["--user", "$(MEGASCALE_ETCD_USERNAME)"]
-    return args
-
-
-def _megascale_volumes(job: Job) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts): the config ConfigMap, and the etcd TLS Secret when there is one."""
-    volumes: list[dict[str, Any]] = [
-        {"name": "megascale-config", "configMap": {"name": config_name(job)}}
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "megascale-config", "mountPath": CONFIG_DIR, "readOnly": True}
-    ]
-    if job.etcd.get("tlsSecret"):
-        volumes.append(
-            {
-                "name": "etcd-tls",
-                "secret": {"secretName": job.etcd["tlsSecret"], "defaultMode": 0o400},
-            }
-        )
-        mounts.append({"name": "etcd-tls", "mountPath": ETCD_TLS_DIR, "readOnly": True})
-    return volumes, mounts
-
-
-def _merge_named(base: Iterable[Mapping[str, Any]], ours: Iterable[dict]) -> list[dict]:
-    """``base`` entries (env vars, volumes, mounts...) with ours appended; ours win by name."""
-    names = {item["name"] for item in ours}
-    return [dict(item) for item in base if item.get("name") not in names] + list(ours)
-
-
-def main_container_index(template: Mapping[str, Any]) -> int:
-    """Index of the container that runs megascale: the one named ``megascale``, else the first."""
-    containers = template.get("spec", {}).get("containers") or []
-    if not containers:
-        raise BuildError(
-            "spec.replicaSpecs.Worker.template.spec.containers is empty: give at least one "
-            f"container (the one named {MAIN_CONTAINER!r}, else the first, runs the agent)"
-        )
-    names = [c.get("name") for c in containers]
-    return names.index(MAIN_CONTAINER) if MAIN_CONTAINER in names else 0
-
-
-def _megascale_container(
-    job: Job, container: Mapping[str, Any], args: list[str], mounts: list[dict]
-) -> dict[str, Any]:
-    out = copy.deepcopy(dict(container))
-    out["args"] = args
-    out.pop("command", None)
-    out["env"] = _merge_named(out.get("env", []), _megascale_env(job))
-    out["volumeMounts"] = _merge_named(out.get("volumeMounts", []), mounts)
-    return out
-
-
-def agent_args(job: Job, index: int) -> list[str]:
-    """Worker ``index``'s command line: the agent, named after its Kubernetes node (so the
-    controller's blocklist names nodes), reachable at its stable DNS name."""
-    ft = job.spec["faultTolerance"]
-    return [
-        "megascale",
-        "agent",
-        f"{CONFIG_DIR}/config.toml",
-        "--job",
-        job.id,
-        "--node",
-        "$(MEGASCALE_NODE_NAME)",
-        "--nproc-per-node",
-        str(job.nproc),
-        "--run-dir",
-        RUN_DIR,
-        "--heartbeat-interval",
-        str(ft["heartbeatIntervalSeconds"]),
-        "--addr",
-        worker_address(job, index),
-        *store_args(job),
-    ]
-
-
-def controller_args(job: Job, tp: int = 1, pp: int = 1) -> list[str]:
-    """The controller's command line (``robustness.service.add_arguments``)."""
-    ft = job.spec["faultTolerance"]
-    return [
-        "megascale",
-        "controller",
-        "--job",
-        job.id,
-        "--run-dir",
-        RUN_DIR,
-        "--nodes",
-        str(job.replicas),
-        "--nproc-per-node",
-        str(job.nproc),
-        "--tp",
-        str(tp),
-        "--pp",
-        str(pp),
-        "--heartbeat-interval",
-        str(ft["heartbeatIntervalSeconds"]),
-        "--max-restarts",
-        str(ft["maxRestarts"]),
-        "--straggler-threshold",
-        str(float(ft["straggler"]["threshold"])),
-        "--straggler-action",
-        str(ft["straggler"]["action"]),
-        *store_args(job),
-    ]
 
 
 # -- controller -------------------------------------------------------------------------------

@@ -41,13 +41,13 @@ from megascale.launcher.workers import WorkerPool, Zygote, free_port
 from megascale.robustness import inject
 from megascale.robustness.keys import JobKeys, is_current
 from megascale.robustness.progress import progress_path, read_progress
-from megascale.robustness.service import (
+from megascale.robustness.service_main import (
     add_store_arguments,
-    lease_ttl,
     setup_logging,
     store_config,
     write_metrics_url,
 )
+from megascale.robustness.service_options import lease_ttl
 from megascale.robustness.store import (
     KeepAlive,
     Lease,

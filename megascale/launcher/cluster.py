@@ -225,7 +225,7 @@ class LocalCluster:
             time.sleep(0.02)
 
     def start_controllers(self) -> None:
-        from megascale.robustness.service import ServiceOptions, policy_for
+        from megascale.robustness.service_options import ServiceOptions, policy_for
 
         o, p = self.opts, self.job.parallel
         policy = policy_for(
@@ -492,7 +492,7 @@ class Monitor:
 def launch(opts: LaunchOptions) -> int:
     """Run the local cluster to the end (see the module docstring); returns the exit code."""
     from megascale.config import to_toml
-    from megascale.robustness.service import setup_logging
+    from megascale.robustness.service_main import setup_logging
 
     job, notes = check_options(opts)  # LaunchError, ConfigError, InjectError: nothing started
     run_dir = Path(opts.run_dir or Path("runs") / f"launch-{time.strftime('%Y%m%d-%H%M%S')}")

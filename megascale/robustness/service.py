@@ -26,31 +26,25 @@ What the shell adds to the FSM's view:
   FSM (silence is then etcd's fault, not the nodes'), keeps unwritten puts in an outbox, and on
   recovery records ``etcd_recovered`` and gives every node a fresh heartbeat allowance
   (``ControllerFSM.restore`` of its own snapshot).
+
+Its options and timing live in ``service_options``, the process entry (``megascale controller``:
+``add_arguments``, ``main``, ``serve``) in ``service_main``; those names are importable from here.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import math
-import os
-import signal
-import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
-from megascale.config_validate import STRAGGLER_ACTIONS
 from megascale.robustness.controller import (
     Action,
     ControllerFSM,
-    ControllerPolicy,
     Evict,
     RecordEvent,
     SendCommand,
@@ -62,20 +56,19 @@ from megascale.robustness.election import Election
 from megascale.robustness.events import EventLog
 from megascale.robustness.flight_format import RankState, stall_suspects
 from megascale.robustness.keys import JobKeys
-from megascale.robustness.store import (
-    TXN_MAX_OPS,
-    Put,
-    Store,
-    StoreConfig,
-    StoreError,
-    WatchEvent,
+from megascale.robustness.service_main import (  # noqa: F401  (re-exported)
+    add_arguments,
+    main,
+    serve,
+    write_metrics_url,
 )
+from megascale.robustness.service_options import ServiceOptions, lease_ttl, policy_for  # noqa: F401
+from megascale.robustness.store import TXN_MAX_OPS, Put, Store, StoreError, WatchEvent
 from megascale.robustness.stragglers import StragglerTracker
 
 logger = logging.getLogger(__name__)
 
 TERMINAL = (State.FINISHED, State.FAILED)
-PASSWORD_ENV = "MEGASCALE_ETCD_PASSWORD"
 _INVALID_ARGUMENT = 3  # gRPC status etcd gives a request it will never accept (not an outage)
 
 
@@ -83,106 +76,6 @@ def _is_request_bug(error: StoreError) -> bool:
     """Whether etcd refused the request itself (too many operations, too large): a bug to fix,
     which a retry cannot, unlike an outage."""
     return error.code == _INVALID_ARGUMENT or "too many operations" in str(error)
-
-
-# -- timing shared by agents and controllers -----------------------------------------------------
-
-
-def lease_ttl(heartbeat_interval: float) -> int:
-    """Agents' and controllers' lease TTL: 2 heartbeats, at least 2 s (etcd counts whole
-    seconds, and a 1 s lease expires under a few hundred ms of CPU starvation)."""
-    return max(2, math.ceil(2 * heartbeat_interval))
-
-
-def policy_for(
-    nodes: int,
-    nproc_per_node: int,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    heartbeat_interval: float = 1.0,
-    **overrides: Any,
-) -> ControllerPolicy:
-    """A ``ControllerPolicy`` whose timeouts follow the heartbeat interval: a node silent for 10
-    heartbeats (at least 5 s) is faulty, and a stall is never declared in under 12 heartbeats
-    (at least 4 s) however fast the steps were."""
-    base = {
-        "heartbeat_timeout_s": max(10 * heartbeat_interval, 5.0),
-        "stall_floor_s": max(12 * heartbeat_interval, 4.0),
-    }
-    return ControllerPolicy(nodes, nproc_per_node, tp, pp, **{**base, **overrides})
-
-
-# -- command-line plumbing shared by agent, controller and launcher ------------------------------
-
-
-def add_store_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("etcd")
-    g.add_argument("--endpoints", required=True, help="etcd endpoints: host:port or https://...")
-    g.add_argument("--ca-file", default=None, help="PEM CA bundle of the etcd server (https)")
-    g.add_argument("--cert-file", default=None, help="PEM client certificate (client-cert-auth)")
-    g.add_argument("--key-file", default=None, help="PEM private key of --cert-file")
-    g.add_argument(
-        "--user",
-        default=None,
-        help=f"etcd user; the password is read from ${PASSWORD_ENV} or --password-file",
-    )
-    g.add_argument("--password-file", default=None, help="file holding the etcd password")
-
-
-def store_config(args: argparse.Namespace, **kwargs: Any) -> StoreConfig:
-    """The StoreConfig of ``add_store_arguments``' options (ValueError names a bad one)."""
-    password = None
-    if args.user is not None:
-        if args.password_file:
-            password = Path(args.password_file).read_text().strip()
-        else:
-            password = os.environ.get(PASSWORD_ENV)
-        if password is None:
-            raise ValueError(f"--user {args.user}: give the password in ${PASSWORD_ENV} or a file")
-    return StoreConfig.parse(
-        args.endpoints,
-        ca_file=args.ca_file,
-        cert_file=args.cert_file,
-        key_file=args.key_file,
-        username=args.user,
-        password=password,
-        **kwargs,
-    )
-
-
-def setup_logging(label: str, log_file: Path | None, console_level: int = logging.INFO) -> None:
-    """``[label] time LEVEL name: message`` to stderr and, at INFO, to ``log_file``."""
-    fmt = logging.Formatter(f"[{label}] %(asctime)s %(levelname)s %(name)s: %(message)s")
-    root = logging.getLogger()
-    root.handlers.clear()
-    root.setLevel(logging.INFO)
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(console_level)
-    console.setFormatter(fmt)
-    root.addHandler(console)
-    if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        to_file = logging.FileHandler(log_file)
-        to_file.setFormatter(fmt)
-        root.addHandler(to_file)
-
-
-def write_metrics_url(run_dir: Path, name: str, url: str) -> None:
-    """Publish a process's ``/metrics`` URL as ``RUN_DIR/metrics/<name>.url`` (best effort).
-    Written to a temporary file and renamed, so that a reader never sees it empty or partial."""
-    directory = run_dir / "metrics"
-    tmp = directory / f".{name}.url.{os.getpid()}.tmp"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(url + "\n")
-        os.replace(tmp, directory / f"{name}.url")
-    except OSError as e:
-        logger.warning("could not write the metrics URL of %s: %s", name, e)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 # -- the service ------------------------------------------------------------------------------
@@ -203,53 +96,6 @@ class Evidence:
     code: int | None = None
     text: str = ""
     secondary: bool = False
-
-
-@dataclass(frozen=True)
-class ServiceOptions:
-    job_id: str
-    run_dir: Path
-    policy: ControllerPolicy
-    candidate_id: str
-    heartbeat_interval: float = 1.0
-    tick_s: float = 0.25
-    """How often the FSM's clock advances (``on_tick``)."""
-    check_s: float = 1.0
-    """How often leadership (and so etcd) is confirmed with a read."""
-    snapshot_s: float = 0.25
-    """The ``state`` snapshot (O(nodes) bytes) is written at most this often when nothing else
-    is: a decision that sends commands writes it with them at once."""
-    drain: int = 512
-    """Watch events handled per loop iteration before the outbox is written (one write for a
-    burst of acks or heartbeats, not one per event)."""
-    metrics_port: int = 0
-    """Port of the Prometheus ``/metrics`` on 127.0.0.1 (0: a free one; -1: none)."""
-    straggler_threshold: float = 1.10
-    """A node whose compute time is this many times the others' median is slow
-    (``stragglers``)."""
-    straggler_window: int = 4
-    """Heartbeats (with a new step) per node in the sliding window."""
-    straggler_consecutive: int = 3
-    """Windows in a row a node must be slow to be recorded as a ``straggler`` event."""
-    straggler_action: str = "report"
-    """``"report"``: a ``straggler`` event and the metrics; ``"evict"``: also replace the node
-    with a spare (``ControllerFSM.on_straggler``)."""
-
-    def __post_init__(self) -> None:
-        if self.straggler_action not in STRAGGLER_ACTIONS:
-            raise ValueError(
-                f"straggler_action = {self.straggler_action!r}: must be one of {STRAGGLER_ACTIONS}"
-            )
-
-    @property
-    def election_ttl(self) -> int:
-        return lease_ttl(self.heartbeat_interval)
-
-    @property
-    def secondary_hold_s(self) -> float:
-        # A vanished node's lease is gone up to TTL after its last keep-alive, found by etcd's
-        # expiry scan (every 0.5 s), then delivered: 2 s for that delivery on a busy host.
-        return lease_ttl(self.heartbeat_interval) + 0.5 + 2.0
 
 
 class ControllerService:
@@ -755,86 +601,3 @@ class ControllerService:
         self.events.append(
             "etcd_recovered", generation=self.fsm.generation, detail={"down_s": round(down, 3)}
         )
-
-
-# -- the command ---------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--job", required=True, help="job id (the etcd key prefix)")
-    parser.add_argument("--run-dir", required=True, help="where events.jsonl and logs go")
-    parser.add_argument("--nodes", type=int, required=True, help="nodes per generation (M)")
-    parser.add_argument("--nproc-per-node", type=int, required=True, help="ranks per node (K)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (names ranks)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--id", default=None, help="this controller's name (default host-pid)")
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="agents' (s)")
-    parser.add_argument("--max-restarts", type=int, default=3, help="restarts before failing")
-    parser.add_argument(
-        "--node-wait-timeout", type=float, default=None, help="fail after waiting this long (s)"
-    )
-    parser.add_argument("--init-timeout", type=float, default=600.0, help="start-up stall (s)")
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="Prometheus /metrics port on 127.0.0.1 (0: a free one, -1: disabled)",
-    )
-    parser.add_argument(
-        "--straggler-threshold",
-        type=float,
-        default=1.10,
-        help="a node this many times the others' median compute time is a straggler (> 1)",
-    )
-    parser.add_argument(
-        "--straggler-action",
-        choices=STRAGGLER_ACTIONS,
-        default="report",
-        help="what to do about a persistent straggler: record a 'straggler' event (report), and "
-        "also replace it with a spare node, restarting from the last checkpoint (evict)",
-    )
-    add_store_arguments(parser)
-
-
-def main(args: argparse.Namespace) -> int:
-    """``megascale controller``: lead (or stand by) until the job finishes or fails."""
-    policy = policy_for(
-        args.nodes,
-        args.nproc_per_node,
-        tp=args.tp,
-        pp=args.pp,
-        heartbeat_interval=args.heartbeat_interval,
-        max_restarts=args.max_restarts,
-        node_wait_timeout_s=args.node_wait_timeout,
-        init_timeout_s=args.init_timeout,
-        start_timeout_s=min(120.0, args.init_timeout),
-    )
-    name = args.id or f"{socket.gethostname()}-{os.getpid()}"
-    if not args.straggler_threshold > 1.0:
-        raise ValueError(f"--straggler-threshold {args.straggler_threshold}: must be > 1.0")
-    opts = ServiceOptions(
-        args.job,
-        Path(args.run_dir),
-        policy,
-        name,
-        args.heartbeat_interval,
-        metrics_port=args.metrics_port,
-        straggler_threshold=args.straggler_threshold,
-        straggler_action=args.straggler_action,
-    )
-    return serve(opts, store_config(args), console_level=logging.INFO)
-
-
-def serve(
-    opts: ServiceOptions, store_cfg: StoreConfig, console_level: int = logging.WARNING
-) -> int:
-    """Run one controller process (logging to ``RUN_DIR/logs/controller_<id>.log``) until the
-    job ends or SIGTERM/SIGINT; 0 iff the job finished."""
-    log_file = opts.run_dir / "logs" / f"controller_{opts.candidate_id}.log"
-    setup_logging(f"controller {opts.candidate_id}", log_file, console_level)
-    retry = max(1.0, 2 * opts.heartbeat_interval)
-    store = Store(dataclasses.replace(store_cfg, retry_s=retry, request_timeout_s=retry))
-    service = ControllerService(store, opts)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: service.stopping.set())
-    return service.run()

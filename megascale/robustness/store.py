@@ -10,6 +10,8 @@ Agents, the controller and the event log talk to etcd only through ``Store``::
         for event in watch:                           # WatchEvent(kind, key, value, revision)
             ...
 
+The values it takes and returns (errors, config, KeyValue, txn ops, Lease) are in ``store_types``.
+
 Why the JSON gateway over HTTP (``/v3/kv/*``, ``/v3/lease/*``, ``/v3/watch``) and not ``aetcd``
 (gRPC, asyncio): it is at least as fast here -- 2,000 leased puts, the two clients alternating on
 one etcd 3.5 on 2 shared cores: 1.02-1.25x aetcd's rate behind a sync facade (1,440-1,760 vs
@@ -42,7 +44,6 @@ Contracts:
 
 from __future__ import annotations
 
-import base64
 import http.client
 import json
 import logging
@@ -52,266 +53,42 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from queue import Empty, Queue
-from typing import Any, Literal
+from typing import Any
+
+from megascale.robustness.store_types import TXN_MAX_OPS as TXN_MAX_OPS  # re-exported
+from megascale.robustness.store_types import (
+    Compare,
+    Delete,
+    Get,
+    KeyValue,
+    Lease,
+    LeaseNotFound,
+    Put,
+    Snapshot,
+    StoreConfig,
+    StoreError,
+    StoreUnavailable,
+    TxnResult,
+    Value,
+    WatchEvent,
+    _b64,
+    _Endpoint,
+    _is_auth_error,
+    _lease_id,
+    _op_json,
+    _prefix_end,
+    _split_endpoint,
+    encode,
+    missing,
+    value_is,
+)
+from megascale.robustness.store_types import created_at as created_at  # re-exported
 
 logger = logging.getLogger(__name__)
 
-Value = bytes | str | dict | list | int | float
-
-
-class StoreError(RuntimeError):
-    """etcd refused a request; ``code`` is the gRPC status code etcd gave (0 when none)."""
-
-    def __init__(self, message: str, code: int = 0) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class StoreUnavailable(StoreError):
-    """No endpoint answered (or the cluster had no leader) for ``StoreConfig.retry_s`` seconds."""
-
-
-class LeaseNotFound(StoreError):
-    """The lease expired or was revoked."""
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """Where etcd is and how to reach it. ``parse`` builds one from a command-line string."""
-
-    endpoints: tuple[str, ...] = ("127.0.0.1:2379",)
-    """``host:port`` (plain HTTP) or ``http(s)://host:port``; on failure the next one is tried."""
-    ca_file: str | None = None
-    """PEM CA bundle that signed the server certificates (https endpoints); system CAs when None."""
-    cert_file: str | None = None
-    """PEM client certificate, for servers started with ``--client-cert-auth``."""
-    key_file: str | None = None
-    """PEM private key of ``cert_file``."""
-    username: str | None = None
-    """etcd user (etcd auth enabled); needs ``password``."""
-    password: str | None = None
-    request_timeout_s: float = 5.0
-    """Socket timeout of one request."""
-    retry_s: float = 10.0
-    """How long an operation keeps retrying while etcd is unreachable before StoreUnavailable."""
-
-    def __post_init__(self) -> None:
-        if not self.endpoints:
-            raise ValueError("StoreConfig.endpoints = (): give at least one host:port")
-        if (self.username is None) != (self.password is None):
-            raise ValueError("StoreConfig.username/password: give both or neither")
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("StoreConfig.cert_file/key_file: give both or neither")
-        for ep in self.endpoints:
-            _split_endpoint(ep)
-
-    @classmethod
-    def parse(cls, endpoints: str | Sequence[str], **kwargs: Any) -> StoreConfig:
-        """``"127.0.0.1:2379"``, ``"https://a:2379,https://b:2379"`` or a list of those."""
-        items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
-        return cls(endpoints=tuple(e.strip() for e in items if e.strip()), **kwargs)
-
-
-def _split_endpoint(endpoint: str) -> tuple[bool, str, int]:
-    scheme, _, rest = endpoint.rpartition("://")
-    if scheme not in ("", "http", "https"):
-        raise ValueError(f"etcd endpoint {endpoint!r}: scheme must be http or https")
-    host, _, port = rest.rstrip("/").rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"etcd endpoint {endpoint!r}: expected host:port or http(s)://host:port")
-    return scheme == "https", host, int(port)
-
-
-# -- values ------------------------------------------------------------------------------------
-
-
-def _b64(data: bytes | str) -> str:
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
-
-
-def _unb64(text: str | None) -> bytes:
-    return base64.b64decode(text) if text else b""
-
-
-def encode(value: Value) -> bytes:
-    """bytes as they are, str as UTF-8, anything else as compact JSON."""
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
-
-
-def _prefix_end(prefix: str) -> str:
-    """The range end that selects every key starting with ``prefix`` (etcd's ``--prefix``)."""
-    raw = bytearray(prefix.encode())
-    while raw and raw[-1] == 0xFF:
-        raw.pop()
-    if not raw:
-        return _b64(b"\0")  # every key
-    raw[-1] += 1
-    return _b64(bytes(raw))
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as etcd returned it."""
-
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    version: int
-    lease: int
-
-    def text(self) -> str:
-        return self.value.decode()
-
-    def json(self) -> Any:
-        return json.loads(self.value)
-
-    @classmethod
-    def _from(cls, kv: dict) -> KeyValue:
-        return cls(
-            key=_unb64(kv.get("key")).decode(),
-            value=_unb64(kv.get("value")),
-            mod_revision=int(kv.get("mod_revision", 0)),
-            create_revision=int(kv.get("create_revision", 0)),
-            version=int(kv.get("version", 0)),
-            lease=int(kv.get("lease", 0)),
-        )
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The keys under a prefix and the store revision they were read at (watch from ``+ 1``)."""
-
-    items: list[KeyValue]
-    revision: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """A change to a watched key: ``put`` (value is the new value) or ``delete`` (value b"")."""
-
-    kind: Literal["put", "delete"]
-    key: str
-    value: bytes
-    revision: int
-    lease: int = 0
-
-    def text(self) -> str:
-        return self.value.decode()
-
-    def json(self) -> Any:
-        return json.loads(self.value)
-
-
-# -- transactions ------------------------------------------------------------------------------
-
-
-TXN_MAX_OPS = 64
-"""Operations per transaction that writers batch into: well under etcd's default
-``--max-txn-ops`` of 128, which refuses larger ones (``InvalidArgument``)."""
-
-
-@dataclass(frozen=True)
-class Compare:
-    """One condition of a transaction; build with the helpers below (``value_is``, ``missing``)."""
-
-    key: str
-    target: Literal["VALUE", "VERSION", "CREATE", "MOD", "LEASE"]
-    result: Literal["EQUAL", "NOT_EQUAL", "LESS", "GREATER"]
-    operand: bytes | int
-
-    def _json(self) -> dict:
-        field_name = {
-            "VALUE": "value",
-            "VERSION": "version",
-            "CREATE": "create_revision",
-            "MOD": "mod_revision",
-            "LEASE": "lease",
-        }[self.target]
-        operand = _b64(self.operand) if self.target == "VALUE" else str(self.operand)
-        return {
-            "key": _b64(self.key),
-            "target": self.target,
-            "result": self.result,
-            field_name: operand,
-        }
-
-
-def value_is(key: str, value: Value) -> Compare:
-    """Holds when ``key`` exists with exactly this value."""
-    return Compare(key, "VALUE", "EQUAL", encode(value))
-
-
-def missing(key: str) -> Compare:
-    """Holds when ``key`` does not exist."""
-    return Compare(key, "CREATE", "EQUAL", 0)
-
-
-def created_at(key: str, revision: int) -> Compare:
-    """Holds while ``key`` is the incarnation created at ``revision`` (not deleted, re-created)."""
-    return Compare(key, "CREATE", "EQUAL", revision)
-
-
-@dataclass(frozen=True)
-class Put:
-    key: str
-    value: Value
-    lease: int = 0
-
-
-@dataclass(frozen=True)
-class Delete:
-    key: str
-    prefix: bool = False
-
-
-@dataclass(frozen=True)
-class Get:
-    key: str
-    prefix: bool = False
-
-
-@dataclass(frozen=True)
-class TxnResult:
-    """``succeeded``: whether every compare held; ``gets``: the KeyValues of each ``Get`` op that
-    ran, in order; ``revision``: the store revision after the transaction."""
-
-    succeeded: bool
-    gets: list[list[KeyValue]]
-    revision: int
-
-
-def _op_json(op: Put | Delete | Get) -> dict:
-    if isinstance(op, Put):
-        return {
-            "request_put": {
-                "key": _b64(op.key),
-                "value": _b64(encode(op.value)),
-                "lease": str(op.lease),
-            }
-        }
-    body = {"key": _b64(op.key)}
-    if op.prefix:
-        body["range_end"] = _prefix_end(op.key)
-    return {"request_delete_range" if isinstance(op, Delete) else "request_range": body}
-
 
 # -- leases ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A granted lease: keys put under it are deleted when it expires or is revoked."""
-
-    id: int
-    ttl: int
-    """Granted TTL in seconds."""
 
 
 class KeepAlive:
@@ -533,16 +310,7 @@ class Watch:
 # -- the store ---------------------------------------------------------------------------------
 
 
-@dataclass
-class _Endpoint:
-    tls: bool
-    host: str
-    port: int
-    ssl_context: ssl.SSLContext | None = field(default=None, repr=False)
-
-
 _RETRYABLE_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE ("no leader", "leader changed")
-_AUTH_ERRORS = ("invalid auth token", "user name is empty", "authentication failed")
 
 
 class Store:
@@ -829,13 +597,3 @@ class Store:
         code = int(detail.get("code", 0))
         cls = LeaseNotFound if "lease not found" in message else StoreError
         return cls(f"etcd: {message}", code=code)
-
-
-def _is_auth_error(error: StoreError) -> bool:
-    return any(message in str(error) for message in _AUTH_ERRORS)
-
-
-def _lease_id(lease: Lease | int | None) -> int:
-    if lease is None:
-        return 0
-    return lease.id if isinstance(lease, Lease) else int(lease)

@@ -1,0 +1,221 @@
+"""What the megascale processes in a job's pods are given, by pure functions.
+
+The agent and controller run with the flags of ``megascale agent`` / ``megascale controller``
+(``agent_args``, ``controller_args``: a test parses them with the real CLI; ``store_args`` their
+etcd options); the etcd password comes from ``$MEGASCALE_ETCD_PASSWORD``. Their environment and
+volumes (the resolved config, the etcd TLS Secret) are added to the main container of the user's
+template, ours winning by name. ``faultTolerance`` reaches the training config as ``--set``
+overrides (checkpoint interval and URL, straggler threshold; ``training_overrides``), the operator
+resolves and validates it (``resolve_training_config``), and ``/etc/megascale/job.json`` holds the
+whole policy (``job_policy``). The objects themselves are built in ``megascale/k8s/builders.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from megascale.k8s.job import (
+    CONFIG_DIR,
+    ETCD_TLS_DIR,
+    MAIN_CONTAINER,
+    RUN_DIR,
+    BuildError,
+    Job,
+    config_name,
+    etcd_endpoints,
+    worker_address,
+    workers_service_name,
+)
+
+# -- training config --------------------------------------------------------------------------
+
+
+def resolve_training_config(toml_text: str, overrides: Sequence[str], world_size: int) -> str:
+    """The fully resolved training config (``megascale.config``: defaults < TOML < overrides),
+    validated for ``world_size`` ranks, as TOML. Raises ``ConfigError`` naming the field."""
+    from megascale import config
+
+    with tempfile.TemporaryDirectory(prefix="megascale-k8s-") as tmp:
+        path = Path(tmp) / "config.toml"
+        path.write_text(toml_text)
+        cfg = config.load(path, list(overrides))
+    backend = "gloo" if cfg.train.device == "cpu" else "nccl"
+    return config.to_toml(config.validate(cfg, world_size, backend))
+
+
+def training_overrides(job: Job) -> list[str]:
+    """``--set`` items for the training config: what ``faultTolerance`` says about checkpoints
+    and stragglers, then the spec's own ``config.overrides`` (which win)."""
+    ft = job.spec["faultTolerance"]
+    straggler = ft["straggler"]
+    out = [
+        f"diagnostics.straggler_threshold={float(straggler['threshold'])}",
+        f"diagnostics.straggler_action={json.dumps(straggler['action'])}",
+    ]
+    checkpoint = ft["checkpoint"]
+    if checkpoint["intervalSteps"]:
+        out.append(f"checkpoint.interval={int(checkpoint['intervalSteps'])}")
+    if checkpoint.get("url"):
+        out.append(f"checkpoint.url={json.dumps(checkpoint['url'])}")
+    return out + list(job.spec["config"].get("overrides", []))
+
+
+def job_policy(job: Job) -> dict[str, Any]:
+    """``job.json``: what the controller and agents need besides the training config."""
+    return {
+        "job": job.id,
+        "nodes": job.replicas,
+        "spares": job.spares,
+        "nprocPerNode": job.nproc,
+        "faultTolerance": copy.deepcopy(job.spec["faultTolerance"]),
+        "etcdEndpoints": etcd_endpoints(job),
+        "workersService": f"{workers_service_name(job)}.{job.namespace}.svc",
+    }
+
+
+# -- the megascale containers -----------------------------------------------------------------
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _megascale_env(job: Job) -> list[dict[str, Any]]:
+    """Environment of the controller and agents: the pod's identity (for ``$(VAR)`` in their
+    arguments), the etcd credentials, and where the job policy is."""
+    env: list[dict[str, Any]] = [
+        _field_env("MEGASCALE_POD_NAME", "metadata.name"),
+        _field_env("MEGASCALE_NODE_NAME", "spec.nodeName"),
+        {"name": "MEGASCALE_JOB_SPEC", "value": f"{CONFIG_DIR}/job.json"},
+    ]
+    if job.etcd.get("authSecret"):
+        for var, key in (("USERNAME", "username"), ("PASSWORD", "password")):
+            ref = {"secretKeyRef": {"name": job.etcd["authSecret"], "key": key}}
+            env.append({"name": f"MEGASCALE_ETCD_{var}", "valueFrom": ref})
+    return env
+
+
+def store_args(job: Job) -> list[str]:
+    """The etcd options of ``megascale agent`` and ``megascale controller``
+    (``robustness.service_main.add_store_arguments``); the password comes from
+    ``$MEGASCALE_ETCD_PASSWORD``."""
+    args = ["--endpoints", ",".join(etcd_endpoints(job))]
+    if job.etcd.get("tlsSecret"):
+        args += [
+            "--ca-file",
+            f"{ETCD_TLS_DIR}/ca.crt",
+            "--cert-file",
+            f"{ETCD_TLS_DIR}/tls.crt",
+            "--key-file",
+            f"{ETCD_TLS_DIR}/tls.key",
+        ]
+    if job.etcd.get("authSecret"):
+        args += ["--user", "$(MEGASCALE_ETCD_USERNAME)"]
+    return args
+
+
+def _megascale_volumes(job: Job) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): the config ConfigMap, and the etcd TLS Secret when there is one."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "megascale-config", "configMap": {"name": config_name(job)}}
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "megascale-config", "mountPath": CONFIG_DIR, "readOnly": True}
+    ]
+    if job.etcd.get("tlsSecret"):
+        volumes.append(
+            {
+                "name": "etcd-tls",
+                "secret": {"secretName": job.etcd["tlsSecret"], "defaultMode": 0o400},
+            }
+        )
+        mounts.append({"name": "etcd-tls", "mountPath": ETCD_TLS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
+def _merge_named(base: Iterable[Mapping[str, Any]], ours: Iterable[dict]) -> list[dict]:
+    """``base`` entries (env vars, volumes, mounts...) with ours appended; ours win by name."""
+    names = {item["name"] for item in ours}
+    return [dict(item) for item in base if item.get("name") not in names] + list(ours)
+
+
+def main_container_index(template: Mapping[str, Any]) -> int:
+    """Index of the container that runs megascale: the one named ``megascale``, else the first."""
+    containers = template.get("spec", {}).get("containers") or []
+    if not containers:
+        raise BuildError(
+            "spec.replicaSpecs.Worker.template.spec.containers is empty: give at least one "
+            f"container (the one named {MAIN_CONTAINER!r}, else the first, runs the agent)"
+        )
+    names = [c.get("name") for c in containers]
+    return names.index(MAIN_CONTAINER) if MAIN_CONTAINER in names else 0
+
+
+def _megascale_container(
+    job: Job, container: Mapping[str, Any], args: list[str], mounts: list[dict]
+) -> dict[str, Any]:
+    out = copy.deepcopy(dict(container))
+    out["args"] = args
+    out.pop("command", None)
+    out["env"] = _merge_named(out.get("env", []), _megascale_env(job))
+    out["volumeMounts"] = _merge_named(out.get("volumeMounts", []), mounts)
+    return out
+
+
+def agent_args(job: Job, index: int) -> list[str]:
+    """Worker ``index``'s command line: the agent, named after its Kubernetes node (so the
+    controller's blocklist names nodes), reachable at its stable DNS name."""
+    ft = job.spec["faultTolerance"]
+    return [
+        "megascale",
+        "agent",
+        f"{CONFIG_DIR}/config.toml",
+        "--job",
+        job.id,
+        "--node",
+        "$(MEGASCALE_NODE_NAME)",
+        "--nproc-per-node",
+        str(job.nproc),
+        "--run-dir",
+        RUN_DIR,
+        "--heartbeat-interval",
+        str(ft["heartbeatIntervalSeconds"]),
+        "--addr",
+        worker_address(job, index),
+        *store_args(job),
+    ]
+
+
+def controller_args(job: Job, tp: int = 1, pp: int = 1) -> list[str]:
+    """The controller's command line (``robustness.service.add_arguments``)."""
+    ft = job.spec["faultTolerance"]
+    return [
+        "megascale",
+        "controller",
+        "--job",
+        job.id,
+        "--run-dir",
+        RUN_DIR,
+        "--nodes",
+        str(job.replicas),
+        "--nproc-per-node",
+        str(job.nproc),
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--heartbeat-interval",
+        str(ft["heartbeatIntervalSeconds"]),
+        "--max-restarts",
+        str(ft["maxRestarts"]),
+        "--straggler-threshold",
+        str(float(ft["straggler"]["threshold"])),
+        "--straggler-action",
+        str(ft["straggler"]["action"]),
+        *store_args(job),
+    ]

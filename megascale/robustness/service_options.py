@@ -1,0 +1,93 @@
+"""What a controller process is configured with; pure values, no I/O.
+
+* ``lease_ttl``: the lease TTL agents and controllers share, from the heartbeat interval.
+* ``policy_for``: a ``ControllerPolicy`` whose timeouts follow the heartbeat interval.
+* ``ServiceOptions``: the options of a ``service.ControllerService``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megascale.config_validate import STRAGGLER_ACTIONS
+from megascale.robustness.controller import ControllerPolicy
+
+# -- timing shared by agents and controllers -----------------------------------------------------
+
+
+def lease_ttl(heartbeat_interval: float) -> int:
+    """Agents' and controllers' lease TTL: 2 heartbeats, at least 2 s (etcd counts whole
+    seconds, and a 1 s lease expires under a few hundred ms of CPU starvation)."""
+    return max(2, math.ceil(2 * heartbeat_interval))
+
+
+def policy_for(
+    nodes: int,
+    nproc_per_node: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    heartbeat_interval: float = 1.0,
+    **overrides: Any,
+) -> ControllerPolicy:
+    """A ``ControllerPolicy`` whose timeouts follow the heartbeat interval: a node silent for 10
+    heartbeats (at least 5 s) is faulty, and a stall is never declared in under 12 heartbeats
+    (at least 4 s) however fast the steps were."""
+    base = {
+        "heartbeat_timeout_s": max(10 * heartbeat_interval, 5.0),
+        "stall_floor_s": max(12 * heartbeat_interval, 4.0),
+    }
+    return ControllerPolicy(nodes, nproc_per_node, tp, pp, **{**base, **overrides})
+
+
+# -- the controller service's options ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    job_id: str
+    run_dir: Path
+    policy: ControllerPolicy
+    candidate_id: str
+    heartbeat_interval: float = 1.0
+    tick_s: float = 0.25
+    """How often the FSM's clock advances (``on_tick``)."""
+    check_s: float = 1.0
+    """How often leadership (and so etcd) is confirmed with a read."""
+    snapshot_s: float = 0.25
+    """The ``state`` snapshot (O(nodes) bytes) is written at most this often when nothing else
+    is: a decision that sends commands writes it with them at once."""
+    drain: int = 512
+    """Watch events handled per loop iteration before the outbox is written (one write for a
+    burst of acks or heartbeats, not one per event)."""
+    metrics_port: int = 0
+    """Port of the Prometheus ``/metrics`` on 127.0.0.1 (0: a free one; -1: none)."""
+    straggler_threshold: float = 1.10
+    """A node whose compute time is this many times the others' median is slow
+    (``stragglers``)."""
+    straggler_window: int = 4
+    """Heartbeats (with a new step) per node in the sliding window."""
+    straggler_consecutive: int = 3
+    """Windows in a row a node must be slow to be recorded as a ``straggler`` event."""
+    straggler_action: str = "report"
+    """``"report"``: a ``straggler`` event and the metrics; ``"evict"``: also replace the node
+    with a spare (``ControllerFSM.on_straggler``)."""
+
+    def __post_init__(self) -> None:
+        if self.straggler_action not in STRAGGLER_ACTIONS:
+            raise ValueError(
+                f"straggler_action = {self.straggler_action!r}: must be one of {STRAGGLER_ACTIONS}"
+            )
+
+    @property
+    def election_ttl(self) -> int:
+        return lease_ttl(self.heartbeat_interval)
+
+    @property
+    def secondary_hold_s(self) -> float:
+        # A vanished node's lease is gone up to TTL after its last keep-alive, found by etcd's
+        # expiry scan (every 0.5 s), then delivered: 2 s for that delivery on a busy host.
+        return lease_ttl(self.heartbeat_interval) + 0.5 + 2.0
