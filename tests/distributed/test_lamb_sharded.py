@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import socket
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 
 from megascale.config import OptimConfig
+from megascale.launcher.local import run_local
 from megascale.parallel import cpu_backend
 from megascale.train.lamb import Lamb, SlotNormReducer
 from megascale.train.optimizer import build_optimizer, build_scheduler
@@ -40,17 +40,10 @@ MAX_REL_ERROR = 1e-6
 STEPS = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
+def _entry(fn, args: tuple) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # env:// from run_local
     try:
         fn(rank, world, *args)
     finally:
@@ -59,9 +52,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
 
 def spawn(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` forked gloo processes; re-raise a failure."""
-    mp.start_processes(
-        _entry, args=(world, _free_port(), fn, args), nprocs=world, start_method="fork"
-    )
+    run_local(_entry, world, (fn, args), timeout_s=300)
 
 
 def max_rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
