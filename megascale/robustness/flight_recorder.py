@@ -87,8 +87,14 @@ __all__ = [
 DEFAULT_CAPACITY = 4096
 DEFAULT_GROUP_TABLE_BYTES = 64 * 1024
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
-_ENTERED, _LEFT = int(OpState.ENTERED), int(OpState.LEFT)
-_U64, _F64, _U8, _STEP = struct.Struct("<Q"), struct.Struct("<d"), struct.Struct("<B"), "<qdd"
+# Hot-path constants bound once (an enum member or module attribute read costs as much as the
+# struct call it feeds).
+_ENTERED, _WAITING = int(OpState.ENTERED), int(OpState.WAITING)
+_LEFT, _FAILED = int(OpState.LEFT), int(OpState.FAILED)
+_U64, _F64, _STEP = struct.Struct("<Q"), struct.Struct("<d"), "<qdd"
+_pack_record, _pack_u64, _pack_f64 = RECORD.pack_into, _U64.pack_into, _F64.pack_into
+_RECORD_SIZE = RECORD.size
+_monotonic = time.monotonic
 
 _KIND_OF = {
     "all_reduce": OpKind.ALL_REDUCE,
@@ -296,49 +302,75 @@ class FlightRecorder:
         flags: int,
         peer: int = NO_PEER,
         count: int = 1,
+        now: float | None = None,
     ) -> int:
-        """Write the record of an op being entered; returns its index for ``mark``."""
-        now = time.monotonic()
-        with self._lock:
+        """Write the record of an op being entered (at ``now``, monotonic seconds, default the
+        current time); returns its index for ``mark``."""
+        if now is None:
+            now = _monotonic()
+        mm, lock = self._mm, self._lock
+        lock.acquire()  # not `with`: twice the cost on Python 3.11
+        try:
             index = self._next
             self._next = index + 1
             group.seq = seq = group.seq + 1
-            RECORD.pack_into(
-                self._mm, self._ring + (index % self.capacity) * RECORD.size,
+            _pack_record(
+                mm, self._ring + (index % self.capacity) * _RECORD_SIZE,
                 index, seq, group.gid, nbytes, self.step, now, now + self._wall_offset, 0.0,
                 peer, kind, _ENTERED, flags, count, 0,
             )  # fmt: skip
             if group.offset >= 0:
-                _U64.pack_into(self._mm, group.offset + 8, seq)
-            _U64.pack_into(self._mm, OFF_WRITE_INDEX, index + 1)
+                _pack_u64(mm, group.offset + 8, seq)
+            _pack_u64(mm, OFF_WRITE_INDEX, index + 1)
+        finally:
+            lock.release()
         return index
 
-    def mark(self, indices: Iterable[int], state: OpState) -> None:
-        """Set the state of records (WAITING, or LEFT/FAILED with the leave time)."""
-        now = time.monotonic()
-        with self._lock:
-            if self._mm.closed:
+    def mark(self, indices: Iterable[int], state: OpState | int, now: float | None = None) -> None:
+        """Set the state of records (WAITING, or LEFT/FAILED with the leave time ``now``, default
+        the current time)."""
+        if now is None:
+            now = _monotonic()
+        waiting = state == _WAITING
+        mm, lock = self._mm, self._lock
+        lock.acquire()
+        try:
+            if mm.closed:
                 return  # closed: records of ops still in flight keep their state
-            oldest = self._next - self.capacity
+            capacity = self.capacity
+            oldest = self._next - capacity
             for index in indices:
                 if index < oldest:
                     continue  # overwritten by newer records
-                slot = index % self.capacity
-                offset = self._ring + slot * RECORD.size
-                if state == OpState.WAITING:
+                slot = index % capacity
+                offset = self._ring + slot * _RECORD_SIZE
+                if waiting:
                     self._wait_mono[slot] = now
                 else:
-                    _F64.pack_into(self._mm, offset + OFF_LEAVE, now)
-                _U8.pack_into(self._mm, offset + OFF_STATE, state)
+                    _pack_f64(mm, offset + OFF_LEAVE, now)
+                mm[offset + OFF_STATE] = state
+        finally:
+            lock.release()
 
-    def leave(self, index: int) -> None:
-        """``mark((index,), OpState.LEFT)``, the common case, faster."""
-        with self._lock:
-            if self._mm.closed or index < self._next - self.capacity:
+    def leave(self, index: int, now: float | None = None) -> None:
+        """``mark((index,), OpState.LEFT, now)``, the common case, faster.
+
+        Still under the lock, although only the thread that entered the op leaves it: without it,
+        the ring could wrap onto the slot between the age check and the writes (another thread
+        entering ``capacity`` ops meanwhile), and ``copy`` could see the leave time without the
+        state. The lock costs ~0.1 us."""
+        if now is None:
+            now = _monotonic()
+        mm, lock = self._mm, self._lock
+        lock.acquire()
+        try:
+            if mm.closed or index < self._next - self.capacity:
                 return
-            offset = self._ring + (index % self.capacity) * RECORD.size
-            _F64.pack_into(self._mm, offset + OFF_LEAVE, time.monotonic())
-            self._mm[offset + OFF_STATE] = _LEFT
+            offset = self._ring + (index % self.capacity) * _RECORD_SIZE
+            _pack_f64(mm, offset + OFF_LEAVE, now)
+            mm[offset + OFF_STATE] = _LEFT
+        finally:
+            lock.release()
 
     def copy(self, first: int, end: int) -> RingCopy:
         """Records ``first`` .. ``end - 1`` as they are now, less those already overwritten (all of
@@ -438,7 +470,7 @@ class FlightRecorder:
             try:
                 works = original(p2p_op_list)
             except BaseException:
-                recorder.mark(indices, OpState.FAILED)
+                recorder.mark(indices, _FAILED)
                 raise
             finally:
                 local.inside = False
@@ -477,10 +509,10 @@ class FlightRecorder:
                         )
                         handle.indices = indices = (index,)
             except BaseException:
-                recorder.mark(indices, OpState.FAILED)
+                recorder.mark(indices, _FAILED)
                 raise
             if not async_ops:
-                recorder.mark(indices, OpState.LEFT)
+                recorder.mark(indices, _LEFT)
 
         return coalescing_manager
 
@@ -513,27 +545,29 @@ class _OpWrapper(CommWrapper):
 
     def __init__(self, name: str, original: Callable, recorder: FlightRecorder) -> None:
         super().__init__(name, original)
-        self.recorder, self.kind = recorder, _KIND_OF[name]
+        self.recorder, self.kind, self.local = recorder, _KIND_OF[name], recorder.local
         params = list(inspect.signature(original).parameters)
         self.group_at = params.index("group")
-        self.async_at = params.index("async_op") if "async_op" in params else None
-        self.size_name = _SIZE_ARG.get(name)
-        self.size_at = params.index(self.size_name) if self.size_name else None
-        self.peer_kw = _P2P_PEER_KW.get(name)
+        # -1: no async_op parameter (isend/irecv are always asynchronous, the others synchronous)
+        self.async_at = params.index("async_op") if "async_op" in params else -1
         self.always_async = name in ("isend", "irecv")
+        self.size_name = _SIZE_ARG.get(name)
+        self.size_at = params.index(self.size_name) if self.size_name else -1
+        self.peer_kw = _P2P_PEER_KW.get(name)
 
     def __call__(self, *args, **kwargs):
-        recorder = self.recorder
-        local = recorder.local
-        if local.inside or not recorder.active:  # re-entered through handle_torch_function
+        local = self.local
+        if local.inside or not self.recorder.active:  # re-entered through handle_torch_function
             return self.original(*args, **kwargs)
-        index = None
-        if local.coalescing is None:
-            n = len(args)
+        recorder, index, n = self.recorder, None, len(args)
+        at = self.size_at
+        nbytes = 0 if at < 0 else _nbytes(args[at] if n > at else kwargs.get(self.size_name))
+        pending = local.coalescing
+        if pending is None:
             group = args[self.group_at] if n > self.group_at else kwargs.get("group")
             at = self.async_at
             is_async = self.always_async or (
-                at is not None and bool(args[at] if n > at else kwargs.get("async_op"))
+                at >= 0 and bool(args[at] if n > at else kwargs.get("async_op"))
             )
             if self.peer_kw is None:
                 channel, peer, flags = recorder.group(group), NO_PEER, 0
@@ -543,19 +577,19 @@ class _OpWrapper(CommWrapper):
                 peer = peer if peer >= 0 else NO_PEER
             if channel is not None:  # None: not a member (torch does nothing either)
                 flags |= ASYNC if is_async else 0
-                index = recorder.enter(self.kind, channel, self._size(args, kwargs), flags, peer)
+                # one clock read: the record's enter time, and the start of the blocked interval
+                started = _monotonic()
+                index = recorder.enter(self.kind, channel, nbytes, flags, peer, 1, started)
         else:  # inside a coalescing block: recorded as one op when the block ends
-            pending = local.coalescing
             pending.kind = pending.kind or self.kind
-            pending.nbytes += self._size(args, kwargs)
+            pending.nbytes += nbytes
             pending.count += 1
         local.inside = True
-        started = time.monotonic()
         try:
             result = self.original(*args, **kwargs)
         except BaseException:
             if index is not None:
-                recorder.mark((index,), OpState.FAILED)
+                recorder.mark((index,), _FAILED)
             raise
         finally:
             local.inside = False
@@ -563,15 +597,10 @@ class _OpWrapper(CommWrapper):
             return result
         if is_async and result is not None:
             return _RecordedWork(result, recorder, (index,))
-        recorder.leave(index)
-        recorder.blocked_s += time.monotonic() - started
+        left = _monotonic()  # the record's leave time, and the end of the blocked interval
+        recorder.leave(index, left)
+        recorder.blocked_s += left - started
         return result
-
-    def _size(self, args, kwargs) -> int:
-        if self.size_at is None:
-            return 0
-        value = args[self.size_at] if len(args) > self.size_at else kwargs.get(self.size_name)
-        return _nbytes(value)
 
     def _peer(self, args, kwargs, group) -> int:
         peer = (
@@ -593,17 +622,19 @@ class _RecordedWork:
     def wait(self, *args, **kwargs):
         if self._done:
             return self._work.wait(*args, **kwargs)
-        self._recorder.mark(self.indices, OpState.WAITING)
-        started = time.monotonic()
+        recorder, indices = self._recorder, self.indices
+        started = _monotonic()  # the WAITING time, and the start of the blocked interval
+        recorder.mark(indices, _WAITING, started)
         try:
             result = self._work.wait(*args, **kwargs)
         except BaseException:
-            self._recorder.mark(self.indices, OpState.FAILED)
+            recorder.mark(indices, _FAILED)
             raise
         finally:
             self._done = True
-        self._recorder.mark(self.indices, OpState.LEFT)
-        self._recorder.blocked_s += time.monotonic() - started
+        left = _monotonic()
+        recorder.mark(indices, _LEFT, left)
+        recorder.blocked_s += left - started
         return result
 
     def __getattr__(self, name):
