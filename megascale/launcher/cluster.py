@@ -145,11 +145,9 @@ def _die_with_launcher(launcher_pid: int) -> None:
     die with the agent), and exit now if it already has (it died before the ``prctl``). Only
     here, in the launcher's fork path: ``megascale agent`` / ``megascale controller`` started
     by hand or by a pod are not tied to their parent."""
-    from megascale.launcher.workers import die_with_parent
+    from megascale.launcher.lifetime import die_with_parent
 
-    die_with_parent()
-    if os.getppid() != launcher_pid:
-        os._exit(1)
+    die_with_parent(parent=launcher_pid)
 
 
 def _agent_process(agent_opts: Any, store_cfg: Any, launcher_pid: int) -> None:

@@ -35,7 +35,6 @@ it tries the same ones again a few times, ``RESTART_RETRY_WAIT_S`` apart.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import logging
@@ -50,14 +49,14 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Callable
 from pathlib import Path
+
+from megascale.launcher.lifetime import die_with_parent_preexec
 
 logger = logging.getLogger(__name__)
 
 _DEBIAN_BINARY = "/usr/bin/etcd"
 _LOG_TAIL_CHARS = 4000
-_PR_SET_PDEATHSIG = 1
 _PORT_TAKEN = b"address already in use"
 RESTART_ATTEMPTS = 5
 """Starts a ``restart()`` tries on its (fixed) ports when they are taken."""
@@ -111,25 +110,6 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent_preexec() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGKILL when this process dies (``prctl``
-    ``PR_SET_PDEATHSIG``, kept across ``exec`` and ``setsid``), and SIGKILLs it at once if this
-    process died before the call; None where there is no ``prctl``. ``prctl`` is looked up here,
-    in the parent, so that the forked child only makes the system call."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
 
 
 class EmbeddedEtcd:
@@ -300,7 +280,7 @@ class EmbeddedEtcd:
     def _spawn_and_wait(self) -> None:
         self._tmp.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        preexec = _die_with_parent_preexec() if self.die_with_parent else None
+        preexec = die_with_parent_preexec() if self.die_with_parent else None
         with open(self.log_path, "ab") as log:
             # Own session: a Ctrl-C at the terminal reaches the launcher, which stops etcd last.
             self._proc = subprocess.Popen(

@@ -23,7 +23,6 @@ worker's errors and exit as secondary: a symptom of another rank's fault, not a 
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import logging
@@ -40,6 +39,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
+
+from megascale.launcher.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +68,6 @@ NOTICE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
 EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 """The line that ends a Python traceback (``RuntimeError: ...``), torch's ``[rankN]:`` prefix
 allowed."""
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies (no-op elsewhere)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
