@@ -123,7 +123,7 @@ class ControllerFSM:
         self._section_nodes: Counter[str] = Counter()  # section -> nodes in it (O(1) queries)
         self.checkpoint_since: float | None = None
         self.last_seen: dict[str, float] = {n: self.now for n in self.order}
-        self.flight: dict[int, FlightRecord] = {}
+        self.flight: dict[int, Mapping[str, Any]] = {}  # rank -> its last flight record, as sent
         self.clean_exits: set[int] = set()
 
     # -- queries -------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ class ControllerFSM:
                 self.timeouts.observe("checkpoint", now - self.checkpoint_since)
             self.checkpoint_since = None
         for rank, record in (payload.get("flight") or {}).items():
-            self.flight[int(rank)] = FlightRecord.from_json(record)
+            self.flight[int(rank)] = record  # parsed only if a stall is declared
         step = payload.get("step")
         if step is not None and (self.step is None or int(step) > self.step):
             if self.step is not None:
@@ -405,6 +405,17 @@ class ControllerFSM:
         if self.state not in (S.STARTING, S.RUNNING):
             return []
         return self._stall(tuple(sorted(suspects)), dict(detail or {}))
+
+    def _stall_suspects(self) -> list[int]:
+        """``stall_suspects`` over the ranks' last flight records (a malformed one counts as
+        missing: its rank is a suspect if it belongs to the awaited collective)."""
+        records = {}
+        for rank, record in self.flight.items():
+            try:
+                records[rank] = FlightRecord.from_json(record)
+            except (KeyError, TypeError, ValueError):
+                continue
+        return stall_suspects(records, ranks=range(self.policy.world_size))
 
     def _stall(self, suspects: tuple[int, ...], detail: dict[str, Any]) -> list[Action]:
         layout = self.policy.layout
@@ -621,7 +632,7 @@ class ControllerFSM:
             stalled, timeout = now - self.step_at, self.stall_timeout()
             if stalled > timeout:
                 return self._stall(
-                    tuple(stall_suspects(self.flight, ranks=range(self.policy.world_size))),
+                    tuple(self._stall_suspects()),
                     {
                         "section": self.section(),
                         "stalled_s": round(stalled, 3),
