@@ -439,9 +439,15 @@ def resume(trainer: Trainer, cfg: CheckpointConfig, run_dir: Path) -> int | None
 
 
 def load_latest(
-    trainer: Trainer, where: str | Path | Storage, *, broadcast: bool = True
+    trainer: Trainer,
+    where: str | Path | Storage,
+    *,
+    broadcast: bool = True,
+    step: int | None = None,
 ) -> int | None:
     """Load the newest checkpoint that every rank can verify; return its step (None: none).
+
+    ``step`` loads that checkpoint only (None when it is not complete or does not verify).
 
     Collective: the ranks agree on the choice, so one bad file makes all ranks fall back together.
     With ``broadcast``, dp_rank 0 reads its DP group's shared file and broadcasts it.
@@ -450,7 +456,8 @@ def load_latest(
     groups = trainer.groups
     listed = [storage.complete_steps() if groups.rank == 0 else None]
     dist.broadcast_object_list(listed, src=0)  # one listing, so every rank walks the same steps
-    for step in reversed(listed[0]):
+    candidates = [s for s in listed[0] if step is None or s == step]
+    for step in reversed(candidates):  # noqa: B020 - the requested step is one of them
         loaded, has_shared, why = _read_verified(storage, step, groups, broadcast)
         flag = torch.tensor([0 if loaded is None else 1], dtype=torch.int32, device=trainer.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
