@@ -191,10 +191,14 @@ class CheckpointConfig:
     async_save: bool = True
     """Two-stage save: copy the state to host memory (training resumes at once), then write it in a
     background thread. false: write before training continues (the synchronous baseline)."""
+    reshard: bool = True
+    """Load a checkpoint saved with another parallel layout (TP, PP, VPP, DP, with or without the
+    distributed optimizer) by resharding it. false: a run whose checkpoints were saved with another
+    layout refuses to start (its checkpoints are left as they are)."""
     broadcast_on_load: bool = True
-    """On restart, one rank per data-parallel group reads the state its DP peers share (model
-    weights; optimizer state too unless the distributed optimizer shards it) and broadcasts it to
-    them; false: every rank reads it from storage."""
+    """Checkpoints of the older layout-bound format (before resharding): on restart, one rank per
+    data-parallel group reads the state its DP peers share and broadcasts it to them; false: every
+    rank reads it from storage."""
     write_timeout_s: float = 600.0
     """How long rank 0's writer waits for every rank's files of one checkpoint before it gives up
     on writing that checkpoint's manifest (the checkpoint is then incomplete and never loaded)."""

@@ -1,43 +1,41 @@
-"""Checkpoints: a two-stage save written manifest-last, and a restart that reads once per DP group.
+"""Checkpoints that any parallel layout can load: a two-stage save written manifest-last, and a
+restart that reshards.
 
 Layout, under ``checkpoint.url`` (default ``RUN_DIR/checkpoints``; a directory or an fsspec URL)::
 
-    step_00000020/model_pp01_tp00.pt    what the DP ranks at (pp=1, tp=0) share: model chunks, and
-                                        the optimizer state when the distributed optimizer does not
-                                        shard it. Written once per DP group, by dp_rank 0.
-    step_00000020/rank_00003.pt         rank 3's own state: its optimizer and fp32 main-param shard
-                                        (distributed optimizer), scheduler, data loader, RNG.
-    step_00000020/done/rank_00003.json  rank 3's "my files are written" marker: their sha256 and
-                                        size, and this run's save token. Removed after the manifest.
-    step_00000020/manifest.json         written LAST, by rank 0: step, layout, and every file's
-                                        sha256 and size.
+    step_00000020/rank_00003/...       rank 3's pieces of every global tensor it holds (a DCP
+                                       checkpoint of its own), and its RNG state
+    step_00000020/common.pt            step, scheduler, data position, optimizer step count (rank 0)
+    step_00000020/.metadata            every rank's pieces merged: the step directory reads as one
+                                       torch.distributed.checkpoint (DCP) checkpoint
+    step_00000020/done/rank_00003.json rank 3's "my files are written" marker: their sha256 and
+                                       size, and this run's save token. Removed after the manifest.
+    step_00000020/manifest.json        written LAST, by rank 0: step, layout, every file's sha256
+
+What is saved (``checkpoint_shards``): every model parameter under its megatron-core checkpoint key
+with its global shape, and the optimizer state (fp32 main params, Adam or LAMB moments) with the
+same keys and shapes, each rank writing the boxes of them it holds (main replicas only). So a
+checkpoint written at TP2 x PP2 x DP2 with the distributed optimizer loads at one rank, at DP4, at
+PP2 x VPP2, without the distributed optimizer: ``load_latest`` asks DCP for the boxes the loading
+rank holds and DCP reads the overlapping parts of the saved ones. The data position is a global
+sample count, so the resumed run reads the samples the uninterrupted run would have read.
 
 Save (``Checkpointer.save``, every rank at the same steps). Stage 1 is the training stall: wait for
-this rank's previous save (one in flight per rank), ``sync_params``, copy the state into host
-buffers (pinned on a GPU), return. Stage 2 runs in a background thread: write this rank's files
-(temporary name, then rename; the sha256 is computed as the bytes stream out), then its done
-marker. Rank 0's thread then waits until every rank's marker for this save is there, writes the
-manifest (temporary name, then rename), removes the markers, and prunes to the last ``keep``.
-
-Why a manifest is never left by a half-written checkpoint: the manifest is only ever written by
-rank 0 after it has read a done marker from all ``world_size`` ranks, a marker is written only after
-that rank's files were renamed into place, and every rename is atomic (a crash while the
-manifest itself is written leaves ``manifest.json.<token>.tmp``). A crash anywhere earlier leaves a
-directory without ``manifest.json``, which is never loaded and is removed by a later prune. Markers carry a token that the ranks agree on when the ``Checkpointer`` is built, so a marker
-left at the same step by an earlier, crashed attempt never counts; and checkpoints newer than the
-step a run starts from (a lost future, e.g. the corrupt one a restart skipped) lose their manifest
-before this run writes anything.
+this rank's previous save (one in flight per rank), ``sync_params``, copy the pieces into host
+buffers (reused from one save to the next; pinned on a GPU), return. Stage 2 runs in a background
+thread and needs no communication: write this rank's DCP files and RNG, hash them, write the done
+marker. Rank 0's thread then waits until every rank's marker is there, merges the ranks' DCP
+metadata into the step's ``.metadata``, writes the manifest (temporary name, then rename), removes
+the markers, and prunes to the last ``keep``. A crash anywhere before the manifest leaves a
+directory that is never loaded.
 
 Restart (``load_latest``, collective): rank 0 lists the complete checkpoints and broadcasts the
-list. For the newest first, every rank reads and verifies (size, sha256) its ``rank_*.pt``, and
-dp_rank 0 of each DP group reads and verifies the group's ``model_*.pt`` (every rank does with
-``broadcast_on_load = false``); all ranks agree with one all-reduce, so one bad file makes every
-rank fall back to the previous checkpoint together. Then each dp_rank 0 broadcasts the shared state
-to its DP peers. Files are read once (verify and load from the same bytes) and loaded with
-``torch.load(weights_only=True)``: tensors and plain data, never code; the loader opens only the
-file names it computes itself, never names taken from a manifest. Resuming needs the same parallel
-layout; the manifest records it and the loader checks. Format 1 checkpoints (everything in
-``rank_*.pt``) still load: their manifest lists no ``model_*.pt``.
+list and the newest manifest. The ranks verify every file of it (size, sha256; each rank a share,
+agreed with one all-reduce), so one bad file makes every rank fall back to the previous checkpoint
+together. A checkpoint that verifies but cannot be loaded here (another layout with
+``checkpoint.reshard = false``, or the layout-bound format of older versions at another layout) is
+never skipped, retired or pruned: the run refuses to start (``CheckpointUnusable``), naming both
+layouts and the way forward. Loading never executes code (see ``checkpoint_format``).
 """
 
 from __future__ import annotations
@@ -56,18 +54,26 @@ import torch.distributed as dist
 
 from megascale.config import CheckpointConfig
 from megascale.overlap.dp import sync_params
+from megascale.train import checkpoint_format as fmt
+from megascale.train import checkpoint_legacy as legacy
 from megascale.train.checkpoint_io import (
     DONE_DIR,
     MANIFEST,
     HostCopier,
     Storage,
-    broadcast_tree,
     check_config,
     load_state_bytes,
     location,
     sha256_hex,
     step_name,
-    tree_bytes,
+)
+from megascale.train.checkpoint_shards import (
+    Entry,
+    ensure_optimizer_state,
+    optimizer_step_count,
+    set_optimizer_step_count,
+    to_dcp,
+    training_entries,
 )
 
 if TYPE_CHECKING:
@@ -76,7 +82,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+COMMON = "common.pt"
 
 fault_hook: Callable[[str, int, int], None] | None = None
 """Tests only: called as ``fault_hook(point, rank, step)`` at points of stage 2 ("stage2_start",
@@ -88,6 +95,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (raised by the next ``save``/``wait`` on that rank)."""
 
 
+class CheckpointUnusable(RuntimeError):
+    """Complete checkpoints exist that this run cannot load; it must not start (nothing of them
+    is changed). The message is one line for the user."""
+
+
 def _fault(point: str, rank: int, step: int) -> None:
     if fault_hook is not None:
         fault_hook(point, rank, step)
@@ -97,33 +109,27 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / step_name(step)
 
 
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
+def rank_dir(rank: int) -> str:
+    return f"rank_{rank:05d}"
 
 
-def model_file(pp_rank: int, tp_rank: int) -> str:
-    return f"model_pp{pp_rank:02d}_tp{tp_rank:02d}.pt"
+def _layout(groups: Groups, trainer: Trainer | None = None) -> dict:
+    layout = {"tp": groups.layout.tp, "pp": groups.layout.pp, "dp": groups.layout.dp}
+    if trainer is not None:
+        layout["vpp"] = len(trainer.model)
+        layout["distributed_optimizer"] = trainer.job.parallel.distributed_optimizer
+    return layout
 
 
-def _layout(groups: Groups) -> dict:
-    return {"tp": groups.layout.tp, "pp": groups.layout.pp, "dp": groups.layout.dp}
+def _describe(layout: dict | None) -> str:
+    if not isinstance(layout, dict):
+        return repr(layout)
+    return " x ".join(f"{k.upper()}{layout[k]}" for k in ("tp", "pp", "dp") if k in layout)
 
 
 # --------------------------------------------------------------------------------------------------
-# What a checkpoint holds
+# What a checkpoint holds, besides the tensors
 # --------------------------------------------------------------------------------------------------
-
-
-def _inner_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _main_params(optimizer) -> list[torch.Tensor]:
-    """fp32 main copies that are not views of model params (bf16 training)."""
-    groups = getattr(optimizer, "shard_fp32_from_float16_groups", None)
-    if groups is None:
-        groups = getattr(optimizer, "fp32_from_float16_groups", [])
-    return [p for group in groups for p in group]
 
 
 def _rng_state() -> dict:
@@ -144,76 +150,35 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _optimizer_state(trainer: Trainer) -> dict:
-    inner = _inner_optimizers(trainer.optimizer)
-    return {
-        "optimizer": [opt.optimizer.state_dict() for opt in inner],
-        "main_params": [[p.detach() for p in _main_params(opt)] for opt in inner],
-    }
-
-
-def _optimizer_sharded(trainer: Trainer) -> bool:
-    """The distributed optimizer gives each DP rank different optimizer state and main params."""
-    return trainer.job.parallel.distributed_optimizer and trainer.groups.layout.dp > 1
-
-
-def state_files(trainer: Trainer) -> dict[str, dict]:
-    """This rank's files of a checkpoint -> what each holds. Live tensors (not copies). Collective.
-
-    Every rank writes ``rank_*.pt``; dp_rank 0 also writes its DP group's ``model_*.pt``.
-    """
-    sync_params(trainer.model)
-    groups = trainer.groups
-    head = {"format_version": FORMAT_VERSION, "step": trainer.step_num}
-    optimizer = _optimizer_state(trainer)
-    sharded = _optimizer_sharded(trainer)
-    own = {
-        **head,
-        "scheduler": trainer.scheduler.state_dict(),
-        "data": trainer.data.state_dict(),
-        "rng": _rng_state(),
-        **(optimizer if sharded else {}),
-    }
-    files = {rank_file(groups.rank): own}
-    if groups.dp_rank == 0:
-        files[model_file(groups.pp_rank, groups.tp_rank)] = {
-            **head,
-            "model": [chunk.state_dict() for chunk in trainer.model],
-            **({} if sharded else optimizer),
-        }
-    return files
-
-
-def trainer_state(trainer: Trainer) -> dict:
-    """This rank's complete training state, as tensors and plain data (live, not copies).
-    Collective."""
-    sync_params(trainer.model)
+def _common_state(trainer: Trainer) -> dict:
+    """The job's scalars; equal on every rank, saved by rank 0."""
     return {
         "format_version": FORMAT_VERSION,
         "step": trainer.step_num,
-        "model": [chunk.state_dict() for chunk in trainer.model],
-        **_optimizer_state(trainer),
         "scheduler": trainer.scheduler.state_dict(),
         "data": trainer.data.state_dict(),
-        "rng": _rng_state(),
+        "optimizer_step": optimizer_step_count(trainer),
     }
 
 
-@torch.no_grad()
-def load_trainer_state(trainer: Trainer, state: dict) -> None:
-    for chunk, chunk_state in zip(trainer.model, state["model"], strict=True):
-        chunk.load_state_dict(chunk_state)
-    inner = _inner_optimizers(trainer.optimizer)
-    for opt, opt_state, mains in zip(inner, state["optimizer"], state["main_params"], strict=True):
-        opt.optimizer.load_state_dict(opt_state)
-        for param, saved in zip(_main_params(opt), mains, strict=True):
-            param.copy_(saved)
+def _apply_common(trainer: Trainer, common: dict) -> None:
     # megatron-core's scheduler adds the saved step count to its current one: start from zero.
     trainer.scheduler.num_steps = 0
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.data.load_state_dict(state["data"])
-    _set_rng_state(state["rng"])
-    trainer.step_num = state["step"]
+    trainer.scheduler.load_state_dict(common["scheduler"])
+    trainer.data.load_state_dict(common["data"])
+    set_optimizer_step_count(trainer, float(common["optimizer_step"]))
+    trainer.step_num = int(common["step"])
+
+
+def snapshot(trainer: Trainer) -> tuple[list[Entry], dict]:
+    """This rank's part of a checkpoint, live (not copies): the entries it saves (main replicas)
+    and its small state (RNG; rank 0 also the common state). Collective (``sync_params``)."""
+    sync_params(trainer.model)
+    entries = [e for e in training_entries(trainer) if e.main]
+    small = {"rng": _rng_state()}
+    if trainer.groups.rank == 0:
+        small["common"] = _common_state(trainer)
+    return entries, small
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,17 +189,19 @@ def load_trainer_state(trainer: Trainer, state: dict) -> None:
 class Checkpointer:
     """Saves this rank's checkpoints in two stages; see the module docstring for the protocol.
 
-    Build one per rank after resuming (collective: the ranks agree on a save token, and rank 0
-    retires checkpoints newer than the trainer's step). Call ``save`` on every rank at the same
-    steps and ``finalize`` on every rank at the end of training. A failed background write is raised
-    as CheckpointError by the next ``save``/``wait``/``finalize`` on that rank.
+    Build one per rank after resuming (collective: the ranks agree on a save token; when a
+    checkpoint was loaded, rank 0 retires the checkpoints newer than it). Call ``save`` on every
+    rank at the same steps and ``finalize`` on every rank at the end of training. A failed
+    background write is raised as CheckpointError by the next ``save``/``wait``/``finalize``.
 
     ``last_stall_s`` is the training time the last ``save`` took (stage 1, including the wait for
     the previous save, reported separately as ``last_wait_s``); ``total_stall_s`` sums them.
     ``last_write_s`` is how long the last finished stage 2 took (rank 0: until its manifest).
     """
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: Path, trainer: Trainer) -> None:
+    def __init__(
+        self, cfg: CheckpointConfig, run_dir: Path, trainer: Trainer, resumed: int | None = None
+    ) -> None:
         self.groups, self.device = trainer.groups, trainer.device
         check_config(cfg, self.groups.layout.world_size)
         self.cfg = cfg
@@ -242,15 +209,19 @@ class Checkpointer:
         token = [uuid.uuid4().hex if self.groups.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         self.token: str = token[0]
+        self.layout = _layout(self.groups, trainer)
         self._copier = HostCopier()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_stall_s = self.last_wait_s = self.total_stall_s = self.last_write_s = 0.0
         self.saves = 0
         if cfg.async_save and cfg.interval > 0:
-            self._copier.reserve(state_files(trainer))  # the first save then stalls no longer
+            self._copier.reserve(_tree(*snapshot(trainer)))  # the first save then stalls no longer
         if self.groups.rank == 0:
-            _retire_newer_than(self.storage, trainer.step_num)
+            if resumed is not None:
+                _retire_newer_than(self.storage, resumed)
+            elif cfg.interval > 0:
+                _refuse_to_overwrite(self.storage)
         dist.barrier()  # no rank writes before the retired manifests are gone
 
     @property
@@ -266,9 +237,9 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()  # one save in flight per rank; its host buffers are about to be reused
         self.last_wait_s = time.perf_counter() - start
-        step, files = trainer.step_num, state_files(trainer)
+        step, tree = trainer.step_num, _tree(*snapshot(trainer))
         if self.cfg.async_save:
-            host = self._copier.copy(files)  # stage 1: training may change the live tensors now
+            host = self._copier.copy(tree)  # stage 1: training may change the live tensors now
             self._thread = threading.Thread(
                 target=self._stage2,
                 args=(step, host),
@@ -277,7 +248,7 @@ class Checkpointer:
             )
             self._thread.start()
         else:
-            self._stage2(step, files)
+            self._stage2(step, tree)
             self.wait()
         self.last_stall_s = time.perf_counter() - start
         self.total_stall_s += self.last_stall_s
@@ -309,25 +280,35 @@ class Checkpointer:
                 self.total_stall_s,
             )
 
-    def _stage2(self, step: int, files: dict[str, dict]) -> None:
+    def _stage2(self, step: int, tree: dict) -> None:
         start = time.perf_counter()
         if threading.current_thread() is not threading.main_thread():
             _lower_thread_priority()  # training first when they compete for a core
         try:
-            self._write(step, files)
+            self._write(step, tree)
             self.last_write_s = time.perf_counter() - start
         except BaseException as e:  # reported by the next save/wait on the training thread
             logger.error("checkpoint step %d: write failed: %s", step, e)
             self._error = e
 
-    def _write(self, step: int, files: dict[str, dict]) -> None:
+    def _write(self, step: int, tree: dict) -> None:
         rank, sdir = self.groups.rank, step_name(step)
+        mine = f"{sdir}/{rank_dir(rank)}"
         _fault("stage2_start", rank, step)
+        state = to_dcp(_entries(tree), rank, self.groups.layout.world_size)
+        fmt.write_pieces(state, self.storage.path(mine))
         written = {}
-        for name, state in files.items():
-            sha, size = self.storage.write_state(f"{sdir}/{name}", state, self.token)
-            written[name] = {"sha256": sha, "bytes": size}
-            _fault("file_written", rank, step)
+        for name in self.storage.listdir(mine):
+            data = self.storage.read_bytes(f"{mine}/{name}") or b""
+            written[f"{rank_dir(rank)}/{name}"] = {"sha256": sha256_hex(data), "bytes": len(data)}
+        sha, size = self.storage.write_state(f"{mine}/rng.pt", tree["small"]["rng"], self.token)
+        written[f"{rank_dir(rank)}/rng.pt"] = {"sha256": sha, "bytes": size}
+        if "common" in tree["small"]:
+            sha, size = self.storage.write_state(
+                f"{sdir}/{COMMON}", tree["small"]["common"], self.token
+            )
+            written[COMMON] = {"sha256": sha, "bytes": size}
+        _fault("file_written", rank, step)
         marker = {"token": self.token, "rank": rank, "step": step, "files": written}
         self.storage.write_json(f"{sdir}/{DONE_DIR}/rank_{rank:05d}.json", marker, self.token)
         _fault("marker_written", rank, step)
@@ -335,10 +316,11 @@ class Checkpointer:
             return
         entries = self._await_markers(step)
         _fault("before_manifest", rank, step)
+        entries[fmt.METADATA] = self._write_merged_metadata(sdir, entries)
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": step,
-            "layout": _layout(self.groups),
+            "layout": self.layout,
             "files": entries,
             "token": self.token,
             "time": time.time(),
@@ -350,6 +332,20 @@ class Checkpointer:
         )
         self._tidy(sdir)
         prune(self.storage, self.cfg.keep)
+
+    def _write_merged_metadata(self, sdir: str, files: dict[str, dict]) -> dict:
+        """The ranks' DCP metadata (checked against their markers) merged into ``.metadata``."""
+        parts = {}
+        for name, entry in files.items():
+            if not name.endswith(f"/{fmt.METADATA}"):
+                continue
+            data = self.storage.read_bytes(f"{sdir}/{name}")
+            if data is None or sha256_hex(data) != entry["sha256"]:
+                raise CheckpointError(f"{sdir}/{name} changed after its rank wrote it")
+            parts[name.split("/")[0]] = fmt.load_metadata(data)
+        data = fmt.metadata_bytes(fmt.merge_metadata(parts))
+        sha, size = self.storage.write_bytes(f"{sdir}/{fmt.METADATA}", data, self.token)
+        return {"sha256": sha, "bytes": size}
 
     def _await_markers(self, step: int) -> dict[str, dict]:
         """Every rank's files for this save (this token), from their done markers; polls storage."""
@@ -385,6 +381,22 @@ class Checkpointer:
                 self.storage.remove(f"{sdir}/{name}")
 
 
+def _tree(entries: list[Entry], small: dict) -> dict:
+    """A snapshot as one tree of tensors (what the host copier copies)."""
+    return {
+        "entries": [(e.key, e.global_shape, [(off, t) for off, t in e.pieces]) for e in entries],
+        "small": small,
+    }
+
+
+def _entries(tree: dict) -> list[Entry]:
+    return [
+        Entry(key, tuple(shape), pieces[0][1].dtype, [(tuple(o), t) for o, t in pieces])
+        for key, shape, pieces in tree["entries"]
+        if pieces
+    ]
+
+
 def _lower_thread_priority() -> None:
     """Nice the calling thread (Linux schedules threads as tasks; raising a nice value needs no
     privilege). Best effort."""
@@ -410,16 +422,28 @@ def prune(storage: Storage, keep: int) -> None:
 
 
 def _retire_newer_than(storage: Storage, step: int) -> None:
-    """Drop the manifest of checkpoints after ``step``: this run rewrites those steps."""
+    """Drop the manifest of checkpoints after ``step``, the checkpoint this run loaded: they did
+    not verify when it started (it loads the newest that does), and this run rewrites those steps."""
     for newer in storage.complete_steps():
         if newer > step:
             logger.warning(
-                "checkpoint %s is newer than the starting step %d: this run rewrites it, so it is "
-                "marked incomplete",
+                "checkpoint %s is newer than the loaded step %d and did not verify: this run "
+                "rewrites it, so it is marked incomplete",
                 step_name(newer),
                 step,
             )
             storage.remove(f"{step_name(newer)}/{MANIFEST}")
+
+
+def _refuse_to_overwrite(storage: Storage) -> None:
+    """A run that loaded no checkpoint must not write over complete ones (checkpoint.resume off)."""
+    complete = storage.complete_steps()
+    if complete:
+        raise CheckpointUnusable(
+            f"{storage.path(step_name(complete[-1]))} is a complete checkpoint and this run did "
+            "not load it (checkpoint.resume = false): it would be overwritten; use another run "
+            "directory or checkpoint.url, or resume"
+        )
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -435,7 +459,9 @@ def complete_checkpoints(root: Path) -> list[Path]:
 def resume(trainer: Trainer, cfg: CheckpointConfig, run_dir: Path) -> int | None:
     """Load the latest complete checkpoint at this job's checkpoint location. Collective."""
     check_config(cfg, trainer.groups.layout.world_size)
-    return load_latest(trainer, location(cfg, run_dir), broadcast=cfg.broadcast_on_load)
+    return load_latest(
+        trainer, location(cfg, run_dir), broadcast=cfg.broadcast_on_load, reshard=cfg.reshard
+    )
 
 
 def load_latest(
@@ -444,78 +470,117 @@ def load_latest(
     *,
     broadcast: bool = True,
     step: int | None = None,
+    reshard: bool = True,
 ) -> int | None:
-    """Load the newest checkpoint that every rank can verify; return its step (None: none).
-
-    ``step`` loads that checkpoint only (None when it is not complete or does not verify).
+    """Load the newest checkpoint that every rank can verify; return its step (None: none exist).
 
     Collective: the ranks agree on the choice, so one bad file makes all ranks fall back together.
-    With ``broadcast``, dp_rank 0 reads its DP group's shared file and broadcasts it.
+    ``step`` loads that checkpoint only. Raises CheckpointUnusable, on every rank, when complete
+    checkpoints exist and none can be loaded here (a layout change with ``reshard`` off, an older
+    layout-bound format at another layout, or none verifies). ``broadcast`` applies to the older
+    format (one read per DP group).
     """
     storage = where if isinstance(where, Storage) else Storage(where)
     groups = trainer.groups
     listed = [storage.complete_steps() if groups.rank == 0 else None]
     dist.broadcast_object_list(listed, src=0)  # one listing, so every rank walks the same steps
     candidates = [s for s in listed[0] if step is None or s == step]
-    for step in reversed(candidates):  # noqa: B020 - the requested step is one of them
-        loaded, has_shared, why = _read_verified(storage, step, groups, broadcast)
-        flag = torch.tensor([0 if loaded is None else 1], dtype=torch.int32, device=trainer.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if int(flag) == 1:
-            state = _assemble(loaded, has_shared and broadcast, groups, trainer.device)
-            load_trainer_state(trainer, state)
-            logger.info("resumed from %s", storage.path(step_name(step)))
-            return step
-        logger.warning(
-            "skipping checkpoint %s: %s",
-            step_name(step),
-            why or "a file another rank reads does not verify",
+    if step is not None and not candidates:
+        raise CheckpointUnusable(
+            f"no complete checkpoint at step {step} in {storage.path('')}; complete: "
+            f"{listed[0] or 'none'}"
+        )
+    skipped = []
+    for candidate in reversed(candidates):
+        manifest = [
+            storage.read_json(f"{step_name(candidate)}/{MANIFEST}") if groups.rank == 0 else None
+        ]
+        dist.broadcast_object_list(manifest, src=0)
+        _check_loadable(manifest[0], candidate, trainer, storage, reshard)
+        if int(manifest[0].get("format_version", 1)) < FORMAT_VERSION:
+            loaded = legacy.load_step(trainer, storage, candidate, broadcast=broadcast)
+            why = "a file does not verify"
+        else:
+            loaded, why = _load_step(trainer, storage, candidate, manifest[0])
+        if loaded:
+            logger.info("resumed from %s", storage.path(step_name(candidate)))
+            return candidate
+        logger.warning("skipping checkpoint %s: %s", step_name(candidate), why)
+        skipped.append(f"{step_name(candidate)} ({why})")
+    if skipped:
+        raise CheckpointUnusable(
+            f"no checkpoint in {storage.path('')} can be loaded: {'; '.join(skipped)}; they are "
+            "left as they are: repair or move them, or use another run directory"
         )
     return None
 
 
-def _read_verified(
-    storage: Storage, step: int, groups: Groups, broadcast: bool
-) -> tuple[dict | None, bool, str]:
-    """Read, verify and load the files this rank reads at ``step``.
+def _check_loadable(
+    manifest: dict | None, step: int, trainer: Trainer, storage: Storage, reshard: bool
+) -> None:
+    """Raise CheckpointUnusable when this complete checkpoint cannot be loaded at this layout."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return  # unreadable: it fails verification and the previous one is tried
+    saved, here = manifest.get("layout"), _layout(trainer.groups, trainer)
+    if not isinstance(saved, dict):
+        saved = {}
+    same = all(saved.get(k) == here[k] for k in ("tp", "pp", "dp"))
+    where = storage.path(step_name(step))
+    if int(manifest.get("format_version", 1)) < FORMAT_VERSION and not same:
+        raise CheckpointUnusable(
+            f"{where} was saved by an older megascale in a format bound to its layout "
+            f"({_describe(saved)}); this run is {_describe(here)}: resume it at "
+            f"{_describe(saved)} once (its next checkpoint is layout-independent), or use "
+            "another run directory"
+        )
+    if saved != here and not reshard:
+        raise CheckpointUnusable(
+            f"{where} was saved with layout {_describe(saved)}, this run is {_describe(here)}, "
+            "and checkpoint.reshard = false: set checkpoint.reshard = true to load it at this "
+            f"layout, run at {_describe(saved)}, or use another run directory"
+        )
 
-    Returns ({name: state} or None, whether the checkpoint has a shared per-DP-group file (format
-    1 had none), why not when None).
-    """
-    sdir = step_name(step)
-    manifest = storage.read_json(f"{sdir}/{MANIFEST}")
-    if manifest is None or not isinstance(manifest.get("files"), dict):
-        return None, False, "unreadable manifest"
-    if manifest.get("layout") != _layout(groups):
-        layout = manifest.get("layout")
-        return None, False, f"saved with layout {layout}, this run is {_layout(groups)}"
-    shared = model_file(groups.pp_rank, groups.tp_rank)
-    has_shared = shared in manifest["files"]
-    names = [rank_file(groups.rank)]
-    if has_shared and (not broadcast or groups.dp_rank == 0):
-        names.append(shared)
-    loaded = {}
-    for name in names:
-        entry = manifest["files"].get(name)
-        data = storage.read_bytes(f"{sdir}/{name}") if entry else None
-        if entry is None or data is None:
-            return None, has_shared, f"{name} missing"
+
+def _verify_share(storage: Storage, sdir: str, files: dict, rank: int, world: int) -> str:
+    """Verify this rank's share of a checkpoint's files; return why not ('' when all verify)."""
+    for i, name in enumerate(sorted(files)):
+        if i % world != rank:
+            continue
+        entry, data = files[name], storage.read_bytes(f"{sdir}/{name}")
+        if data is None:
+            return f"{name} missing"
         if len(data) != entry.get("bytes") or sha256_hex(data) != entry.get("sha256"):
-            return None, has_shared, f"{name} does not match its checksum"
-        try:
-            loaded[name] = load_state_bytes(data)
-        except Exception as e:  # weights_only refuses anything but tensors and plain data
-            return None, has_shared, f"{name} cannot be loaded: {e}"
-    return loaded, has_shared, ""
+            return f"{name} does not match its checksum"
+    return ""
 
 
-def _assemble(loaded: dict, broadcast_shared: bool, groups: Groups, device: str) -> dict:
-    """This rank's full state: its own file plus its DP group's shared file (read here, or
-    broadcast from the group's dp_rank 0)."""
-    shared_name = model_file(groups.pp_rank, groups.tp_rank)
-    shared = loaded.get(shared_name, {})
-    if broadcast_shared and groups.layout.dp > 1:
-        src = dist.get_global_rank(groups.dp, 0)
-        shared = broadcast_tree(shared if groups.dp_rank == 0 else None, src, groups.dp, device)
-        logger.debug("%s: %.1f MB via DP broadcast", shared_name, tree_bytes(shared) / 1e6)
-    return {**shared, **loaded[rank_file(groups.rank)]}
+@torch.no_grad()
+def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) -> tuple[bool, str]:
+    """Verify, then load one layout-independent checkpoint into the trainer. Collective."""
+    groups, sdir, files = trainer.groups, step_name(step), manifest["files"]
+    why = _verify_share(storage, sdir, files, groups.rank, groups.layout.world_size)
+    flag = torch.tensor([0 if why else 1], dtype=torch.int32, device=trainer.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if int(flag) == 0:
+        return False, why or "a file another rank verified does not match"
+    metadata = fmt.load_metadata(storage.read_bytes(f"{sdir}/{fmt.METADATA}") or b"")
+    ensure_optimizer_state(trainer)
+    entries = training_entries(trainer)
+    fmt.read_pieces(
+        to_dcp(entries, groups.rank, groups.layout.world_size), storage.path(sdir), metadata
+    )
+    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        if hasattr(inner, "_copy_main_params_to_model_params"):
+            inner._copy_main_params_to_model_params()  # bf16 model params from the fp32 ones
+    _apply_common(trainer, load_state_bytes(storage.read_bytes(f"{sdir}/{COMMON}") or b""))
+    if manifest.get("layout") == _layout(groups, trainer):
+        rng = f"{rank_dir(groups.rank)}/rng.pt"
+        _set_rng_state(load_state_bytes(storage.read_bytes(f"{sdir}/{rng}") or b""))
+    else:
+        logger.info(
+            "checkpoint %s resharded from %s to %s",
+            sdir,
+            _describe(manifest.get("layout")),
+            _describe(_layout(groups, trainer)),
+        )
+    return True, ""

@@ -184,6 +184,9 @@ class Storage:
         """``torch.save`` a state tree to ``rel``; returns (sha256, bytes) of what was written."""
         return self._write(rel, tmp_suffix, lambda stream: torch.save(state, stream))
 
+    def write_bytes(self, rel: str, data: bytes, tmp_suffix: str) -> tuple[str, int]:
+        return self._write(rel, tmp_suffix, lambda stream: stream.write(data))
+
     def write_json(self, rel: str, obj: Any, tmp_suffix: str) -> None:
         data = json.dumps(obj, indent=1, sort_keys=True).encode()
         self._write(rel, tmp_suffix, lambda stream: stream.write(data))

@@ -135,7 +135,7 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
         timeline=build_timeline(job.diagnostics, run_dir, groups, device),  # null when off
     )
     if job.checkpoint.resume:
-        checkpoint.resume(trainer, job.checkpoint, run_dir)
+        trainer.resumed_from = checkpoint.resume(trainer, job.checkpoint, run_dir)
     if rank == 0:
         logger.info(
             "%s; world %d; step %d of %d",
@@ -165,7 +165,7 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     progress = Progress(job.train.steps, job.train.log_interval) if is_rank0 else None
     last = job.train.steps if stop_after is None else min(stop_after, job.train.steps)
     interval = job.checkpoint.interval
-    saver = checkpoint.Checkpointer(job.checkpoint, run_dir, trainer)
+    saver = checkpoint.Checkpointer(job.checkpoint, run_dir, trainer, trainer.resumed_from)
     history: list[StepMetrics] = []
     try:
         while trainer.step_num < last:

@@ -88,6 +88,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(job.model).total
         self.peak_tflops = peak_tflops
         self.step_num = 0
+        self.resumed_from: int | None = None
+        """The step of the checkpoint this trainer was loaded from (None: trained from scratch)."""
         # megatron-core's own timers (micro-batch forward/backward, p2p, grad sync) report here too.
         self.timeline = timeline
         timeline.attach(self.config, self.optimizer)

@@ -1,0 +1,142 @@
+"""The files of a layout-independent checkpoint: torch.distributed.checkpoint (DCP) on disk.
+
+Layout of ``step_NNNNNNNN/``::
+
+    rank_00003/__0_0.distcp   rank 3's pieces of the global tensors (DCP's file format)
+    rank_00003/.metadata      which pieces, where (a DCP metadata file)
+    rank_00003/rng.pt         rank 3's RNG state (restored only at the same layout)
+    common.pt                 the job's scalars: step, scheduler, data position, optimizer step count
+    .metadata                 the union of every rank's metadata, written by rank 0 after all
+                              ranks' files: the step directory is a plain DCP checkpoint that
+                              ``torch.distributed.checkpoint`` (or its ``format_utils``) reads
+    manifest.json             written LAST: layout, every file's sha256 and size
+
+Why one DCP checkpoint per rank, merged, instead of one collective ``dcp.save``: a collective save
+plans with all-gathers on a process group, so in the background it needs a process group of its
+own, and every rank must reach the same save before any file is final. Per-rank saves
+(``no_dist``) need no communication at all; stage 2 stays a pure background write, and the
+manifest protocol (done markers, manifest last) decides when the checkpoint is complete.
+
+Reading never runs code from the checkpoint: DCP's own reader unpickles ``.metadata`` with plain
+``pickle``; ``MergedReader`` unpickles it with an allow-list of DCP's metadata classes, and tensor
+data is read by DCP with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+METADATA = ".metadata"
+
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "strided"),
+    ("torch", "float32"),
+    ("torch", "float16"),
+    ("torch", "bfloat16"),
+    ("torch", "float64"),
+    ("torch", "int64"),
+    ("torch", "int32"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: refused")
+
+
+def load_metadata(data: bytes) -> Metadata:
+    """A DCP ``.metadata`` file's content, unpickled with an allow-list (never runs code)."""
+    metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"checkpoint metadata is a {type(metadata).__name__}")
+    return metadata
+
+
+def merge_metadata(parts: dict[str, Metadata]) -> Metadata:
+    """One Metadata from per-rank ones: {subdirectory: its metadata}. Chunks of the same tensor
+    from different ranks are concatenated; storage paths become relative to the step directory."""
+    tensors: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    for subdir, md in sorted(parts.items()):
+        for fqn, item in md.state_dict_metadata.items():
+            if fqn in tensors and isinstance(item, TensorStorageMetadata):
+                tensors[fqn].chunks.extend(item.chunks)
+            else:
+                tensors[fqn] = item
+        for index, info in (md.storage_data or {}).items():
+            info.relative_path = f"{subdir}/{info.relative_path}"
+            storage[index] = info
+    return Metadata(state_dict_metadata=tensors, storage_data=storage)
+
+
+def _local(path: str) -> str | None:
+    """The local directory of a path or ``file://`` URL; None for another fsspec URL."""
+    if path.startswith("file://"):
+        return path.removeprefix("file://")
+    return None if "://" in path else path
+
+
+def _reader(path: str, metadata: Metadata) -> FileSystemReader:
+    """A DCP reader for a step directory whose metadata is given (merged from the ranks', already
+    verified against the manifest) rather than unpickled from storage."""
+    local = _local(path)
+    base = FileSystemReader if local is not None else FsspecReader
+
+    class MergedReader(base):  # type: ignore[misc, valid-type]
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            return metadata
+
+    return MergedReader(local if local is not None else path)
+
+
+def write_pieces(state: dict[str, Any], path: str) -> None:
+    """This rank's pieces as a standalone DCP checkpoint in directory ``path`` (no communication)."""
+    local = _local(path)
+    kwargs = {"single_file_per_rank": True, "sync_files": True, "thread_count": 1}
+    if local is not None:
+        writer = FileSystemWriter(local, **kwargs)
+    else:
+        writer = FsspecWriter(path, **kwargs)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+def read_pieces(state: dict[str, Any], path: str, metadata: Metadata) -> None:
+    """Fill ``state``'s ShardedTensors (in place) from the step directory ``path``."""
+    dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
+
+
+def metadata_bytes(metadata: Metadata) -> bytes:
+    return pickle.dumps(metadata)
+
+
+def dtype_ok(metadata: Metadata, key: str, dtype: torch.dtype) -> bool:
+    item = metadata.state_dict_metadata.get(key)
+    return isinstance(item, TensorStorageMetadata) and item.properties.dtype == dtype

@@ -1,0 +1,287 @@
+"""What a layout-independent checkpoint holds: every tensor under its global name and global shape,
+each rank contributing the pieces (boxes) of it that it holds.
+
+The names and shapes come from megatron-core: ``sharded_state_dict()`` of each model chunk gives, for
+every parameter, its checkpoint key (``module.decoder.layers.self_attention.linear_qkv.weight``, the
+layers stacked along a leading axis whatever the pipeline split), its global shape, the offset of
+this rank's tensor-parallel shard and whether this rank holds the main replica. The optimizer state
+follows the model: for every parameter, ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>``
+with the parameter's global shape.
+
+With the distributed optimizer a data-parallel rank holds a contiguous range of each parameter's
+*flattened* local shard, which is not a box of the parameter in general. ``flat_range_boxes`` cuts
+such a range into at most three boxes (a partial first row, whole rows, a partial last row), so
+the saved optimizer state is a plain tensor of the parameter's shape that any layout can read: with
+or without the distributed optimizer, at any TP, PP, VPP or DP size. (megatron-core 0.16's own
+``fully_sharded_model_space`` format does this with a ``flattened_range`` that its torch backend no
+longer accepts, and its ``fully_reshardable`` format gathers all optimizer state on DP rank 0.)
+
+``Entry`` is one tensor of the checkpoint as this rank sees it; ``training_entries`` lists them for
+a trainer, with live tensors (views into the parameters and optimizer state: loading copies into
+them in place). ``to_dcp`` turns entries into torch ``ShardedTensor`` values that
+``torch.distributed.checkpoint`` saves and loads.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+
+if TYPE_CHECKING:
+    from megascale.train.trainer import Trainer
+
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
+
+
+class LayoutError(ValueError):
+    """The model or optimizer has something this checkpoint format cannot place (a message for the
+    user names it)."""
+
+
+@dataclass
+class Entry:
+    """One global tensor of the checkpoint: ``pieces`` are (global offset, live tensor) boxes this
+    rank holds; ``main`` is False where another rank saves the same boxes (a replica)."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=list)
+    main: bool = True
+
+
+# --------------------------------------------------------------------------------------------------
+# Boxes
+# --------------------------------------------------------------------------------------------------
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[tuple, tuple]]:
+    """Cut the range ``[start, end)`` of a row-major tensor of ``shape`` into boxes.
+
+    Returns (offset, size) per box, in range order; at most 3 boxes per dimension level (a partial
+    leading block, whole blocks, a partial trailing block), recursively for more than 2 dims.
+    """
+    if start >= end:
+        return []
+    if len(shape) == 1:
+        return [((start,), (end - start,))]
+    inner = 1
+    for d in shape[1:]:
+        inner *= d
+    boxes: list[tuple[tuple, tuple]] = []
+    row, pos = divmod(start, inner)
+    if pos:  # partial first row
+        stop = min(end, (row + 1) * inner)
+        for off, size in flat_range_boxes(shape[1:], pos, stop - row * inner):
+            boxes.append(((row, *off), (1, *size)))
+        row, start = row + 1, stop
+    whole = (end - start) // inner
+    if whole and start < end:
+        boxes.append(((row, *([0] * (len(shape) - 1))), (whole, *shape[1:])))
+        row, start = row + whole, start + whole * inner
+    if start < end:  # partial last row
+        for off, size in flat_range_boxes(shape[1:], 0, end - start):
+            boxes.append(((row, *off), (1, *size)))
+    return boxes
+
+
+def complement(shape: tuple[int, ...], boxes: list[tuple[tuple, tuple]]) -> Iterator[tuple]:
+    """Boxes (offset, size) covering ``shape`` minus the given non-overlapping ``boxes``."""
+    if not shape:
+        return
+    cuts = sorted({0, shape[0], *(o[0] for o, _ in boxes), *(o[0] + s[0] for o, s in boxes)})
+    for lo, hi in itertools.pairwise(cuts):
+        if lo >= hi or hi > shape[0]:
+            continue
+        inside = [(o[1:], s[1:]) for o, s in boxes if o[0] <= lo and hi <= o[0] + s[0]]
+        if not inside:
+            yield (lo, *([0] * (len(shape) - 1))), (hi - lo, *shape[1:])
+        elif len(shape) > 1:
+            for off, size in complement(shape[1:], inside):
+                yield (lo, *off), (hi - lo, *size)
+
+
+def to_dcp(entries: list[Entry], rank: int, world: int) -> dict[str, ShardedTensor]:
+    """Entries as torch ShardedTensors (this rank's pieces as its local shards); built without
+    communication. The rest of each tensor is described as held elsewhere, as torch requires a
+    covering metadata; DCP writes and reads only the local shards."""
+    other = f"rank:{(rank + 1) % world}/cpu"
+    out = {}
+    for entry in entries:
+        shards, metas = [], []
+        for offset, tensor in entry.pieces:
+            meta = ShardMetadata(list(offset), list(tensor.shape), f"rank:{rank}/cpu")
+            shards.append(Shard(tensor, meta))
+            metas.append(meta)
+        boxes = [(tuple(m.shard_offsets), tuple(m.shard_sizes)) for m in metas]
+        for off, size in complement(entry.global_shape, boxes):
+            metas.append(ShardMetadata(list(off), list(size), other))
+        properties = TensorProperties(dtype=entry.dtype, layout=torch.strided)
+        metadata = ShardedTensorMetadata(metas, torch.Size(entry.global_shape), properties)
+        out[entry.key] = ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, sharded_tensor_metadata=metadata
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The model and optimizer as entries
+# --------------------------------------------------------------------------------------------------
+
+
+def _model_tensors(trainer: Trainer) -> Iterator:
+    """megatron-core ShardedTensors of every model chunk (keys are global across chunks)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    for chunk in trainer.model:
+        for sh in nested_values(chunk.sharded_state_dict()):
+            if isinstance(sh, ShardedObject):
+                continue  # ``_extra_state`` of local modules: empty (TE's fp8 state is not kept)
+            if not isinstance(sh, ShardedTensor):
+                raise LayoutError(
+                    f"model state {getattr(sh, 'key', sh)!r} is a {type(sh).__name__}; this "
+                    "checkpoint format places plain sharded tensors only"
+                )
+            yield sh
+
+
+def _is_main(replica_id) -> bool:
+    ids = replica_id if isinstance(replica_id, tuple) else (replica_id,)
+    return all(i == 0 for i in ids)
+
+
+def _local_origin(sh) -> tuple[int, ...]:
+    return tuple(sh.global_offset)
+
+
+def _box_entry(sh, key: str, tensor: torch.Tensor, boxes, main: bool) -> Entry:
+    """An entry for ``key`` shaped like model tensor ``sh``; ``boxes`` are (offset, size) in
+    ``sh``'s local shape, ``tensor`` holds their elements in flat order from the first box."""
+    origin, prepend = _local_origin(sh), sh.prepend_axis_num
+    entry = Entry(key, tuple(sh.global_shape), tensor.dtype, main=main)
+    flat, pos = tensor.view(-1), 0  # a view: loading copies into the live tensor
+    for off, size in boxes:
+        n = 1
+        for d in size:
+            n *= d
+        view = flat[pos : pos + n].view((1,) * prepend + tuple(size))
+        glob = tuple(origin[:prepend]) + tuple(
+            o + b for o, b in zip(origin[prepend:], off, strict=True)
+        )
+        entry.pieces.append((glob, view))
+        pos += n
+    return entry
+
+
+def training_entries(trainer: Trainer) -> list[Entry]:
+    """The model parameters and the optimizer state of this rank, as live views (the optimizer
+    state is allocated first if no step has been taken)."""
+    ensure_optimizer_state(trainer)
+    params = {}
+    entries = []
+    for sh in _model_tensors(trainer):
+        whole = [((0,) * len(sh.local_shape), tuple(sh.local_shape))]
+        entries.append(_box_entry(sh, sh.key, sh.data.detach(), whole, _is_main(sh.replica_id)))
+        params[sh.data] = sh
+    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        for param, (start, end), states in _optimizer_states(inner):
+            sh = params.get(param)
+            if sh is None:
+                raise LayoutError(
+                    f"an optimizer parameter of shape {tuple(param.shape)} is not "
+                    "in the model's sharded state dict"
+                )
+            boxes = flat_range_boxes(tuple(sh.local_shape), start, end)
+            main = _is_main(tuple(sh.replica_id)[:2])  # DP ranks hold different ranges
+            for name, tensor in states.items():
+                key = f"optimizer.state.{name}.{sh.key}"
+                entries.append(_box_entry(sh, key, tensor.detach(), boxes, main))
+    return _merge(entries)
+
+
+def _merge(entries: list[Entry]) -> list[Entry]:
+    """One entry per key (a parameter's optimizer state can come from several buckets)."""
+    merged: dict[str, Entry] = {}
+    for e in entries:
+        if e.key in merged:
+            merged[e.key].pieces.extend(e.pieces)
+        else:
+            merged[e.key] = e
+    return list(merged.values())
+
+
+def _optimizer_states(inner) -> Iterator[tuple[torch.Tensor, tuple[int, int], dict]]:
+    """(model param, (start, end) of its flat local shard held here, {state name: flat tensor})."""
+    if hasattr(inner, "gbuf_ranges"):  # megatron-core's DistributedOptimizer
+        for gbuf_range_maps in inner.gbuf_ranges:
+            for range_maps in gbuf_range_maps.values():
+                for range_map in range_maps:
+                    for param, ranges in range_map["param_map"].items():
+                        r = ranges["param"]
+                        got = inner._get_main_param_and_optimizer_states(param)
+                        states = {"fp32_param": got["param"]}
+                        states.update({k: got[k] for k in OPTIMIZER_STATES})
+                        yield param, (r.start, r.end), states
+        return
+    for param, main in _main_param_pairs(inner):
+        state = inner.optimizer.state[main]
+        states = {"fp32_param": main, **{k: state[k] for k in OPTIMIZER_STATES}}
+        yield param, (0, param.numel()), states
+
+
+def _main_param_pairs(inner) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(model param, its fp32 main param) of a non-distributed megatron-core optimizer."""
+    if hasattr(inner, "float16_groups"):  # Float16OptimizerWithFloat16Params
+        for low, main in zip(inner.float16_groups, inner.fp32_from_float16_groups, strict=True):
+            yield from zip(low, main, strict=True)
+        for group in inner.fp32_from_fp32_groups:
+            yield from ((p, p) for p in group)
+        return
+    for group in inner.optimizer.param_groups:  # FP32Optimizer: the model params are the main ones
+        yield from ((p, p) for p in group["params"])
+
+
+def ensure_optimizer_state(trainer: Trainer) -> None:
+    """Allocate the optimizer's state where no step has made it yet, as the first step would
+    (zero moments, step 0), so that a save or load has tensors to copy from or into."""
+    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        opt = inner.optimizer
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state[p]
+                for name in OPTIMIZER_STATES:
+                    if name not in state:
+                        state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+
+
+def optimizer_step_count(trainer: Trainer) -> float:
+    """The optimizer's step count (every parameter has taken the same steps); 0 before any."""
+    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        for state in inner.optimizer.state.values():
+            if "step" in state:
+                return float(state["step"])
+    return 0.0
+
+
+def set_optimizer_step_count(trainer: Trainer, step: float) -> None:
+    """Every parameter's step count, as separate tensors (torch's AdamW increments in place)."""
+    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        opt = inner.optimizer
+        for group in opt.param_groups:
+            if "step" in group:
+                group["step"] = int(step)
+            for p in group["params"]:
+                opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32)
