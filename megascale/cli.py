@@ -27,6 +27,15 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _unusable_checkpoint(failed: Exception) -> str:
+    """The one-line reason when the ranks refused to start on checkpoints they cannot load."""
+    marker = "CheckpointUnusable: "
+    for why in getattr(failed, "failures", {}).values():
+        if marker in why:
+            return why.split(marker, 1)[1].strip().splitlines()[0]
+    return ""
+
+
 def _train(args: argparse.Namespace) -> int:
     from megascale import config as config_mod
 
@@ -44,16 +53,23 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or _default_run_dir())
     run_dir.mkdir(parents=True, exist_ok=True)
 
+    from megascale.launcher.local import RankFailed, run_local
+    from megascale.train.checkpoint import CheckpointUnusable
     from megascale.train.run import run_rank
 
-    if launched:
-        run_rank(job, run_dir)
-        return 0
-    from megascale.launcher.local import RankFailed, run_local
-
     try:
+        if launched:
+            run_rank(job, run_dir)
+            return 0
         run_local(run_rank, world, (job, run_dir))
+    except CheckpointUnusable as e:
+        print(f"megascale: cannot start: {e}", file=sys.stderr)
+        return 2
     except RankFailed as e:
+        unusable = _unusable_checkpoint(e)
+        if unusable:
+            print(f"megascale: cannot start: {unusable}", file=sys.stderr)
+            return 2
         logging.getLogger("megascale").error("%s", e)
         return 1
     print(f"run directory: {run_dir}")

@@ -162,9 +162,11 @@ def _common_state(trainer: Trainer) -> dict:
 
 
 def _apply_common(trainer: Trainer, common: dict) -> None:
-    # megatron-core's scheduler adds the saved step count to its current one: start from zero.
+    # The schedule is the config's (a resumed run may train for more steps than the saved one
+    # planned); only the position comes from the checkpoint. megatron-core's scheduler adds the
+    # increment to its count and sets the learning rate for the new position.
     trainer.scheduler.num_steps = 0
-    trainer.scheduler.load_state_dict(common["scheduler"])
+    trainer.scheduler.step(increment=int(common["scheduler"]["num_steps"]))
     trainer.data.load_state_dict(common["data"])
     set_optimizer_step_count(trainer, float(common["optimizer_step"]))
     trainer.step_num = int(common["step"])
