@@ -17,7 +17,6 @@ checkpoints), so a run can be summarised again after the fact.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -56,52 +55,12 @@ def current_step(metrics: Path) -> int:
 
 
 def parameter_digest(run_dir: Path, job: Any) -> tuple[str | None, int | None]:
-    """sha256 over the model weights in the newest complete checkpoint, in a canonical order
-    (files by name; within a file, dict keys sorted; each tensor's path, dtype, shape and bytes),
-    and that checkpoint's step. Equal for equal weights under the same layout; the model files
-    are shared by data-parallel replicas, so the DP size does not change it either."""
-    from megascale.train.checkpoint_io import (
-        MANIFEST,
-        Storage,
-        load_state_bytes,
-        location,
-        step_name,
-    )
+    """sha256 over the model weights in the newest complete checkpoint, and that checkpoint's step
+    (``checkpoint.model_digest``): equal for equal weights whatever layout saved them."""
+    from megascale.train.checkpoint import model_digest
+    from megascale.train.checkpoint_io import location
 
-    storage = Storage(location(job.checkpoint, run_dir))
-    steps = storage.complete_steps()
-    if not steps:
-        return None, None
-    directory = step_name(steps[-1])
-    manifest = storage.read_json(f"{directory}/{MANIFEST}") or {}
-    names = sorted(manifest.get("files", {}))
-    digest = hashlib.sha256()
-    for name in [n for n in names if n.startswith("model_")] or names:
-        data = storage.read_bytes(f"{directory}/{name}")
-        if data is None:
-            return None, steps[-1]
-        state = load_state_bytes(data)  # weights_only: tensors and plain data, never code
-        if "model" in state:
-            digest.update(name.encode())
-            _hash_tree(digest, state["model"], ())
-    return digest.hexdigest(), steps[-1]
-
-
-def _hash_tree(digest: Any, tree: Any, path: tuple) -> None:
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        t = tree.detach().cpu().contiguous()
-        digest.update(f"{path}|{t.dtype}|{tuple(t.shape)}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    elif isinstance(tree, dict):
-        for key in sorted(tree, key=str):
-            _hash_tree(digest, tree[key], (*path, str(key)))
-    elif isinstance(tree, list | tuple):
-        for i, item in enumerate(tree):
-            _hash_tree(digest, item, (*path, i))
-    elif isinstance(tree, bool | int | float | str) or tree is None:
-        digest.update(f"{path}={tree!r}".encode())
+    return model_digest(location(job.checkpoint, run_dir))
 
 
 def fault_timings(run_dir: Path, events: list[dict[str, Any]]) -> list[dict[str, Any]]:

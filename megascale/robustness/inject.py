@@ -306,7 +306,8 @@ def corrupt_latest_checkpoint(
     manifest = json.loads((directory / MANIFEST).read_text())
     names = sorted(manifest["files"])
     rank = int(spec.get("rank", 0))
-    name = next((n for n in names if n == f"rank_{rank:05d}.pt"), names[0])
+    mine = (f"rank_{rank:05d}/__0_0.distcp", f"rank_{rank:05d}.pt")  # DCP data; the older format
+    name = next((n for n in names if n in mine), names[0])
     if not claim(run_dir, spec, checkpoint=str(directory), file=name):
         return None
     target = directory / name

@@ -40,6 +40,7 @@ layouts and the way forward. Loading never executes code (see ``checkpoint_forma
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -298,7 +299,7 @@ class Checkpointer:
         mine = f"{sdir}/{rank_dir(rank)}"
         _fault("stage2_start", rank, step)
         state = to_dcp(_entries(tree), rank, self.groups.layout.world_size)
-        fmt.write_pieces(state, self.storage.path(mine))
+        fmt.write_pieces(state, self.storage.url_of(mine))
         written = {}
         for name in self.storage.listdir(mine):
             data = self.storage.read_bytes(f"{mine}/{name}") or b""
@@ -569,7 +570,7 @@ def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) ->
     ensure_optimizer_state(trainer)
     entries = training_entries(trainer)
     fmt.read_pieces(
-        to_dcp(entries, groups.rank, groups.layout.world_size), storage.path(sdir), metadata
+        to_dcp(entries, groups.rank, groups.layout.world_size), storage.url_of(sdir), metadata
     )
     for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
         if hasattr(inner, "_copy_main_params_to_model_params"):
@@ -586,3 +587,26 @@ def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) ->
             _describe(_layout(groups, trainer)),
         )
     return True, ""
+
+
+def model_digest(where: str | Path | Storage) -> tuple[str | None, int | None]:
+    """sha256 over the model weights of the newest complete checkpoint (each global tensor by key,
+    dtype, shape and bytes, keys sorted), and its step. Independent of the layout that saved it.
+    Read in this process, verified against the manifest; (None, step) when it cannot be read."""
+    storage = where if isinstance(where, Storage) else Storage(where)
+    steps = storage.complete_steps()
+    if not steps:
+        return None, None
+    sdir = step_name(steps[-1])
+    manifest = storage.read_json(f"{sdir}/{MANIFEST}") or {}
+    entry = (manifest.get("files") or {}).get(fmt.METADATA)
+    data = storage.read_bytes(f"{sdir}/{fmt.METADATA}")
+    if entry is None or data is None or sha256_hex(data) != entry.get("sha256"):
+        return None, steps[-1]
+    metadata = fmt.load_metadata(data)
+    keys = sorted(k for k in metadata.state_dict_metadata if not k.startswith("optimizer."))
+    digest = hashlib.sha256()
+    for key, tensor in fmt.read_whole(storage.url_of(sdir), metadata, keys).items():
+        digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest(), steps[-1]

@@ -140,3 +140,13 @@ def metadata_bytes(metadata: Metadata) -> bytes:
 def dtype_ok(metadata: Metadata, key: str, dtype: torch.dtype) -> bool:
     item = metadata.state_dict_metadata.get(key)
     return isinstance(item, TensorStorageMetadata) and item.properties.dtype == dtype
+
+
+def read_whole(path: str, metadata: Metadata, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The named global tensors, whole, read from the step directory ``path`` in this process."""
+    state = {}
+    for key in keys:
+        item = metadata.state_dict_metadata[key]
+        state[key] = torch.empty(item.size, dtype=item.properties.dtype)
+    dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
+    return state

@@ -158,6 +158,10 @@ class Storage:
     def path(self, rel: str) -> str:
         return posixpath.join(self.root, rel) if rel else self.root
 
+    def url_of(self, rel: str) -> str:
+        """``rel`` for another library: a local path, or a URL with this storage's protocol."""
+        return self.path(rel) if self.local else self.fs.unstrip_protocol(self.path(rel))
+
     def makedirs(self, rel: str) -> None:
         self.fs.makedirs(self.path(rel), exist_ok=True)
 

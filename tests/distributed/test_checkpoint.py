@@ -19,6 +19,7 @@ from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.train import checkpoint
 from megascale.train.checkpoint_io import MANIFEST, Storage, check_config, step_name
+from megascale.train.checkpoint_shards import optimizer_step_count, training_entries
 from megascale.train.run import run_rank
 from megascale.train.trainer import Trainer
 
@@ -60,13 +61,13 @@ def test_async_save_to_file_url_resumes_exactly_and_keeps_last_k(tmp_path, unint
     assert Storage(remote.as_uri()).complete_steps() == [4, 6]  # keep = 2; step 2 pruned
     names = sorted(p.name for p in (remote / step_name(6)).iterdir())
     assert names == [
+        ".metadata",  # every rank's pieces merged: a plain DCP checkpoint
+        "common.pt",  # step, scheduler, data position, optimizer step count
         MANIFEST,
-        "model_pp00_tp00.pt",  # written once per DP group
-        "model_pp01_tp00.pt",
-        "rank_00000.pt",  # optimizer shard, scheduler, data, RNG: every rank
-        "rank_00001.pt",
-        "rank_00002.pt",
-        "rank_00003.pt",
+        "rank_00000",  # each rank's DCP files and RNG state
+        "rank_00001",
+        "rank_00002",
+        "rank_00003",
     ]
 
 
@@ -118,7 +119,9 @@ def _digest(trainer: Trainer) -> str:
         else:
             digest.update(repr(node).encode())
 
-    walk(checkpoint.trainer_state(trainer))
+    walk([(e.key, [t for _, t in e.pieces]) for e in training_entries(trainer)])
+    walk([trainer.step_num, trainer.data.state_dict(), trainer.scheduler.state_dict()])
+    walk(optimizer_step_count(trainer))
     return digest.hexdigest()
 
 
@@ -139,37 +142,31 @@ def _save_then_load(job, data_dir: Path, run_dir: Path) -> dict:
     saver.save(saved)
     saver.finalize()
     out = {"saved": _digest(saved), "stall_s": saver.last_stall_s}
-    for broadcast in (True, False):
-        fresh = Trainer(job, saved.groups, "cpu", data_cache_dir=data_dir)
-        storage = Storage(run_dir / "checkpoints")
-        out[broadcast] = {
-            "step": checkpoint.load_latest(fresh, storage, broadcast=broadcast),
-            "digest": _digest(fresh),
-            "reads": [r for r in storage.reads if r.endswith(".pt")],
-        }
+    fresh = Trainer(job, saved.groups, "cpu", data_cache_dir=data_dir)
+    storage = Storage(run_dir / "checkpoints")
+    out["step"] = checkpoint.load_latest(fresh, storage)
+    out["digest"] = _digest(fresh)
+    out["reads"] = sorted({r.split("/")[1] for r in storage.reads if r.count("/") >= 1})
     destroy_groups()
     return out
 
 
-def test_dp2_restart_reads_shared_state_once_and_broadcasts(tmp_path, data_dir):
+def test_dp2_restart_restores_every_rank_state_exactly(tmp_path, data_dir):
     job = _job(world=2)  # DP2, distributed optimizer: optimizer shards differ per rank
     out = run_local(_save_then_load, 2, (job, data_dir, tmp_path), timeout_s=300)
-    assert sorted(p.name for p in (tmp_path / "checkpoints" / step_name(2)).iterdir()) == [
+    step_files = tmp_path / "checkpoints" / step_name(2)
+    assert sorted(p.name for p in step_files.iterdir()) == [
+        ".metadata",
+        "common.pt",
         MANIFEST,
-        "model_pp00_tp00.pt",
-        "rank_00000.pt",
-        "rank_00001.pt",
+        "rank_00000",
+        "rank_00001",
     ]
     for rank_out in out:
         assert rank_out["stall_s"] > 0
-        for broadcast in (True, False):
-            assert rank_out[broadcast]["step"] == 2
-            assert rank_out[broadcast]["digest"] == rank_out["saved"]  # params, optimizer, RNG...
+        assert rank_out["step"] == 2
+        assert rank_out["digest"] == rank_out["saved"]  # params, optimizer moments, positions
     assert out[0]["saved"] != out[1]["saved"]  # the two ranks' optimizer shards differ
-    shard = f"{step_name(2)}/model_pp00_tp00.pt"
-    assert out[0][True]["reads"] == [f"{step_name(2)}/rank_00000.pt", shard]
-    assert out[1][True]["reads"] == [f"{step_name(2)}/rank_00001.pt"]  # got it by broadcast
-    assert out[1][False]["reads"] == [f"{step_name(2)}/rank_00001.pt", shard]
 
 
 def _memory_round_trip(job, data_dir: Path) -> dict:
@@ -201,7 +198,7 @@ def test_memory_url_round_trip_while_training_continues(data_dir):
     assert out["in_flight"]  # save returned while its write was still held back
     assert out["step"] == 2
     assert out["got"] == out["expected"]
-    assert out["ls"] == [MANIFEST, "model_pp00_tp00.pt", "rank_00000.pt"]
+    assert out["ls"] == [".metadata", "common.pt", MANIFEST, "rank_00000"]
 
 
 def _make(storage: Storage, step: int, complete: bool) -> None:

@@ -53,7 +53,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):
     job = with_changes(_job(), checkpoint={"interval": 2, "keep": 3})
     run_local(run_rank, 4, (job, tmp_path, 4), timeout_s=300)
     latest = checkpoint.step_dir(tmp_path / "checkpoints", 4)
-    shard = latest / "rank_00003.pt"
+    shard = latest / "rank_00003" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100] + b"\0" * 100)  # same size, wrong content
 
     resumed = run_local(run_rank, 4, (job, tmp_path), timeout_s=300)[0]
