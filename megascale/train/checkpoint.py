@@ -562,10 +562,11 @@ def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) ->
     """Verify, then load one layout-independent checkpoint into the trainer. Collective."""
     groups, sdir, files = trainer.groups, step_name(step), manifest["files"]
     why = _verify_share(storage, sdir, files, groups.rank, groups.layout.world_size)
-    flag = torch.tensor([0 if why else 1], dtype=torch.int32, device=trainer.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if int(flag) == 0:
-        return False, why or "a file another rank verified does not match"
+    whys: list[str] = [""] * groups.layout.world_size
+    dist.all_gather_object(whys, why)  # every rank falls back together, naming the bad file
+    why = next((w for w in whys if w), "")
+    if why:
+        return False, why
     metadata = fmt.load_metadata(storage.read_bytes(f"{sdir}/{fmt.METADATA}") or b"")
     ensure_optimizer_state(trainer)
     entries = training_entries(trainer)

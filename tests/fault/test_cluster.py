@@ -174,10 +174,10 @@ def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
     # The newest complete checkpoint when the workers were stopped (step 12, unless its background
     # write had not finished) was corrupted; the restart skipped it and resumed from the one before.
     corrupted = int(Path(fired["corrupt-checkpoint"]["checkpoint"]).name.removeprefix("step_"))
-    assert corrupted in (8, 12) and fired["corrupt-checkpoint"]["file"] == "rank_00000.pt"
+    assert corrupted in (8, 12) and fired["corrupt-checkpoint"]["file"] == "rank_00000/__0_0.distcp"
     fallbacks = run.of("checkpoint_fallback")
     assert any(
-        (e["node"], e["rank"]) == ("node-0", 0) and "rank_00000.pt" in e["detail"]["text"]
+        (e["node"], e["rank"]) == ("node-0", 0) and "rank_00000/__0_0.distcp" in e["detail"]["text"]
         for e in fallbacks
     ), fallbacks
     assert run.final["faults_detected"] == {"worker_exit": 1, "checkpoint_fallback": 1}
