@@ -46,6 +46,8 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from megascale.parallel.layout import Layout
+from megascale.robustness.controller_elastic import RestartBudget, resize_detail, shrink_nodes
 from megascale.robustness.controller_types import (
     OBSERVATIONS,  # noqa: F401  (re-exported: controller.py has always offered every name)
     TRANSITIONS,
@@ -63,6 +65,7 @@ from megascale.robustness.controller_types import (
     State,
     stall_suspects,
 )
+from megascale.robustness.fatal import EXIT_JOB_FATAL
 
 S, E = State, Event
 
@@ -88,6 +91,7 @@ class ControllerFSM:
         self.fault: Fault | None = None
         self.faults: list[Fault] = []
         self.culprits: Counter[str] = Counter()
+        self.budget = RestartBudget(policy.max_restarts, policy.restart_window_s)
         self.timeouts = SectionTimeouts(
             {
                 "init": policy.init_timeout_s,
@@ -110,6 +114,19 @@ class ControllerFSM:
     def order(self, nodes: Iterable[str]) -> None:
         self._order: list[str] = list(nodes)
         self._in_order: frozenset[str] = frozenset(self._order)  # O(1) membership
+        p = self.policy
+        size = len(self._order) or p.nodes  # fewer than p.nodes once shrunk
+        self._layout = Layout.from_world(size * p.nproc_per_node, tp=p.tp, pp=p.pp)
+
+    @property
+    def layout(self) -> Layout:
+        """The current generation's layout (the configured one before the first start)."""
+        return self._layout
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the current generation: fewer than ``policy.world_size`` once shrunk."""
+        return self._layout.world_size
 
     def in_order(self, node: str) -> bool:
         """Whether ``node`` is in the current generation (O(1), unlike ``node in order``)."""
@@ -143,7 +160,7 @@ class ControllerFSM:
 
     def node_of(self, rank: int) -> str | None:
         i = rank // self.policy.nproc_per_node
-        return self.order[i] if 0 <= rank < self.policy.world_size and i < len(self.order) else None
+        return self.order[i] if 0 <= rank < self.world_size and i < len(self.order) else None
 
     def section(self) -> str:
         """What the job is doing: "init" until its step first advances, "checkpoint" while any
@@ -162,6 +179,7 @@ class ControllerFSM:
             "state": self.state.value,
             "generation": self.generation,
             "restarts": self.restarts,
+            "restart_ages_s": self.budget.ages(self.now),
             "order": list(self.order),
             "assignment": {n: list(r) for n, r in self.assignment.items()},
             "registered": list(self.registered),
@@ -202,6 +220,7 @@ class ControllerFSM:
         fsm.awaiting = dict(snapshot["awaiting"])
         fsm.awaiting_kind = snapshot["awaiting_kind"]
         fsm.culprits = Counter(snapshot["culprits"])
+        fsm.budget.restore(snapshot.get("restart_ages_s", ()), now)
         fsm._commands = int(snapshot["commands"])
         for section, samples in snapshot["samples"].items():
             fsm.timeouts.samples[section].extend(samples)
@@ -259,7 +278,7 @@ class ControllerFSM:
         if kind == "start":
             ranks = {
                 "ranks": list(assignment[node]),
-                "world_size": self.policy.world_size,
+                "world_size": self.world_size,
                 "master_node": self.order[0],
             }
         return SendCommand(node, kind, generation, command_id, ranks)
@@ -370,16 +389,23 @@ class ControllerFSM:
         code: int,
         now: float | None = None,
         generation: int | None = None,
+        fatal: str | None = None,
     ) -> list[Action]:
-        """A worker process ended with ``code`` (negative: killed by signal -code)."""
+        """A worker process ended with ``code`` (negative: killed by signal -code).
+        ``EXIT_JOB_FATAL`` (with the rank's ``fatal`` reason, see ``robustness.fatal``) is a
+        fault of the job itself: every node is stopped and the job fails, nobody is evicted."""
         self._begin(E.WORKER_EXIT, now)
         stale = generation is not None and generation != self.generation
         if stale or self.state not in (S.STARTING, S.RUNNING) or node not in self._in_order:
             return []
+        if code == EXIT_JOB_FATAL:
+            reason = fatal or f"exit code {code} (job-fatal) without a reason"
+            detail = {"exit_code": code, "reason": reason}
+            return self._on_fault(Fault("job_fatal", node, rank, detail))
         if code != 0:
             return self._on_fault(Fault("worker_exit", node, rank, {"exit_code": code}))
         self.clean_exits.add(rank)
-        if len(self.clean_exits) < self.policy.world_size:
+        if len(self.clean_exits) < self.world_size:
             return [self._record("worker_exit_clean", node, rank)]
         self._enter(S.FINISHED)
         return [self._record("finished", step=self.step, reason="every rank exited 0")]
@@ -415,10 +441,10 @@ class ControllerFSM:
                 records[rank] = FlightRecord.from_json(record)
             except (KeyError, TypeError, ValueError):
                 continue
-        return stall_suspects(records, ranks=range(self.policy.world_size))
+        return stall_suspects(records, ranks=range(self.world_size))
 
     def _stall(self, suspects: tuple[int, ...], detail: dict[str, Any]) -> list[Action]:
-        layout = self.policy.layout
+        layout = self.layout
         nodes = sorted({n for r in suspects if (n := self.node_of(r)) is not None})
         detail.update(suspects=[layout.describe(r) for r in suspects], suspect_nodes=nodes)
         node = nodes[0] if len(nodes) == 1 else None
@@ -428,10 +454,10 @@ class ControllerFSM:
     def _on_fault(self, fault: Fault) -> list[Action]:
         self.fault = fault
         self.faults.append(fault)
-        culprits = {fault.node} if fault.node else set()
+        culprits = {fault.node} if fault.node and fault.kind != "job_fatal" else set()
         culprits |= {n for r in fault.suspects if (n := self.node_of(r)) is not None}
         self.culprits.update(culprits)
-        where = self.policy.layout.describe(fault.rank) if fault.rank is not None else None
+        where = self.layout.describe(fault.rank) if fault.rank is not None else None
         detail = {**fault.detail, "fault": fault.kind, "where": where, "step": self.step}
         actions: list[Action] = [
             RecordEvent("fault", self.generation, fault.node, fault.rank, detail)
@@ -495,16 +521,20 @@ class ControllerFSM:
     def _after_stopped(self) -> list[Action]:
         self.awaiting = {}
         actions: list[Action] = [self._record("all_stopped")]
-        if self.restarts >= self.policy.max_restarts:
+        fault = self.fault
+        if fault is not None and fault.kind == "job_fatal":
+            self._enter(S.FAILED)
+            reason = f"job-fatal error on rank {fault.rank}: {fault.detail['reason']}"
+            return actions + [self._record("failed", fault.node, fault.rank, reason=reason)]
+        if not self.budget.allows(self.now):
             self._enter(S.FAILED)
             return actions + [
                 self._record(
                     "failed",
-                    reason=f"max_restarts = {self.policy.max_restarts} exhausted",
-                    fault=self.fault.kind if self.fault else None,
+                    reason=self.budget.describe(),
+                    fault=fault.kind if fault else None,
                 )
             ]
-        fault = self.fault
         if fault is not None and fault.kind == "straggler" and fault.node in self.registered:
             score = fault.detail.get("score")
             actions += self._evict(fault.node, f"straggler at {score}x its peers' compute time")
@@ -543,33 +573,44 @@ class ControllerFSM:
 
     def _plan(self) -> list[str] | None:
         """The next generation's nodes: each slot keeps its node while healthy, else takes the
-        first spare; None when there are too few healthy nodes."""
+        first spare, and a shrunk job takes spares up to its configured size again; None when
+        there are too few healthy nodes. Short of nodes after a fault under ``shrink``: the
+        healthy nodes in slot order, as many as ``shrink_nodes`` allows."""
         spares = deque(n for n in self.registered if n not in self._in_order)
         order = [
             n if n in self.registered else (spares.popleft() if spares else "") for n in self.order
         ]
         while len(order) < self.policy.nodes and spares:
             order.append(spares.popleft())
-        return order if "" not in order and len(order) == self.policy.nodes else None
+        if "" not in order and len(order) == self.policy.nodes:
+            return order
+        if self.generation == 0 or self.policy.node_loss_policy != "shrink":
+            return None
+        healthy = [n for n in order if n]
+        size = shrink_nodes(len(healthy), self.policy)
+        return healthy[:size] if size else None
 
     def _try_start(self) -> list[Action]:
-        """Start the next generation if there are enough healthy nodes, else wait for more."""
+        """Start the next generation if there are enough healthy nodes, else apply the policy
+        for a lost node (``_short_of_nodes``)."""
         order = self._plan()
         if order is None:
-            if self.state in (S.DIAGNOSING, S.RESTARTING):
-                self._enter(S.RESTARTING)
-                return [
-                    self._record(
-                        "waiting_for_nodes", need=self.policy.nodes, have=len(self.registered)
-                    )
-                ]
-            return []
+            return self._short_of_nodes() if self.state in (S.DIAGNOSING, S.RESTARTING) else []
         previous, self.order = self.order, order
         self.generation += 1
+        if self.generation > 1:
+            self.budget.record(self.now)
         self._reset_generation_tracking()
         replaced = {old: new for old, new in zip(previous, order, strict=False) if old != new}
         self._enter(S.STARTING)
+        resized: list[Action] = []
+        if previous and len(order) != len(previous):
+            decision = "shrink" if len(order) < len(previous) else "grow"
+            lost = [n for n in previous if n not in self.registered]
+            detail = resize_detail(decision, self.policy, len(previous), len(order), lost)
+            resized.append(self._record("elastic", **detail))
         return [
+            *resized,
             StartGeneration(self.generation, self.assignment),
             self._record(
                 "generation_start",
@@ -579,6 +620,35 @@ class ControllerFSM:
                 spares=self.spares,
             ),
             *self._send(order, "start", self.generation),
+        ]
+
+    def _short_of_nodes(self) -> list[Action]:
+        """Too few healthy nodes after a fault and no shrink possible: fail (policy ``fail``) or
+        wait for a replacement to register (``wait``, or a ``shrink`` no smaller size allows),
+        saying which and why in an ``elastic`` event when the decision is first taken."""
+        p, first = self.policy, self.state is S.DIAGNOSING
+        lost = [n for n in self.order if n not in self.registered]
+        have = f"{len(self.registered)} of {p.nodes} nodes healthy"
+        why = f"{', '.join(lost) or 'a node'} lost, no spare ({have})"
+        if p.node_loss_policy == "fail" and first:
+            self._enter(S.FAILED)
+            text = f"fail: {why}"
+            return [
+                self._record("elastic", decision="fail", policy="fail", lost=lost, text=text),
+                self._record("failed", reason=f"fault_tolerance.policy = fail: {why}"),
+            ]
+        self._enter(S.RESTARTING)
+        actions: list[Action] = []
+        if first:
+            limit = p.node_wait_timeout_s
+            text = f"wait: {why}; waiting " + (f"up to {limit:g} s " if limit else "")
+            text += "for a replacement node to register"
+            if p.node_loss_policy == "shrink":
+                text += " (no smaller size splits the global batch into whole micro-batches)"
+            detail = {"decision": "wait", "policy": p.node_loss_policy, "lost": lost, "text": text}
+            actions.append(self._record("elastic", **detail))
+        return actions + [
+            self._record("waiting_for_nodes", need=p.nodes, have=len(self.registered))
         ]
 
     def on_generation_started(self, generation: int, now: float | None = None) -> list[Action]:
@@ -642,6 +712,8 @@ class ControllerFSM:
         if self.state in (S.STOPPING, S.DIAGNOSING):
             limit = p.stop_timeout_s if self.state is S.STOPPING else p.selfcheck_timeout_s
             if waited > limit and self.awaiting:
+                if self.state is S.STOPPING and self.fault and self.fault.kind == "job_fatal":
+                    return self._after_stopped()  # the job fails anyway: evict nobody
                 actions: list[Action] = []
                 for node in sorted(self.awaiting):
                     actions += self._evict(node, f"no {self.awaiting_kind} ack in {limit} s")
@@ -651,12 +723,13 @@ class ControllerFSM:
             and p.node_wait_timeout_s is not None
             and waited > p.node_wait_timeout_s
         ):
-            self._enter(S.FAILED)
-            return [
-                self._record(
-                    "failed",
-                    reason=f"fewer than {p.nodes} healthy nodes for {p.node_wait_timeout_s} s",
-                    have=len(self.registered),
+            reason = f"fewer than {p.nodes} healthy nodes for {p.node_wait_timeout_s} s"
+            if self.state is S.RESTARTING:
+                reason = (
+                    f"fault_tolerance.policy = {p.node_loss_policy}: no replacement node "
+                    f"registered within node_wait_timeout_s = {p.node_wait_timeout_s:g} s "
+                    f"({len(self.registered)} of {p.nodes} nodes healthy)"
                 )
-            ]
+            self._enter(S.FAILED)
+            return [self._record("failed", reason=reason, have=len(self.registered))]
         return []
