@@ -152,6 +152,7 @@ def fault_tolerance_problems(
     restart_window_s: float | None,
     node_wait_timeout_s: float | None,
     prefix: str = "",
+    policy_field: str = "policy",
 ) -> list[str]:
     """The range rules of the fault-tolerance policy, one message per broken rule, each naming
     ``prefix`` + the field. Shared by the config, ``megascale controller`` and the controller's
@@ -159,7 +160,7 @@ def fault_tolerance_problems(
     problems = []
     if policy not in NODE_LOSS_POLICIES:
         problems.append(
-            f"{prefix}policy = {policy!r}: must be one of {', '.join(NODE_LOSS_POLICIES)}"
+            f"{prefix}{policy_field} = {policy!r}: must be one of {', '.join(NODE_LOSS_POLICIES)}"
         )
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         problems.append(f"{prefix}max_restarts = {max_restarts!r}: must be an integer >= 0")

@@ -226,6 +226,7 @@ class ControllerPolicy:
             self.restart_window_s,
             self.node_wait_timeout_s,
             "ControllerPolicy.",
+            "node_loss_policy",
         )
         if problems:
             raise ValueError("; ".join(problems))
