@@ -92,6 +92,7 @@ class ControllerFSM:
         self.faults: list[Fault] = []
         self.culprits: Counter[str] = Counter()
         self.budget = RestartBudget(policy.max_restarts, policy.restart_window_s)
+        self.failure: str | None = None  # why the job failed, once it has
         self.timeouts = SectionTimeouts(
             {
                 "init": policy.init_timeout_s,
@@ -180,6 +181,7 @@ class ControllerFSM:
             "generation": self.generation,
             "restarts": self.restarts,
             "restart_ages_s": self.budget.ages(self.now),
+            "failure": self.failure,
             "order": list(self.order),
             "assignment": {n: list(r) for n, r in self.assignment.items()},
             "registered": list(self.registered),
@@ -221,6 +223,7 @@ class ControllerFSM:
         fsm.awaiting_kind = snapshot["awaiting_kind"]
         fsm.culprits = Counter(snapshot["culprits"])
         fsm.budget.restore(snapshot.get("restart_ages_s", ()), now)
+        fsm.failure = snapshot.get("failure")
         fsm._commands = int(snapshot["commands"])
         for section, samples in snapshot["samples"].items():
             fsm.timeouts.samples[section].extend(samples)
@@ -259,6 +262,15 @@ class ControllerFSM:
         self, kind: str, node: str | None = None, rank: int | None = None, **detail: Any
     ) -> RecordEvent:
         return RecordEvent(kind, self.generation, node, rank, detail)
+
+    def _fail(
+        self, reason: str, node: str | None = None, rank: int | None = None, **detail: Any
+    ) -> RecordEvent:
+        """Enter FAILED for ``reason`` (kept in ``failure``, the snapshot's and the operator's
+        status message); the ``failed`` event to record."""
+        self._enter(S.FAILED)
+        self.failure = reason
+        return self._record("failed", node, rank, reason=reason, **detail)
 
     def _send(self, nodes: Iterable[str], kind: str, generation: int) -> list[Action]:
         actions: list[Action] = []
@@ -523,18 +535,10 @@ class ControllerFSM:
         actions: list[Action] = [self._record("all_stopped")]
         fault = self.fault
         if fault is not None and fault.kind == "job_fatal":
-            self._enter(S.FAILED)
             reason = f"job-fatal error on rank {fault.rank}: {fault.detail['reason']}"
-            return actions + [self._record("failed", fault.node, fault.rank, reason=reason)]
+            return actions + [self._fail(reason, fault.node, fault.rank)]
         if not self.budget.allows(self.now):
-            self._enter(S.FAILED)
-            return actions + [
-                self._record(
-                    "failed",
-                    reason=self.budget.describe(),
-                    fault=fault.kind if fault else None,
-                )
-            ]
+            return actions + [self._fail(self.budget.describe(), fault=fault and fault.kind)]
         if fault is not None and fault.kind == "straggler" and fault.node in self.registered:
             score = fault.detail.get("score")
             actions += self._evict(fault.node, f"straggler at {score}x its peers' compute time")
@@ -631,11 +635,10 @@ class ControllerFSM:
         have = f"{len(self.registered)} of {p.nodes} nodes healthy"
         why = f"{', '.join(lost) or 'a node'} lost, no spare ({have})"
         if p.node_loss_policy == "fail" and first:
-            self._enter(S.FAILED)
             text = f"fail: {why}"
             return [
                 self._record("elastic", decision="fail", policy="fail", lost=lost, text=text),
-                self._record("failed", reason=f"fault_tolerance.policy = fail: {why}"),
+                self._fail(f"fault_tolerance.policy = fail: {why}"),
             ]
         self._enter(S.RESTARTING)
         actions: list[Action] = []
@@ -730,6 +733,5 @@ class ControllerFSM:
                     f"registered within node_wait_timeout_s = {p.node_wait_timeout_s:g} s "
                     f"({len(self.registered)} of {p.nodes} nodes healthy)"
                 )
-            self._enter(S.FAILED)
-            return [self._record("failed", reason=reason, have=len(self.registered))]
+            return [self._fail(reason, have=len(self.registered))]
         return []
