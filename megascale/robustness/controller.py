@@ -15,7 +15,9 @@ Lifecycle (``TRANSITIONS`` is the table of every allowed (state, event) -> state
     RUNNING -fault-> STOPPING -all stopped-> DIAGNOSING -all checked-> STARTING (generation G+1)
                                                           \\-too few healthy nodes-> RESTARTING
     RESTARTING -replacement registered-> STARTING;  RUNNING -training done-> FINISHED
-    STOPPING -restarts exhausted-> FAILED;  WAITING/RESTARTING -node_wait_timeout_s-> FAILED
+    STOPPING -restart budget spent, or a job-fatal exit-> FAILED
+    DIAGNOSING -too few healthy nodes, policy "fail"-> FAILED
+    WAITING/RESTARTING -node_wait_timeout_s-> FAILED
 
 Faults: a worker exiting non-zero, an error keyword, an active node lost (lease expiry) or silent
 (no heartbeat for ``heartbeat_timeout_s``), a generation not started within ``start_timeout_s``,
@@ -33,6 +35,16 @@ keeping every other node in its slot so that each rank stays where it was; start
 from the latest checkpoint. Node i of a generation runs ranks ``i*K .. i*K+K-1`` (tensor-parallel
 groups are adjacent ranks, so they stay within a node).
 
+Too few healthy nodes and no spare (``policy.node_loss_policy``): ``wait`` for a node to register
+(RESTARTING, up to ``node_wait_timeout_s``); ``shrink``: start at once on the healthy nodes, as
+many as give whole model-parallel replicas and split the global batch (``shrink_nodes``); ``fail``.
+A shrunk job takes spares up to its configured size at its next restart (no restart is forced
+for it: a proactive one would throw away the steps since the last complete checkpoint). Each
+decision is an ``elastic`` event whose ``text`` says what and why. Restarts are budgeted:
+``max_restarts`` within any ``restart_window_s`` (``RestartBudget``). A worker exiting with
+``EXIT_JOB_FATAL`` (``robustness.fatal``) stops every node and fails the job with the rank's
+reason, evicting and restarting nothing.
+
 Protocol events (``on_start``, ``on_all_stopped``, ``on_selfcheck_result``,
 ``on_generation_started``, ``on_training_finished``, ``on_stall_detected``) in a state that does
 not expect them raise ``IllegalTransition``; observations (heartbeats, acks, node and worker
@@ -47,6 +59,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from megascale.parallel.layout import Layout
+from megascale.robustness import controller_snapshot
 from megascale.robustness.controller_elastic import RestartBudget, resize_detail, shrink_nodes
 from megascale.robustness.controller_types import (
     OBSERVATIONS,  # noqa: F401  (re-exported: controller.py has always offered every name)
@@ -174,38 +187,9 @@ class ControllerFSM:
         return self.timeouts.timeout(self.section())
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything a standby controller needs to continue, as JSON (mirrored to ``state``)."""
-        fault = self.fault
-        return {
-            "state": self.state.value,
-            "generation": self.generation,
-            "restarts": self.restarts,
-            "restart_ages_s": self.budget.ages(self.now),
-            "failure": self.failure,
-            "order": list(self.order),
-            "assignment": {n: list(r) for n, r in self.assignment.items()},
-            "registered": list(self.registered),
-            "spares": self.spares,
-            "blocklist": dict(self.blocklist),
-            "awaiting": dict(self.awaiting),
-            "awaiting_kind": self.awaiting_kind,
-            "step": self.step,
-            "section": self.section(),
-            "stall_timeout_s": self.stall_timeout(),
-            "fault": None
-            if fault is None
-            else {
-                "kind": fault.kind,
-                "node": fault.node,
-                "rank": fault.rank,
-                "detail": dict(fault.detail),
-                "suspects": list(fault.suspects),
-            },
-            "faults": len(self.faults),
-            "culprits": dict(self.culprits),
-            "samples": {k: list(v) for k, v in self.timeouts.samples.items()},
-            "commands": self._commands,
-        }
+        """Everything a standby controller needs to continue, as JSON (mirrored to ``state``;
+        the format is ``controller_snapshot.snapshot``)."""
+        return controller_snapshot.snapshot(self)
 
     @classmethod
     def restore(
@@ -214,25 +198,7 @@ class ControllerFSM:
         """A controller continuing from ``snapshot()`` (a standby taking over). Its timers start
         at ``now``: every node gets a fresh heartbeat allowance and the step a fresh timeout."""
         fsm = cls(policy, now)
-        fsm.state = State(snapshot["state"])
-        fsm.generation = int(snapshot["generation"])
-        fsm.order = list(snapshot["order"])
-        fsm.registered = dict.fromkeys(snapshot["registered"])
-        fsm.blocklist = dict(snapshot["blocklist"])
-        fsm.awaiting = dict(snapshot["awaiting"])
-        fsm.awaiting_kind = snapshot["awaiting_kind"]
-        fsm.culprits = Counter(snapshot["culprits"])
-        fsm.budget.restore(snapshot.get("restart_ages_s", ()), now)
-        fsm.failure = snapshot.get("failure")
-        fsm._commands = int(snapshot["commands"])
-        for section, samples in snapshot["samples"].items():
-            fsm.timeouts.samples[section].extend(samples)
-        if snapshot.get("fault"):
-            f = snapshot["fault"]
-            fsm.fault = Fault(f["kind"], f["node"], f["rank"], f["detail"], tuple(f["suspects"]))
-        fsm._reset_generation_tracking()
-        fsm.step = snapshot.get("step")
-        fsm.stepped = snapshot.get("section") != "init"
+        controller_snapshot.restore(fsm, snapshot, now)
         return fsm
 
     # -- transitions ---------------------------------------------------------------------------
