@@ -94,10 +94,13 @@ class AgentOptions:
         return lease_ttl(self.heartbeat_interval)
 
     def train_argv(self) -> list[str]:
+        """The workers' ``megascale train`` arguments. ``parallel.dp`` is left to each
+        generation's ranks to derive from the world size the controller gave them (a resolved
+        config states the configured one; a shrunk generation has fewer replicas)."""
         argv = [self.config] if self.config else []
         for item in self.overrides:
             argv += ["--set", item]
-        return [*argv, "--run-dir", str(self.run_dir)]
+        return [*argv, "--set", "parallel.dp=none", "--run-dir", str(self.run_dir)]
 
 
 @dataclass

@@ -26,7 +26,6 @@ re-registering), and the controller restarts the job on it.
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import json
 import logging
@@ -521,9 +520,7 @@ def launch(opts: LaunchOptions) -> int:
     run_dir = Path(opts.run_dir or Path("runs") / f"launch-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    workers_job = copy.deepcopy(job)
-    workers_job.parallel.dp = None  # derived by each generation's ranks: a shrunk one has fewer
-    (run_dir / "job.toml").write_text(to_toml(workers_job))
+    (run_dir / "job.toml").write_text(to_toml(job))
     setup_logging("launch", run_dir / "logs" / "launch.log")
     started = time.monotonic()
     import megascale.cli  # noqa: F401  (imported once here, inherited by every forked process)
