@@ -216,3 +216,25 @@ def test_policy_and_config_refuse_bad_fault_tolerance_values():
     assert "fault_tolerance.max_restarts = -1: must be an integer >= 0" in str(e.value)
     ok = config.validate(config.load(None, ["fault_tolerance.policy=shrink"]), 1, "gloo")
     assert ok.fault_tolerance.policy == "shrink" and ok.fault_tolerance.max_restarts == 10
+
+
+def test_launch_flags_win_over_the_config_and_bad_ones_are_refused_in_one_line():
+    from megascale.cli import build_parser
+    from megascale.launcher import cluster
+
+    parser = build_parser()
+    argv = [
+        "launch",
+        "--set",
+        "fault_tolerance.policy=fail",
+        "--set",
+        "fault_tolerance.max_restarts=2",
+    ]
+    opts = cluster.options_from_args(parser.parse_args([*argv, "--fault-policy", "shrink"]))
+    job, _ = cluster.check_options(opts)
+    ft = job.fault_tolerance
+    assert (ft.policy, ft.max_restarts, ft.node_wait_timeout_s) == ("shrink", 2, 60.0)
+    with pytest.raises(cluster.LaunchError, match=r"^--restart-window 0.0: must be > 0 seconds$"):
+        cluster.options_from_args(parser.parse_args([*argv, "--restart-window", "0"]))
+    with pytest.raises(SystemExit):  # argparse: invalid choice, with the accepted ones
+        parser.parse_args([*argv, "--fault-policy", "grow"])
