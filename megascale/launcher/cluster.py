@@ -19,8 +19,9 @@ forks the workers, so no process of the cluster pays the ~8 s import again. The 
 never starts a thread (a fork of a threaded process may inherit a held lock).
 
 A killed agent (``kill-agent``) takes its workers with it; with spares, a spare takes its slot;
-without, the launcher starts the node's agent again once its lease has expired (a repaired node
-re-registering), and the controller restarts the job on it.
+without, under ``fault_tolerance.policy = "wait"`` the launcher starts the node's agent again once
+its lease has expired and the controller waits for it (a repaired node re-registering), and the
+controller restarts the job on it; under ``shrink`` the job goes on without it.
 """
 
 from __future__ import annotations
