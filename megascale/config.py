@@ -227,6 +227,30 @@ class DiagnosticsConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """What the controller does when the job loses nodes, and how often it may restart.
+
+    Read by ``megascale launch`` (its ``--fault-policy``, ``--max-restarts``, ``--restart-window``
+    flags win) and by the operator (the CRD's ``faultTolerance``); ``megascale controller`` takes
+    the same values as flags."""
+
+    policy: str = "wait"
+    """A node is lost or evicted and no spare is registered: ``"wait"`` (for a replacement to
+    register, up to ``node_wait_timeout_s``, then fail), ``"shrink"`` (restart at once on the
+    nodes left with the largest data-parallel size the layout and the global batch allow; the
+    global batch is kept by running more micro-batches per rank; the job grows back to its
+    configured size at the next restart once enough nodes are registered) or ``"fail"``."""
+    node_wait_timeout_s: float | None = None
+    """Longest to wait for enough nodes (at start and under ``policy = "wait"``); none: no limit
+    (``megascale launch`` uses 60 s when this is left out)."""
+    max_restarts: int = 10
+    """Restarts allowed within any ``restart_window_s``; the fault that would exceed it fails the
+    job."""
+    restart_window_s: float = 3600.0
+    """The sliding window ``max_restarts`` counts restarts in (seconds)."""
+
+
+@dataclass
 class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -236,6 +260,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
 # --------------------------------------------------------------------------------------------------

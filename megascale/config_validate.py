@@ -17,6 +17,8 @@ SPECS = ("auto", "local", "te")
 DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 STRAGGLER_ACTIONS = ("report", "evict")
+NODE_LOSS_POLICIES = ("wait", "shrink", "fail")
+"""``fault_tolerance.policy``: what the controller does with a lost node and no spare."""
 
 
 def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
@@ -137,6 +139,41 @@ def _ranges(cfg: JobConfig) -> list[str]:
     one_of("model.spec", m.spec, SPECS)
     one_of("model.params_dtype", m.params_dtype, DTYPES)
     one_of("train.device", t.device, DEVICES)
+    ft = cfg.fault_tolerance
+    problems += fault_tolerance_problems(
+        ft.policy, ft.max_restarts, ft.restart_window_s, ft.node_wait_timeout_s, "fault_tolerance."
+    )
+    return problems
+
+
+def fault_tolerance_problems(
+    policy: str,
+    max_restarts: int,
+    restart_window_s: float | None,
+    node_wait_timeout_s: float | None,
+    prefix: str = "",
+    policy_field: str = "policy",
+) -> list[str]:
+    """The range rules of the fault-tolerance policy, one message per broken rule, each naming
+    ``prefix`` + the field. Shared by the config, ``megascale controller`` and the controller's
+    policy, so the three accept the same values."""
+    problems = []
+    if policy not in NODE_LOSS_POLICIES:
+        problems.append(
+            f"{prefix}{policy_field} = {policy!r}: must be one of {', '.join(NODE_LOSS_POLICIES)}"
+        )
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        problems.append(f"{prefix}max_restarts = {max_restarts!r}: must be an integer >= 0")
+    if restart_window_s is not None and not restart_window_s > 0:
+        problems.append(
+            f"{prefix}restart_window_s = {restart_window_s}: must be > 0 (seconds in which at "
+            "most max_restarts restarts are allowed)"
+        )
+    if node_wait_timeout_s is not None and not node_wait_timeout_s > 0:
+        problems.append(
+            f"{prefix}node_wait_timeout_s = {node_wait_timeout_s}: must be > 0 seconds, or none "
+            "(wait for ever)"
+        )
     return problems
 
 
@@ -273,22 +310,32 @@ def _overlap(cfg: JobConfig) -> list[str]:
 def _batch(cfg: JobConfig, dp: int) -> list[str]:
     """How the global batch splits into micro-batches over data-parallel ranks."""
     p, t = cfg.parallel, cfg.train
-    per_step = t.micro_batch_size * dp
-    if t.global_batch_size % per_step:
-        return [
-            f"train.global_batch_size = {t.global_batch_size}: must be divisible by "
-            f"train.micro_batch_size * dp = {t.micro_batch_size} * {dp} = {per_step} "
+    problem = batch_split_problem(t.global_batch_size, t.micro_batch_size, dp, p.pp, p.vpp)
+    return [problem] if problem else []
+
+
+def batch_split_problem(
+    global_batch_size: int, micro_batch_size: int, dp: int, pp: int = 1, vpp: int = 1
+) -> str | None:
+    """Why ``global_batch_size`` cannot be split over ``dp`` data-parallel ranks in micro-batches
+    of ``micro_batch_size`` (None: it can, in ``global / (micro * dp)`` micro-batches per rank).
+    The controller asks this too when it shrinks the job to fewer data-parallel replicas."""
+    per_step = micro_batch_size * dp
+    if global_batch_size % per_step:
+        return (
+            f"train.global_batch_size = {global_batch_size}: must be divisible by "
+            f"train.micro_batch_size * dp = {micro_batch_size} * {dp} = {per_step} "
             f"(every data-parallel rank runs whole micro-batches)"
-        ]
-    microbatches = t.global_batch_size // per_step
+        )
+    microbatches = global_batch_size // per_step
     # megatron-core 0.16 forward_backward_pipelining_with_interleaving: the micro-batch group size
     # per virtual stage defaults to pp and must be <= M, and M % pp must be 0 or >= pp; together
     # with the default group size that is M % pp == 0.
-    if p.vpp > 1 and microbatches % p.pp:
-        return [
-            f"train.global_batch_size = {t.global_batch_size}: with parallel.vpp = {p.vpp} "
+    if vpp > 1 and microbatches % pp:
+        return (
+            f"train.global_batch_size = {global_batch_size}: with parallel.vpp = {vpp} "
             f"the number of micro-batches global_batch_size / (micro_batch_size * dp) = "
-            f"{microbatches} must be divisible by parallel.pp = {p.pp} (megatron-core's "
+            f"{microbatches} must be divisible by parallel.pp = {pp} (megatron-core's "
             f"interleaved 1F1B schedule runs micro-batches in groups of pp)"
-        ]
-    return []
+        )
+    return None

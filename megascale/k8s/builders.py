@@ -237,10 +237,13 @@ def worker_service_account(job: Job) -> dict[str, Any]:
 # -- controller -------------------------------------------------------------------------------
 
 
-def controller_deployment(job: Job, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+def controller_deployment(
+    job: Job, tp: int = 1, pp: int = 1, train: Mapping[str, Any] | None = None, vpp: int = 1
+) -> dict[str, Any]:
     """The controller: one pod (0 while suspended), the workers' image, Recreate on change so two
     never overlap (its etcd election would fence a second one anyway). ``tp``/``pp``: the
-    training config's, so that it names ranks by their (dp, pp, tp) coordinates."""
+    training config's, so that it names ranks by their (dp, pp, tp) coordinates; ``train`` (its
+    ``[train]`` table) and ``vpp``: what a shrink must keep (``controller_args``)."""
     template = job.template
     main = template["spec"]["containers"][main_container_index(template)]
     volumes, mounts = _megascale_volumes(job)
@@ -248,7 +251,7 @@ def controller_deployment(job: Job, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     container = {
         "name": "controller",
         "image": main["image"],
-        "args": controller_args(job, tp, pp),
+        "args": controller_args(job, tp, pp, train, vpp),
         "env": _megascale_env(job),
         "volumeMounts": [*mounts, {"name": "run", "mountPath": RUN_DIR}],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
@@ -427,8 +430,17 @@ def managed_objects(job: Job, resolved_toml: str) -> list[dict[str, Any]]:
     group = pod_group(job)
     if group is not None:
         objects.append(group)
-    parallel = tomllib.loads(resolved_toml).get("parallel", {})
-    objects.append(controller_deployment(job, parallel.get("tp", 1), parallel.get("pp", 1)))
+    resolved = tomllib.loads(resolved_toml)
+    parallel = resolved.get("parallel", {})
+    objects.append(
+        controller_deployment(
+            job,
+            parallel.get("tp", 1),
+            parallel.get("pp", 1),
+            resolved.get("train", {}),
+            parallel.get("vpp", 1),
+        )
+    )
     return objects
 
 

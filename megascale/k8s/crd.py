@@ -12,7 +12,9 @@ The shape, what users know from Kubeflow's PyTorchJob and JobSet::
       nprocPerNode: 8                                                      # ranks per pod
       runPolicy: {activeDeadlineSeconds, backoffLimit, suspend, ttlSecondsAfterFinished,
                   scheduling: {gang: volcano|coscheduling|none, queue, priorityClass, ...}}
-      faultTolerance: {heartbeatIntervalSeconds, maxRestarts, spareNodes, cordonEvictedNodes,
+      faultTolerance: {heartbeatIntervalSeconds, maxRestarts, restartWindowSeconds,
+                       policy: wait|shrink|fail, nodeWaitTimeoutSeconds, spareNodes,
+                       cordonEvictedNodes,
                        selfCheck: {tests, timeoutSeconds, requirePassedNode},
                        straggler: {threshold, action: report|evict},
                        checkpoint: {intervalSteps, url}}
@@ -34,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from megascale.config_validate import STRAGGLER_ACTIONS
+from megascale.config_validate import NODE_LOSS_POLICIES, STRAGGLER_ACTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -247,9 +249,25 @@ def _fault_tolerance_schema() -> dict[str, Any]:
                 "Seconds between an agent's heartbeats.", minimum=1, maximum=60, default=1
             ),
             "maxRestarts": _int(
-                "Generations restarted after faults, at most; the next fault fails the job.",
+                "Restarts allowed within any restartWindowSeconds; the fault that would exceed "
+                "it fails the job.",
                 minimum=0,
-                default=3,
+                default=10,
+            ),
+            "restartWindowSeconds": _int(
+                "The sliding window maxRestarts counts restarts in.", minimum=1, default=3600
+            ),
+            "policy": _str(
+                "A node lost or evicted with no spare: `wait` for a replacement (up to "
+                "nodeWaitTimeoutSeconds), `shrink` to the nodes left at the largest data-parallel "
+                "size the global batch allows (more micro-batches per rank; grows back at the "
+                "next restart once enough nodes are registered), or `fail` the job.",
+                enum=list(NODE_LOSS_POLICIES),
+                default="wait",
+            ),
+            "nodeWaitTimeoutSeconds": _int(
+                "Longest the job waits for enough nodes before it fails; unset: no limit.",
+                minimum=1,
             ),
             "spareNodes": _int(
                 "Worker pods beyond replicas, started and self-checked, that replace an evicted "

@@ -56,7 +56,12 @@ def training_overrides(job: Job) -> list[str]:
     out = [
         f"diagnostics.straggler_threshold={float(straggler['threshold'])}",
         f"diagnostics.straggler_action={json.dumps(straggler['action'])}",
+        f"fault_tolerance.policy={json.dumps(ft['policy'])}",
+        f"fault_tolerance.max_restarts={int(ft['maxRestarts'])}",
+        f"fault_tolerance.restart_window_s={float(ft['restartWindowSeconds'])}",
     ]
+    if ft.get("nodeWaitTimeoutSeconds") is not None:
+        out.append(f"fault_tolerance.node_wait_timeout_s={float(ft['nodeWaitTimeoutSeconds'])}")
     checkpoint = ft["checkpoint"]
     if checkpoint["intervalSteps"]:
         out.append(f"checkpoint.interval={int(checkpoint['intervalSteps'])}")
@@ -191,9 +196,18 @@ def agent_args(job: Job, index: int) -> list[str]:
     ]
 
 
-def controller_args(job: Job, tp: int = 1, pp: int = 1) -> list[str]:
-    """The controller's command line (``robustness.service.add_arguments``)."""
-    ft = job.spec["faultTolerance"]
+def controller_args(
+    job: Job, tp: int = 1, pp: int = 1, train: Mapping[str, Any] | None = None, vpp: int = 1
+) -> list[str]:
+    """The controller's command line (``robustness.service.add_arguments``). ``train``: the
+    resolved training config's ``[train]`` table, whose batch sizes a shrink keeps."""
+    ft, train = job.spec["faultTolerance"], train or {}
+    batch = []
+    if train.get("global_batch_size") is not None:
+        batch += ["--global-batch-size", str(int(train["global_batch_size"]))]
+    if train.get("micro_batch_size") is not None:
+        batch += ["--micro-batch-size", str(int(train["micro_batch_size"]))]
+    wait = ft.get("nodeWaitTimeoutSeconds")
     return [
         "megascale",
         "controller",
@@ -213,6 +227,14 @@ def controller_args(job: Job, tp: int = 1, pp: int = 1) -> list[str]:
         str(ft["heartbeatIntervalSeconds"]),
         "--max-restarts",
         str(ft["maxRestarts"]),
+        "--restart-window",
+        str(float(ft["restartWindowSeconds"])),
+        "--fault-policy",
+        str(ft["policy"]),
+        *(["--node-wait-timeout", str(float(wait))] if wait is not None else []),
+        "--vpp",
+        str(vpp),
+        *batch,
         "--straggler-threshold",
         str(float(ft["straggler"]["threshold"])),
         "--straggler-action",

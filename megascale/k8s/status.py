@@ -10,7 +10,8 @@ Rules, in the order they apply:
 
 * **Phase** from the controller's state (``init``/``waiting_for_nodes``/``starting`` -> Starting,
   ``running`` -> Running, ``stopping``/``diagnosing``/``restarting`` -> Recovering, ``finished`` ->
-  Succeeded, ``failed`` -> Failed); Pending before the controller wrote any; Suspended while
+  Succeeded, ``failed`` -> Failed, reason JobFatal when a rank said the job cannot proceed, the
+  message the controller's reason for failing); Pending before the controller wrote any; Suspended while
   ``runPolicy.suspend``; Failed when ``activeDeadlineSeconds`` has passed since ``startTime`` or
   when more pods were replaced than ``backoffLimit``. Succeeded and Failed are final.
 * **Evictions**: a node in the controller's blocklist has its worker pod deleted (it is
@@ -328,6 +329,9 @@ def _phase(job: Job, prior: Mapping[str, Any], state: Mapping[str, Any] | None) 
     if job.suspended:
         return "Suspended", "Suspended"
     if state is not None:
+        fault = state.get("fault") or {}
+        if state.get("state") == "failed" and fault.get("kind") == "job_fatal":
+            return "Failed", "JobFatal"  # the job itself cannot proceed (robustness/fatal.py)
         return phase_of(state.get("state")), f"Controller{_camel(str(state.get('state')))}"
     if prior.get("phase") in (None, "Suspended"):  # new, or resumed: until the controller says
         return "Pending", "WaitingForController"
@@ -354,7 +358,7 @@ def decide(
     if not job.suspended and "startTime" not in out:
         out["startTime"] = rfc3339(now)
     phase, reason = _phase(job, prior, state)
-    message = fault_message(state) or prior.get("message", "")
+    message = (state or {}).get("failure") or fault_message(state) or prior.get("message", "")
     pod_effects = plan_workers(job, pods, blocklist, phase)
     replacements = int(prior.get("replacements", 0))
     replacements += sum(1 for e in pod_effects if isinstance(e, DeletePod) and e.replace)

@@ -39,6 +39,7 @@ from typing import Any
 from megascale.launcher.nodeinfo import gpu_status, hardware_info, network_counters
 from megascale.launcher.workers import WorkerPool, Zygote, free_port
 from megascale.robustness import inject
+from megascale.robustness.fatal import EXIT_JOB_FATAL, RUN_DIR_ENV, read_fatal
 from megascale.robustness.keys import JobKeys, is_current
 from megascale.robustness.progress import progress_path, read_progress
 from megascale.robustness.service_main import (
@@ -93,10 +94,13 @@ class AgentOptions:
         return lease_ttl(self.heartbeat_interval)
 
     def train_argv(self) -> list[str]:
+        """The workers' ``megascale train`` arguments. ``parallel.dp`` is left to each
+        generation's ranks to derive from the world size the controller gave them (a resolved
+        config states the configured one; a shrunk generation has fewer replicas)."""
         argv = [self.config] if self.config else []
         for item in self.overrides:
             argv += ["--set", item]
-        return [*argv, "--run-dir", str(self.run_dir)]
+        return [*argv, "--set", "parallel.dp=none", "--run-dir", str(self.run_dir)]
 
 
 @dataclass
@@ -294,6 +298,8 @@ class Agent:
         """The ``heartbeats/<node>`` value. Fields (the controller reads the first group)::
 
         node, time, generation, step, section, tokens_per_s, workers, flight, errors
+        workers: {"<rank>": {"pid", "alive", "exit_code", "peer", "fatal"}}; ``fatal`` is the
+        reason a rank gave for a job-fatal exit (``robustness.fatal``), None otherwise
         error_events: [{"seq", "rank", "kind", "text", "secondary"}]  (this generation)
         notices: [{"seq", "rank", "kind", "text"}]        e.g. a checkpoint skipped
         host, addr, pid, hardware (static), gpus (NVML, live; None without NVML),
@@ -306,6 +312,11 @@ class Agent:
         # Exits before output: a worker seen exited here has written all of its output, so the
         # scan reads all of it (a peer's failure included) before its exit is reported.
         workers = self.pool.status(self.generation)
+        for rank, status in workers.items():  # the reason of a job-fatal exit, else None
+            fatal = status["exit_code"] == EXIT_JOB_FATAL
+            status["fatal"] = (
+                read_fatal(self.opts.run_dir, int(rank), status["pid"]) if fatal else None
+            )
         self._collect_output()
         self._mark_peer_failures(workers)
         progress = self._progress()
@@ -527,6 +538,7 @@ class Agent:
             "MEGASCALE_JOB": self.opts.job_id,
             "MEGASCALE_NODE": self.opts.node,
             "MEGASCALE_GENERATION": str(generation),
+            RUN_DIR_ENV: str(self.opts.run_dir),
             inject.ENV: inject.to_env(self.opts.faults),
             **(
                 {"CUDA_VISIBLE_DEVICES": self.opts.visible_devices}

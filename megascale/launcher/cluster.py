@@ -19,8 +19,9 @@ forks the workers, so no process of the cluster pays the ~8 s import again. The 
 never starts a thread (a fork of a threaded process may inherit a held lock).
 
 A killed agent (``kill-agent``) takes its workers with it; with spares, a spare takes its slot;
-without, the launcher starts the node's agent again once its lease has expired (a repaired node
-re-registering), and the controller restarts the job on it.
+without, under ``fault_tolerance.policy = "wait"`` the launcher starts the node's agent again once
+its lease has expired and the controller waits for it (a repaired node re-registering), and the
+controller restarts the job on it; under ``shrink`` the job goes on without it.
 """
 
 from __future__ import annotations
@@ -61,10 +62,14 @@ class LaunchOptions:
     run_dir: Path | None = None
     heartbeat_interval: float = 0.5
     standby_controller: bool = False
-    max_restarts: int = 3
+    fault_policy: str | None = None
+    """``--fault-policy``; None: the config's ``fault_tolerance.policy``. Likewise below."""
+    max_restarts: int | None = None
+    restart_window_s: float | None = None
     selfcheck: str = "builtin"
     timeout_s: float | None = None
-    node_wait_timeout_s: float = 60.0
+    node_wait_timeout_s: float | None = None
+    """None: the config's, else 60 s."""
     job_id: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex[:8]}")
 
 
@@ -73,7 +78,7 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
     on what was filled in (for the log)."""
     from megascale import config as config_mod
 
-    for name, low in (("nodes", 1), ("nproc_per_node", 1), ("spares", 0), ("max_restarts", 0)):
+    for name, low in (("nodes", 1), ("nproc_per_node", 1), ("spares", 0)):
         value = getattr(opts, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             flag = "--" + name.replace("_", "-")
@@ -83,6 +88,17 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
             f"--heartbeat-interval = {opts.heartbeat_interval}: must be in [0.05, 60] seconds"
         )
     job = config_mod.load(opts.config, opts.overrides)
+    ft = job.fault_tolerance  # the flags win over the config file
+    for flag, key in (
+        ("fault_policy", "policy"),
+        ("max_restarts", "max_restarts"),
+        ("restart_window_s", "restart_window_s"),
+        ("node_wait_timeout_s", "node_wait_timeout_s"),
+    ):
+        if getattr(opts, flag) is not None:
+            setattr(ft, key, getattr(opts, flag))
+    if ft.node_wait_timeout_s is None:
+        ft.node_wait_timeout_s = 60.0
     world = opts.nodes * opts.nproc_per_node
     job = config_mod.validate(job, world, "nccl" if _device(job) == "cuda" else "gloo")
     gpus = _gpus(job)
@@ -225,15 +241,20 @@ class LocalCluster:
     def start_controllers(self) -> None:
         from megascale.robustness.service_options import ServiceOptions, policy_for
 
-        o, p = self.opts, self.job.parallel
+        o, p, ft, t = self.opts, self.job.parallel, self.job.fault_tolerance, self.job.train
         policy = policy_for(
             o.nodes,
             o.nproc_per_node,
             tp=p.tp,
             pp=p.pp,
             heartbeat_interval=o.heartbeat_interval,
-            max_restarts=o.max_restarts,
-            node_wait_timeout_s=o.node_wait_timeout_s,
+            max_restarts=ft.max_restarts,
+            restart_window_s=ft.restart_window_s,
+            node_loss_policy=ft.policy,
+            node_wait_timeout_s=ft.node_wait_timeout_s,
+            global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size,
+            vpp=p.vpp,
             init_timeout_s=120.0,
             start_timeout_s=60.0,
             stop_timeout_s=15.0,
@@ -373,6 +394,7 @@ def describe_event(event: dict[str, Any]) -> str | None:
         "all_stopped": lambda: "all workers stopped",
         "finished": lambda: f"training finished at step {d.get('step')}",
         "failed": lambda: f"job FAILED: {d.get('reason')}",
+        "elastic": lambda: str(d.get("text")),
         "checkpoint_fallback": lambda: f"checkpoint fallback {where}: {d.get('text', '')[-160:]}",
         "etcd_unavailable": lambda: "etcd unavailable",
         "etcd_recovered": lambda: f"etcd back after {d.get('down_s')} s",
@@ -456,8 +478,11 @@ class Monitor:
                 node = f"node-{spec.get('node')}"
                 proc = self.cluster.agents[node]
                 os.kill(proc.pid, signal.SIGKILL)
-                if not self.cluster.opts.spares:
-                    self.restart_after_loss.add(node)
+                if (
+                    not self.cluster.opts.spares
+                    and self.cluster.job.fault_tolerance.policy == "wait"
+                ):
+                    self.restart_after_loss.add(node)  # repaired: comes back while it is awaited
             elif spec.kind == "etcd-restart":
                 self.cluster.etcd.restart(downtime_s=float(spec.get("downtime", 1.0)))
 
@@ -480,7 +505,7 @@ class Monitor:
                 gone = self.cluster.store.get(self.cluster.keys.node(node)) is None
             except StoreError:
                 continue
-            if gone:
+            if gone and self.cluster.job_state() == "restarting":  # the controller waits for it
                 self.restart_after_loss.discard(node)
                 self.cluster.agents[node].join()
                 logger.info("%s is back (its agent restarted after the node was lost)", node)
@@ -537,6 +562,8 @@ def launch(opts: LaunchOptions) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megascale.robustness.service_main import add_fault_tolerance_arguments
+
     parser.add_argument("--nodes", type=int, default=2, help="nodes per generation (M)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (K)")
     parser.add_argument("--spares", type=int, default=0, help="spare nodes (S)")
@@ -554,7 +581,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--standby-controller", action="store_true", help="also start a standby controller"
     )
-    parser.add_argument("--max-restarts", type=int, default=3, help="restarts before failing")
+    add_fault_tolerance_arguments(parser, defaults=False)
     parser.add_argument(
         "--selfcheck",
         choices=("auto", "builtin", "full"),
@@ -567,7 +594,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
-    """LaunchOptions from the command line (InjectError for a bad --inject)."""
+    """LaunchOptions from the command line (InjectError for a bad --inject, LaunchError for a
+    bad fault-tolerance flag)."""
+    from megascale.robustness.service_main import check_fault_tolerance_arguments
+
+    try:
+        check_fault_tolerance_arguments(args)
+    except ValueError as e:
+        raise LaunchError(str(e)) from e
     return LaunchOptions(
         config=args.config,
         overrides=list(args.overrides),
@@ -578,7 +612,10 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         run_dir=Path(args.run_dir) if args.run_dir else None,
         heartbeat_interval=args.heartbeat_interval,
         standby_controller=args.standby_controller,
+        fault_policy=args.fault_policy,
         max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window,
+        node_wait_timeout_s=args.node_wait_timeout,
         selfcheck=args.selfcheck,
         timeout_s=args.timeout,
     )

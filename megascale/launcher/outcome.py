@@ -9,7 +9,9 @@
      "recoveries": 1, "generations": 2, "evicted": [],
      "fault_timings": [{"fault", "fired_at", "step", "decision", "detected_as", "node",
                         "rank", "detection_s", "resumed_s"}],
-     "wall_time_s": 23.4, "nodes": 2, "nproc_per_node": 1, "spares": 1, ...}
+     "wall_time_s": 23.4, "nodes": 2, "nproc_per_node": 1, "spares": 1, ...,
+     "failure": "<the controller's reason>" | null,      # why a failed job failed
+     "fatal": {"node", "rank", "reason"} | null}          # a rank's job-fatal error (fatal.py)
 
 Everything is read back from the run directory (events.jsonl, metrics.jsonl, faults/, the
 checkpoints), so a run can be summarised again after the fact.
@@ -110,6 +112,23 @@ def faults_detected(events: list[dict[str, Any]]) -> dict[str, int]:
     return detected
 
 
+def failure(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """``failure``: the reason of the controller's ``failed`` event (None when it did not fail
+    the job); ``fatal``: the job-fatal error a rank ended the job with (``robustness.fatal``)."""
+    failed = [e for e in events if e["kind"] == "failed"]
+    fatal = [e for e in events if e["kind"] == "fault" and e["detail"].get("fault") == "job_fatal"]
+    return {
+        "failure": failed[-1]["detail"].get("reason") if failed else None,
+        "fatal": {
+            "node": fatal[0].get("node"),
+            "rank": fatal[0].get("rank"),
+            "reason": fatal[0]["detail"].get("reason"),
+        }
+        if fatal
+        else None,
+    }
+
+
 def summarize(run_dir: Path, job: Any, state: str, wall_s: float, opts: Any) -> dict[str, Any]:
     """The content of ``final.json`` (see the module docstring)."""
     events = read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
@@ -129,6 +148,7 @@ def summarize(run_dir: Path, job: Any, state: str, wall_s: float, opts: Any) -> 
         "generations": max((e.get("generation") or 0 for e in events), default=0),
         "evicted": [e["node"] for e in events if e["kind"] == "evict"],
         "fault_timings": fault_timings(run_dir, events),
+        **failure(events),
         "wall_time_s": round(wall_s, 3),
         "nodes": opts.nodes,
         "nproc_per_node": opts.nproc_per_node,

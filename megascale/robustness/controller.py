@@ -15,7 +15,9 @@ Lifecycle (``TRANSITIONS`` is the table of every allowed (state, event) -> state
     RUNNING -fault-> STOPPING -all stopped-> DIAGNOSING -all checked-> STARTING (generation G+1)
                                                           \\-too few healthy nodes-> RESTARTING
     RESTARTING -replacement registered-> STARTING;  RUNNING -training done-> FINISHED
-    STOPPING -restarts exhausted-> FAILED;  WAITING/RESTARTING -node_wait_timeout_s-> FAILED
+    STOPPING -restart budget spent, or a job-fatal exit-> FAILED
+    DIAGNOSING -too few healthy nodes, policy "fail"-> FAILED
+    WAITING/RESTARTING -node_wait_timeout_s-> FAILED
 
 Faults: a worker exiting non-zero, an error keyword, an active node lost (lease expiry) or silent
 (no heartbeat for ``heartbeat_timeout_s``), a generation not started within ``start_timeout_s``,
@@ -33,6 +35,16 @@ keeping every other node in its slot so that each rank stays where it was; start
 from the latest checkpoint. Node i of a generation runs ranks ``i*K .. i*K+K-1`` (tensor-parallel
 groups are adjacent ranks, so they stay within a node).
 
+Too few healthy nodes and no spare (``policy.node_loss_policy``): ``wait`` for a node to register
+(RESTARTING, up to ``node_wait_timeout_s``); ``shrink``: start at once on the healthy nodes, as
+many as give whole model-parallel replicas and split the global batch (``shrink_nodes``); ``fail``.
+A shrunk job takes spares up to its configured size at its next restart (no restart is forced
+for it: a proactive one would throw away the steps since the last complete checkpoint). Each
+decision is an ``elastic`` event whose ``text`` says what and why. Restarts are budgeted:
+``max_restarts`` within any ``restart_window_s`` (``RestartBudget``). A worker exiting with
+``EXIT_JOB_FATAL`` (``robustness.fatal``) stops every node and fails the job with the rank's
+reason, evicting and restarting nothing.
+
 Protocol events (``on_start``, ``on_all_stopped``, ``on_selfcheck_result``,
 ``on_generation_started``, ``on_training_finished``, ``on_stall_detected``) in a state that does
 not expect them raise ``IllegalTransition``; observations (heartbeats, acks, node and worker
@@ -46,6 +58,9 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from megascale.parallel.layout import Layout
+from megascale.robustness import controller_snapshot
+from megascale.robustness.controller_elastic import RestartBudget, resize_detail, shrink_nodes
 from megascale.robustness.controller_types import (
     OBSERVATIONS,  # noqa: F401  (re-exported: controller.py has always offered every name)
     TRANSITIONS,
@@ -63,6 +78,7 @@ from megascale.robustness.controller_types import (
     State,
     stall_suspects,
 )
+from megascale.robustness.fatal import EXIT_JOB_FATAL
 
 S, E = State, Event
 
@@ -88,6 +104,8 @@ class ControllerFSM:
         self.fault: Fault | None = None
         self.faults: list[Fault] = []
         self.culprits: Counter[str] = Counter()
+        self.budget = RestartBudget(policy.max_restarts, policy.restart_window_s)
+        self.failure: str | None = None  # why the job failed, once it has
         self.timeouts = SectionTimeouts(
             {
                 "init": policy.init_timeout_s,
@@ -110,6 +128,19 @@ class ControllerFSM:
     def order(self, nodes: Iterable[str]) -> None:
         self._order: list[str] = list(nodes)
         self._in_order: frozenset[str] = frozenset(self._order)  # O(1) membership
+        p = self.policy
+        size = len(self._order) or p.nodes  # fewer than p.nodes once shrunk
+        self._layout = Layout.from_world(size * p.nproc_per_node, tp=p.tp, pp=p.pp)
+
+    @property
+    def layout(self) -> Layout:
+        """The current generation's layout (the configured one before the first start)."""
+        return self._layout
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the current generation: fewer than ``policy.world_size`` once shrunk."""
+        return self._layout.world_size
 
     def in_order(self, node: str) -> bool:
         """Whether ``node`` is in the current generation (O(1), unlike ``node in order``)."""
@@ -143,7 +174,7 @@ class ControllerFSM:
 
     def node_of(self, rank: int) -> str | None:
         i = rank // self.policy.nproc_per_node
-        return self.order[i] if 0 <= rank < self.policy.world_size and i < len(self.order) else None
+        return self.order[i] if 0 <= rank < self.world_size and i < len(self.order) else None
 
     def section(self) -> str:
         """What the job is doing: "init" until its step first advances, "checkpoint" while any
@@ -156,36 +187,9 @@ class ControllerFSM:
         return self.timeouts.timeout(self.section())
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything a standby controller needs to continue, as JSON (mirrored to ``state``)."""
-        fault = self.fault
-        return {
-            "state": self.state.value,
-            "generation": self.generation,
-            "restarts": self.restarts,
-            "order": list(self.order),
-            "assignment": {n: list(r) for n, r in self.assignment.items()},
-            "registered": list(self.registered),
-            "spares": self.spares,
-            "blocklist": dict(self.blocklist),
-            "awaiting": dict(self.awaiting),
-            "awaiting_kind": self.awaiting_kind,
-            "step": self.step,
-            "section": self.section(),
-            "stall_timeout_s": self.stall_timeout(),
-            "fault": None
-            if fault is None
-            else {
-                "kind": fault.kind,
-                "node": fault.node,
-                "rank": fault.rank,
-                "detail": dict(fault.detail),
-                "suspects": list(fault.suspects),
-            },
-            "faults": len(self.faults),
-            "culprits": dict(self.culprits),
-            "samples": {k: list(v) for k, v in self.timeouts.samples.items()},
-            "commands": self._commands,
-        }
+        """Everything a standby controller needs to continue, as JSON (mirrored to ``state``;
+        the format is ``controller_snapshot.snapshot``)."""
+        return controller_snapshot.snapshot(self)
 
     @classmethod
     def restore(
@@ -194,23 +198,7 @@ class ControllerFSM:
         """A controller continuing from ``snapshot()`` (a standby taking over). Its timers start
         at ``now``: every node gets a fresh heartbeat allowance and the step a fresh timeout."""
         fsm = cls(policy, now)
-        fsm.state = State(snapshot["state"])
-        fsm.generation = int(snapshot["generation"])
-        fsm.order = list(snapshot["order"])
-        fsm.registered = dict.fromkeys(snapshot["registered"])
-        fsm.blocklist = dict(snapshot["blocklist"])
-        fsm.awaiting = dict(snapshot["awaiting"])
-        fsm.awaiting_kind = snapshot["awaiting_kind"]
-        fsm.culprits = Counter(snapshot["culprits"])
-        fsm._commands = int(snapshot["commands"])
-        for section, samples in snapshot["samples"].items():
-            fsm.timeouts.samples[section].extend(samples)
-        if snapshot.get("fault"):
-            f = snapshot["fault"]
-            fsm.fault = Fault(f["kind"], f["node"], f["rank"], f["detail"], tuple(f["suspects"]))
-        fsm._reset_generation_tracking()
-        fsm.step = snapshot.get("step")
-        fsm.stepped = snapshot.get("section") != "init"
+        controller_snapshot.restore(fsm, snapshot, now)
         return fsm
 
     # -- transitions ---------------------------------------------------------------------------
@@ -241,6 +229,15 @@ class ControllerFSM:
     ) -> RecordEvent:
         return RecordEvent(kind, self.generation, node, rank, detail)
 
+    def _fail(
+        self, reason: str, node: str | None = None, rank: int | None = None, **detail: Any
+    ) -> RecordEvent:
+        """Enter FAILED for ``reason`` (kept in ``failure``, the snapshot's and the operator's
+        status message); the ``failed`` event to record."""
+        self._enter(S.FAILED)
+        self.failure = reason
+        return self._record("failed", node, rank, reason=reason, **detail)
+
     def _send(self, nodes: Iterable[str], kind: str, generation: int) -> list[Action]:
         actions: list[Action] = []
         self.awaiting, self.awaiting_kind = {}, kind
@@ -259,7 +256,7 @@ class ControllerFSM:
         if kind == "start":
             ranks = {
                 "ranks": list(assignment[node]),
-                "world_size": self.policy.world_size,
+                "world_size": self.world_size,
                 "master_node": self.order[0],
             }
         return SendCommand(node, kind, generation, command_id, ranks)
@@ -370,16 +367,23 @@ class ControllerFSM:
         code: int,
         now: float | None = None,
         generation: int | None = None,
+        fatal: str | None = None,
     ) -> list[Action]:
-        """A worker process ended with ``code`` (negative: killed by signal -code)."""
+        """A worker process ended with ``code`` (negative: killed by signal -code).
+        ``EXIT_JOB_FATAL`` (with the rank's ``fatal`` reason, see ``robustness.fatal``) is a
+        fault of the job itself: every node is stopped and the job fails, nobody is evicted."""
         self._begin(E.WORKER_EXIT, now)
         stale = generation is not None and generation != self.generation
         if stale or self.state not in (S.STARTING, S.RUNNING) or node not in self._in_order:
             return []
+        if code == EXIT_JOB_FATAL:
+            reason = fatal or f"exit code {code} (job-fatal) without a reason"
+            detail = {"exit_code": code, "reason": reason}
+            return self._on_fault(Fault("job_fatal", node, rank, detail))
         if code != 0:
             return self._on_fault(Fault("worker_exit", node, rank, {"exit_code": code}))
         self.clean_exits.add(rank)
-        if len(self.clean_exits) < self.policy.world_size:
+        if len(self.clean_exits) < self.world_size:
             return [self._record("worker_exit_clean", node, rank)]
         self._enter(S.FINISHED)
         return [self._record("finished", step=self.step, reason="every rank exited 0")]
@@ -415,10 +419,10 @@ class ControllerFSM:
                 records[rank] = FlightRecord.from_json(record)
             except (KeyError, TypeError, ValueError):
                 continue
-        return stall_suspects(records, ranks=range(self.policy.world_size))
+        return stall_suspects(records, ranks=range(self.world_size))
 
     def _stall(self, suspects: tuple[int, ...], detail: dict[str, Any]) -> list[Action]:
-        layout = self.policy.layout
+        layout = self.layout
         nodes = sorted({n for r in suspects if (n := self.node_of(r)) is not None})
         detail.update(suspects=[layout.describe(r) for r in suspects], suspect_nodes=nodes)
         node = nodes[0] if len(nodes) == 1 else None
@@ -428,10 +432,10 @@ class ControllerFSM:
     def _on_fault(self, fault: Fault) -> list[Action]:
         self.fault = fault
         self.faults.append(fault)
-        culprits = {fault.node} if fault.node else set()
+        culprits = {fault.node} if fault.node and fault.kind != "job_fatal" else set()
         culprits |= {n for r in fault.suspects if (n := self.node_of(r)) is not None}
         self.culprits.update(culprits)
-        where = self.policy.layout.describe(fault.rank) if fault.rank is not None else None
+        where = self.layout.describe(fault.rank) if fault.rank is not None else None
         detail = {**fault.detail, "fault": fault.kind, "where": where, "step": self.step}
         actions: list[Action] = [
             RecordEvent("fault", self.generation, fault.node, fault.rank, detail)
@@ -495,16 +499,12 @@ class ControllerFSM:
     def _after_stopped(self) -> list[Action]:
         self.awaiting = {}
         actions: list[Action] = [self._record("all_stopped")]
-        if self.restarts >= self.policy.max_restarts:
-            self._enter(S.FAILED)
-            return actions + [
-                self._record(
-                    "failed",
-                    reason=f"max_restarts = {self.policy.max_restarts} exhausted",
-                    fault=self.fault.kind if self.fault else None,
-                )
-            ]
         fault = self.fault
+        if fault is not None and fault.kind == "job_fatal":
+            reason = f"job-fatal error on rank {fault.rank}: {fault.detail['reason']}"
+            return actions + [self._fail(reason, fault.node, fault.rank)]
+        if not self.budget.allows(self.now):
+            return actions + [self._fail(self.budget.describe(), fault=fault and fault.kind)]
         if fault is not None and fault.kind == "straggler" and fault.node in self.registered:
             score = fault.detail.get("score")
             actions += self._evict(fault.node, f"straggler at {score}x its peers' compute time")
@@ -543,33 +543,44 @@ class ControllerFSM:
 
     def _plan(self) -> list[str] | None:
         """The next generation's nodes: each slot keeps its node while healthy, else takes the
-        first spare; None when there are too few healthy nodes."""
+        first spare, and a shrunk job takes spares up to its configured size again; None when
+        there are too few healthy nodes. Short of nodes after a fault under ``shrink``: the
+        healthy nodes in slot order, as many as ``shrink_nodes`` allows."""
         spares = deque(n for n in self.registered if n not in self._in_order)
         order = [
             n if n in self.registered else (spares.popleft() if spares else "") for n in self.order
         ]
         while len(order) < self.policy.nodes and spares:
             order.append(spares.popleft())
-        return order if "" not in order and len(order) == self.policy.nodes else None
+        if "" not in order and len(order) == self.policy.nodes:
+            return order
+        if self.generation == 0 or self.policy.node_loss_policy != "shrink":
+            return None
+        healthy = [n for n in order if n]
+        size = shrink_nodes(len(healthy), self.policy)
+        return healthy[:size] if size else None
 
     def _try_start(self) -> list[Action]:
-        """Start the next generation if there are enough healthy nodes, else wait for more."""
+        """Start the next generation if there are enough healthy nodes, else apply the policy
+        for a lost node (``_short_of_nodes``)."""
         order = self._plan()
         if order is None:
-            if self.state in (S.DIAGNOSING, S.RESTARTING):
-                self._enter(S.RESTARTING)
-                return [
-                    self._record(
-                        "waiting_for_nodes", need=self.policy.nodes, have=len(self.registered)
-                    )
-                ]
-            return []
+            return self._short_of_nodes() if self.state in (S.DIAGNOSING, S.RESTARTING) else []
         previous, self.order = self.order, order
         self.generation += 1
+        if self.generation > 1:
+            self.budget.record(self.now)
         self._reset_generation_tracking()
         replaced = {old: new for old, new in zip(previous, order, strict=False) if old != new}
         self._enter(S.STARTING)
+        resized: list[Action] = []
+        if previous and len(order) != len(previous):
+            decision = "shrink" if len(order) < len(previous) else "grow"
+            lost = [n for n in previous if n not in self.registered]
+            detail = resize_detail(decision, self.policy, len(previous), len(order), lost)
+            resized.append(self._record("elastic", **detail))
         return [
+            *resized,
             StartGeneration(self.generation, self.assignment),
             self._record(
                 "generation_start",
@@ -579,6 +590,34 @@ class ControllerFSM:
                 spares=self.spares,
             ),
             *self._send(order, "start", self.generation),
+        ]
+
+    def _short_of_nodes(self) -> list[Action]:
+        """Too few healthy nodes after a fault and no shrink possible: fail (policy ``fail``) or
+        wait for a replacement to register (``wait``, or a ``shrink`` no smaller size allows),
+        saying which and why in an ``elastic`` event when the decision is first taken."""
+        p, first = self.policy, self.state is S.DIAGNOSING
+        lost = [n for n in self.order if n not in self.registered]
+        have = f"{len(self.registered)} of {p.nodes} nodes healthy"
+        why = f"{', '.join(lost) or 'a node'} lost, no spare ({have})"
+        if p.node_loss_policy == "fail" and first:
+            text = f"fail: {why}"
+            return [
+                self._record("elastic", decision="fail", policy="fail", lost=lost, text=text),
+                self._fail(f"fault_tolerance.policy = fail: {why}"),
+            ]
+        self._enter(S.RESTARTING)
+        actions: list[Action] = []
+        if first:
+            limit = p.node_wait_timeout_s
+            text = f"wait: {why}; waiting " + (f"up to {limit:g} s " if limit else "")
+            text += "for a replacement node to register"
+            if p.node_loss_policy == "shrink":
+                text += " (no smaller size splits the global batch into whole micro-batches)"
+            detail = {"decision": "wait", "policy": p.node_loss_policy, "lost": lost, "text": text}
+            actions.append(self._record("elastic", **detail))
+        return actions + [
+            self._record("waiting_for_nodes", need=p.nodes, have=len(self.registered))
         ]
 
     def on_generation_started(self, generation: int, now: float | None = None) -> list[Action]:
@@ -642,6 +681,8 @@ class ControllerFSM:
         if self.state in (S.STOPPING, S.DIAGNOSING):
             limit = p.stop_timeout_s if self.state is S.STOPPING else p.selfcheck_timeout_s
             if waited > limit and self.awaiting:
+                if self.state is S.STOPPING and self.fault and self.fault.kind == "job_fatal":
+                    return self._after_stopped()  # the job fails anyway: evict nobody
                 actions: list[Action] = []
                 for node in sorted(self.awaiting):
                     actions += self._evict(node, f"no {self.awaiting_kind} ack in {limit} s")
@@ -651,12 +692,12 @@ class ControllerFSM:
             and p.node_wait_timeout_s is not None
             and waited > p.node_wait_timeout_s
         ):
-            self._enter(S.FAILED)
-            return [
-                self._record(
-                    "failed",
-                    reason=f"fewer than {p.nodes} healthy nodes for {p.node_wait_timeout_s} s",
-                    have=len(self.registered),
+            reason = f"fewer than {p.nodes} healthy nodes for {p.node_wait_timeout_s} s"
+            if self.state is S.RESTARTING:
+                reason = (
+                    f"fault_tolerance.policy = {p.node_loss_policy}: no replacement node "
+                    f"registered within node_wait_timeout_s = {p.node_wait_timeout_s:g} s "
+                    f"({len(self.registered)} of {p.nodes} nodes healthy)"
                 )
-            ]
+            return [self._fail(reason, have=len(self.registered))]
         return []

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from megascale.config_validate import fault_tolerance_problems
 from megascale.parallel.layout import Layout
 from megascale.robustness.keys import make_command
 
@@ -52,7 +53,7 @@ S, E = State, Event
 # After a fault the stop / self-check / restart protocol may run through several states within one
 # event (e.g. the last stop ack, with no node left to self-check, restarts at once).
 _FAULT = frozenset({S.STOPPING, S.DIAGNOSING, S.STARTING, S.RESTARTING, S.FAILED})
-_CHECKED = frozenset({S.DIAGNOSING, S.STARTING, S.RESTARTING})
+_CHECKED = frozenset({S.DIAGNOSING, S.STARTING, S.RESTARTING, S.FAILED})
 # (state, event) -> every state the machine may be in once the event is handled. A pair that is
 # missing is an illegal transition; observations (below) default to "stay" in every state.
 TRANSITIONS: dict[tuple[State, Event], frozenset[State]] = {
@@ -164,8 +165,22 @@ class ControllerPolicy:
     """Tensor-parallel size, to name ranks as (dp, pp, tp)."""
     pp: int = 1
     """Pipeline-parallel size."""
-    max_restarts: int = 3
-    """Generations started after a fault, at most; the next fault fails the job."""
+    max_restarts: int = 10
+    """Generations started after a fault within any ``restart_window_s``, at most; the fault that
+    would exceed it fails the job."""
+    restart_window_s: float | None = 3600.0
+    """The sliding window ``max_restarts`` counts in (seconds); None: the whole run."""
+    node_loss_policy: str = "wait"
+    """A node lost or evicted with no spare to take its slot: ``"wait"`` for one to register (up
+    to ``node_wait_timeout_s``), ``"shrink"`` to the largest data-parallel size the nodes left
+    allow (``controller_elastic.shrink_nodes``), or ``"fail"`` the job."""
+    global_batch_size: int | None = None
+    """``train.global_batch_size``: a shrink keeps it, so the data-parallel size must split it
+    into whole micro-batches; None: any data-parallel size is accepted."""
+    micro_batch_size: int = 1
+    """``train.micro_batch_size``."""
+    vpp: int = 1
+    """``parallel.vpp`` (interleaving needs the micro-batches per rank divisible by pp)."""
     heartbeat_timeout_s: float = 10.0
     """An active node silent this long is faulty (its lease may still be alive)."""
     init_timeout_s: float = 600.0
@@ -199,12 +214,22 @@ class ControllerPolicy:
             "pp",
             "stall_min_samples",
             "evict_repeat_culprit",
+            "micro_batch_size",
+            "vpp",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ControllerPolicy.{name} = {value!r}: must be an integer >= 1")
-        if self.max_restarts < 0:
-            raise ValueError(f"ControllerPolicy.max_restarts = {self.max_restarts}: must be >= 0")
+        problems = fault_tolerance_problems(
+            self.node_loss_policy,
+            self.max_restarts,
+            self.restart_window_s,
+            self.node_wait_timeout_s,
+            "ControllerPolicy.",
+            "node_loss_policy",
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
         self.layout  # noqa: B018  (validates that tp * pp divides the world size)
 
     @property

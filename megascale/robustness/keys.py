@@ -39,7 +39,8 @@ HEARTBEAT, the fields the controller reads (agents may add more, e.g. network co
     {"node": str, "time": float (agent's wall clock), "generation": int,
      "step": int | None (highest completed training step of its ranks),
      "section": "init" | "step" | "checkpoint" (what its ranks are doing),
-     "workers": {"<rank>": {"pid": int, "alive": bool, "exit_code": int | None}},
+     "workers": {"<rank>": {"pid": int, "alive": bool, "exit_code": int | None, "peer": bool,
+                            "fatal": str | None (a job-fatal exit's reason, robustness/fatal.py)}},
      "flight": {"<rank>": {"seq": int, "kind": str, "left": bool, "group": [int] | None}},
      "tokens_per_s": float, "errors": [str]}
 

@@ -96,6 +96,8 @@ class Evidence:
     code: int | None = None
     text: str = ""
     secondary: bool = False
+    fatal: str | None = None
+    """A job-fatal exit's reason (``robustness.fatal``), never held back as a symptom."""
 
 
 class ControllerService:
@@ -332,8 +334,11 @@ class ControllerService:
             if code is None or (generation, int(rank)) in self._fed_exits:
                 continue
             self._fed_exits[(generation, int(rank))] = int(code)
-            secondary = int(code) > 0 and bool(worker.get("peer"))
-            ev = Evidence("worker_exit", node, int(rank), generation, int(code), "", secondary)
+            fatal = worker.get("fatal")
+            secondary = int(code) > 0 and bool(worker.get("peer")) and fatal is None
+            ev = Evidence(
+                "worker_exit", node, int(rank), generation, int(code), "", secondary, fatal
+            )
             self._evidence(ev, now)
         for error in self._new(payload.get("error_events"), "error", node, generation):
             text = f"{error.get('kind')}: {error.get('text', '')}"
@@ -428,7 +433,9 @@ class ControllerService:
             return
         if ev.kind == "worker_exit":
             assert ev.code is not None
-            self._act(self.fsm.on_worker_exit(ev.node, ev.rank, ev.code, now, ev.generation))
+            self._act(
+                self.fsm.on_worker_exit(ev.node, ev.rank, ev.code, now, ev.generation, ev.fatal)
+            )
         else:
             self._act(self.fsm.on_error_keyword(ev.node, ev.text, ev.rank, now))
 

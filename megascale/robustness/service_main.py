@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megascale.config_validate import STRAGGLER_ACTIONS
+from megascale.config_validate import NODE_LOSS_POLICIES, STRAGGLER_ACTIONS
 from megascale.robustness.service_options import ServiceOptions, policy_for
 from megascale.robustness.store import Store, StoreConfig
 
@@ -112,10 +112,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--id", default=None, help="this controller's name (default host-pid)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="agents' (s)")
-    parser.add_argument("--max-restarts", type=int, default=3, help="restarts before failing")
-    parser.add_argument(
-        "--node-wait-timeout", type=float, default=None, help="fail after waiting this long (s)"
+    add_fault_tolerance_arguments(parser, defaults=True)
+    g = parser.add_argument_group("the training config (a shrink keeps its global batch)")
+    g.add_argument("--vpp", type=int, default=1, help="parallel.vpp")
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="train.global_batch_size (default: any data-parallel size is accepted)",
     )
+    g.add_argument("--micro-batch-size", type=int, default=1, help="train.micro_batch_size")
     parser.add_argument("--init-timeout", type=float, default=600.0, help="start-up stall (s)")
     parser.add_argument(
         "--metrics-port",
@@ -139,8 +145,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
 
 
+def add_fault_tolerance_arguments(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """``--fault-policy``, ``--max-restarts``, ``--restart-window``, ``--node-wait-timeout``
+    (the config's ``fault_tolerance`` section). ``defaults=False`` leaves them None, for
+    ``megascale launch``, where the config file supplies what is not given."""
+    g = parser.add_argument_group("fault tolerance (the config's [fault_tolerance])")
+    g.add_argument(
+        "--fault-policy",
+        choices=NODE_LOSS_POLICIES,
+        default="wait" if defaults else None,
+        help="a node lost with no spare: wait for a replacement, shrink to the nodes left (the "
+        "largest data-parallel size allowed; grows back at the next restart), or fail",
+    )
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=10 if defaults else None,
+        help="restarts allowed within any --restart-window",
+    )
+    g.add_argument(
+        "--restart-window",
+        type=float,
+        default=3600.0 if defaults else None,
+        help="the window --max-restarts counts restarts in (s)",
+    )
+    g.add_argument(
+        "--node-wait-timeout", type=float, default=None, help="fail after waiting this long (s)"
+    )
+
+
+def check_fault_tolerance_arguments(args: argparse.Namespace) -> None:
+    """ValueError naming the first bad ``add_fault_tolerance_arguments`` option."""
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}: must be an integer >= 0")
+    if args.restart_window is not None and not args.restart_window > 0:
+        raise ValueError(f"--restart-window {args.restart_window}: must be > 0 seconds")
+    if args.node_wait_timeout is not None and not args.node_wait_timeout > 0:
+        raise ValueError(f"--node-wait-timeout {args.node_wait_timeout}: must be > 0 seconds")
+
+
 def main(args: argparse.Namespace) -> int:
     """``megascale controller``: lead (or stand by) until the job finishes or fails."""
+    check_fault_tolerance_arguments(args)
     policy = policy_for(
         args.nodes,
         args.nproc_per_node,
@@ -148,7 +194,12 @@ def main(args: argparse.Namespace) -> int:
         pp=args.pp,
         heartbeat_interval=args.heartbeat_interval,
         max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window,
+        node_loss_policy=args.fault_policy,
         node_wait_timeout_s=args.node_wait_timeout,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        vpp=args.vpp,
         init_timeout_s=args.init_timeout,
         start_timeout_s=min(120.0, args.init_timeout),
     )

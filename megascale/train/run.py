@@ -18,12 +18,14 @@ import torch
 
 from megascale.config import JobConfig, to_toml
 from megascale.data.corpus import default_token_file
+from megascale.data.token_file import bin_path, idx_path
 from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
 from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.robustness import inject
+from megascale.robustness.fatal import fail_job
 from megascale.robustness.progress import WorkerSignals
 from megascale.train import checkpoint
 from megascale.train.trainer import StepMetrics, Trainer
@@ -110,6 +112,7 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
     """Join the job and build this rank's trainer (resumed when a checkpoint exists). Collective."""
     # Sequence parallelism relies on kernels being issued in order on one hardware queue.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    check_data_path(job, run_dir)
     device = resolve_device(job.train.device)
     rank, _world = init_distributed(device)
     setup_logging(rank, run_dir)
@@ -145,6 +148,22 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
             job.train.steps,
         )
     return trainer, device
+
+
+def check_data_path(job: JobConfig, run_dir: Path) -> None:
+    """A ``data.path`` whose files do not exist would fail on every node: end the job
+    (``robustness.fatal.fail_job``) instead of letting the controller restart it."""
+    if job.data.path is None:
+        return
+    missing = [
+        str(p) for p in (bin_path(job.data.path), idx_path(job.data.path)) if not p.is_file()
+    ]
+    if missing:
+        fail_job(
+            f"data.path = {job.data.path!r}: {' and '.join(missing)} not found (make the token "
+            "file with `megascale data build`, or leave data.path out for the bundled corpus)",
+            run_dir,
+        )
 
 
 def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> list[StepMetrics]:

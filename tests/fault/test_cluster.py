@@ -151,6 +151,11 @@ def test_kill_agent_node_lost_and_node_reregisters(reference, tmp_path):
     assert fault["detail"]["fault"] == "node_lost" and fault["node"] == "node-1"
     assert [e["node"] for e in run.of("node_registered")].count("node-1") == 2
     assert run.of("generation_start")[-1]["detail"]["nodes"] == ["node-0", "node-1"]
+    # The default policy "wait": the controller waited for the node (which the launcher brings
+    # back only then), said so, and restarted at full size.
+    [wait] = run.of("elastic")
+    assert wait["detail"]["decision"] == "wait" and wait["detail"]["lost"] == ["node-1"]
+    assert wait["detail"]["text"].startswith("wait: node-1 lost, no spare (1 of 2 nodes healthy)")
     [timing] = run.final["fault_timings"]
     assert timing["detection_s"] < 5.0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tomllib
 
 import pytest
 from k8s_support import example_config, example_jobs
@@ -213,6 +214,12 @@ def test_controller_deployment_runs_the_controller_with_the_worker_image():
         "1",
         "--max-restarts",
         "10",
+        "--restart-window",
+        "3600.0",
+        "--fault-policy",
+        "shrink",
+        "--vpp",
+        "1",
         "--straggler-threshold",
         "1.15",
         "--straggler-action",
@@ -532,6 +539,12 @@ def test_generated_command_lines_parse_with_the_real_cli(stem):
         job.id,
         job.replicas,
     )
-    assert controller.max_restarts == job.spec["faultTolerance"]["maxRestarts"]
+    ft = job.spec["faultTolerance"]
+    assert controller.max_restarts == ft["maxRestarts"]
+    assert controller.restart_window == ft["restartWindowSeconds"]
+    assert controller.fault_policy == ft["policy"]
+    train = tomllib.loads(resolved(stem))["train"]
+    assert controller.global_batch_size == train["global_batch_size"]
+    assert controller.micro_batch_size == train["micro_batch_size"]
     if job.etcd.get("authSecret"):
         assert agent.user == controller.user == "megascale"

@@ -71,7 +71,10 @@ def test_examples_validate_against_the_crd(stem):
 def test_defaults_are_applied_like_the_api_server():
     job = example_jobs()["minimal-cpu"]
     spec = validation.apply_defaults(job)["spec"]
-    assert spec["faultTolerance"]["maxRestarts"] == 3
+    assert spec["faultTolerance"]["maxRestarts"] == 10  # within restartWindowSeconds
+    assert spec["faultTolerance"]["restartWindowSeconds"] == 3600
+    assert spec["faultTolerance"]["policy"] == "wait"
+    assert "nodeWaitTimeoutSeconds" not in spec["faultTolerance"]  # no limit
     assert spec["faultTolerance"]["spareNodes"] == 0
     assert spec["faultTolerance"]["selfCheck"] == {
         "tests": [],
@@ -241,3 +244,11 @@ def test_mutable_fields_may_change():
 
 def test_crd_yaml_round_trips():
     assert yaml.safe_load(crd.crd_yaml()) == crd.crd()
+
+
+def test_fault_policy_and_restart_window_are_checked():
+    job = copy.deepcopy(example_jobs()["minimal-cpu"])
+    job["spec"].setdefault("faultTolerance", {}).update(policy="grow", restartWindowSeconds=0)
+    errors = "\n".join(validation.validate(job))
+    assert "faultTolerance.policy" in errors and "shrink" in errors
+    assert "faultTolerance.restartWindowSeconds" in errors

@@ -264,6 +264,20 @@ def test_controller_failed_means_job_failed():
     assert all(isinstance(e, DeletePod) for e in d.effects) and len(d.effects) == 5
 
 
+def test_a_job_fatal_error_fails_the_job_with_the_ranks_reason():
+    job = job_of()
+    reason = "job-fatal error on rank 3: data.path = '/data/x': /data/x.bin not found"
+    fault = {"kind": "job_fatal", "node": "n0", "rank": 3, "suspects": [], "detail": {}}
+    view = EtcdView(snapshot("failed", fault=fault, failure=reason))
+    d = check(decide(job, {}, pods_on(job, ALL), view, T0))
+    assert (d.status["phase"], d.status["reason"], d.status["message"]) == (
+        "Failed",
+        "JobFatal",
+        reason,
+    )
+    assert d.status["evictedNodes"] == []
+
+
 def test_suspend_deletes_workers_and_resume_recreates_them():
     suspended = job_of(change=lambda s: s["runPolicy"].update(suspend=True))
     pods = pods_on(suspended, ALL)

@@ -359,6 +359,7 @@ def test_to_dict():
         "checkpoint",
         "overlap",
         "diagnostics",
+        "fault_tolerance",
     ]
 
 

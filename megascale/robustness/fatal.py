@@ -1,0 +1,108 @@
+"""Job-fatal errors: a rank says the job itself cannot proceed, on any node.
+
+Some errors would follow the job to every node it could be restarted on: a checkpoint that cannot
+be loaded at this layout, a data file that does not exist, a config the ranks refuse. Restarting
+(or evicting the node) cannot help; the controller must fail the job with the reason. The signal,
+defined here only:
+
+* the rank calls ``fail_job(reason)``: it writes ``RUN_DIR/fatal/rank_NNNNN.json``
+  (``FatalRecord``) and exits with ``EXIT_JOB_FATAL``;
+* the node agent, seeing a worker exit with that code, reads the record (``read_fatal``, matched
+  by pid) and reports the reason in the heartbeat: ``workers["<rank>"]["fatal"]`` (a string, None
+  for every other exit);
+* the controller (``ControllerFSM.on_worker_exit``) then stops every node and fails the job with
+  that reason (``failed`` event, ``final.json``'s ``fatal``, the MegaScaleJob status), evicting
+  nobody and restarting nothing.
+
+This module imports nothing heavy: the agent and the controller read it too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+logger = logging.getLogger(__name__)
+
+EXIT_JOB_FATAL = 78
+"""A rank's exit code for "the job cannot proceed" (sysexits' EX_CONFIG: misconfigured)."""
+RUN_DIR_ENV = "MEGASCALE_RUN_DIR"
+"""Where the agent tells its workers the run directory is (``fail_job``'s default)."""
+VERSION = 1
+MAX_REASON = 2000
+
+
+@dataclass(frozen=True)
+class FatalRecord:
+    """``RUN_DIR/fatal/rank_NNNNN.json``: why rank ``rank`` (process ``pid``) ended the job."""
+
+    rank: int
+    pid: int
+    reason: str
+    time: float
+    version: int = VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> FatalRecord:
+        if int(d.get("version", 0)) != VERSION:
+            raise ValueError(f"fatal record version {d.get('version')!r}: expected {VERSION}")
+        return cls(int(d["rank"]), int(d["pid"]), str(d["reason"]), float(d["time"]))
+
+
+def fatal_path(run_dir: Path | str, rank: int) -> Path:
+    return Path(run_dir) / "fatal" / f"rank_{rank:05d}.json"
+
+
+def write_fatal(run_dir: Path | str, rank: int, reason: str) -> Path:
+    """Write this process's ``FatalRecord`` (temporary file + rename: never read torn)."""
+    path = fatal_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = FatalRecord(rank, os.getpid(), reason[:MAX_REASON], time.time())
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record.to_json()))
+    os.replace(tmp, path)
+    return path
+
+
+def read_fatal(run_dir: Path | str, rank: int, pid: int) -> str | None:
+    """The reason rank ``rank``'s process ``pid`` gave, None when it wrote none (or another
+    process of that rank did)."""
+    try:
+        record = FatalRecord.from_json(json.loads(fatal_path(run_dir, rank).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record.reason if record.pid == pid else None
+
+
+def fail_job(reason: str, run_dir: Path | str | None = None, rank: int | None = None) -> NoReturn:
+    """End this rank and, through the controller, the whole job: ``reason`` is what the user
+    sees (one line: name the file, field or value, and what would work).
+
+    Call it only for errors no restart can fix; a fault of this node (a GPU error, a lost peer)
+    must raise instead, so that the controller restarts the job. Writes the reason to
+    ``RUN_DIR/fatal/`` (``run_dir``, else ``$MEGASCALE_RUN_DIR``; with neither, only the log and
+    the exit code carry it), logs it, flushes stdio and exits with ``EXIT_JOB_FATAL`` at once
+    (``os._exit``: no atexit handler or collective may block the exit). Never returns."""
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    run_dir = run_dir if run_dir is not None else os.environ.get(RUN_DIR_ENV)
+    if run_dir is not None:
+        try:
+            write_fatal(run_dir, rank, reason)
+        except OSError as e:
+            logger.error("could not write the job-fatal reason to %s: %s", run_dir, e)
+    logger.error("job-fatal (rank %d): %s", rank, reason)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(EXIT_JOB_FATAL)
