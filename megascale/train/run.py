@@ -25,7 +25,7 @@ from megascale.logs import setup_logging
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.robustness import inject
-from megascale.robustness.fatal import fail_job
+from megascale.robustness.fatal import RUN_DIR_ENV, fail_job
 from megascale.robustness.progress import WorkerSignals
 from megascale.train import checkpoint
 from megascale.train.trainer import StepMetrics, Trainer
@@ -138,7 +138,12 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
         timeline=build_timeline(job.diagnostics, run_dir, groups, device),  # null when off
     )
     if job.checkpoint.resume:
-        trainer.resumed_from = checkpoint.resume(trainer, job.checkpoint, run_dir)
+        try:
+            trainer.resumed_from = checkpoint.resume(trainer, job.checkpoint, run_dir)
+        except checkpoint.CheckpointUnusable as e:
+            if os.environ.get(RUN_DIR_ENV):  # under a node agent: no restart can fix it
+                fail_job(str(e), run_dir)
+            raise  # `megascale train` and torchrun: the CLI prints it as one line
     if rank == 0:
         logger.info(
             "%s; world %d; step %d of %d",

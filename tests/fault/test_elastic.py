@@ -12,6 +12,7 @@ The ``wait`` policy (the default) is ``test_cluster.test_kill_agent_node_lost_an
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from test_cluster import STEPS, Run
@@ -65,7 +66,6 @@ def test_shrink_goes_on_at_once_on_the_nodes_left_and_finishes(shrunk):
     assert "shrink: node-3 lost" in shrunk.output  # the launcher shows the decision
 
 
-@pytest.mark.xfail(reason="needs resharding checkpoint loader", strict=False)
 def test_shrunk_run_resumes_from_its_checkpoint_and_matches_the_fault_free_loss(shrunk, fault_free):
     assert shrunk.rc == 0, shrunk.output[-6000:]
     resumed = [e for e in shrunk.events if e["kind"] == "resumed" and e["generation"] == 2]
@@ -86,3 +86,21 @@ def test_a_bad_data_path_fails_the_job_once_with_the_reason(tmp_path):
     assert fault["detail"]["fault"] == "job_fatal"
     assert run.final["generations"] == 1 and run.final["recoveries"] == 0
     assert run.final["evicted"] == [] and not run.of("selfcheck") and not run.of("evict")
+
+
+def test_checkpoints_the_job_cannot_load_fail_it_and_are_left_untouched(fault_free, tmp_path):
+    # The 4-node run's checkpoints (dp 4), resumed by a 2-node job that may not reshard them.
+    shutil.copytree(fault_free.dir / "checkpoints", tmp_path / "checkpoints")
+    before = {
+        p: p.read_bytes() for p in sorted((tmp_path / "checkpoints").rglob("*")) if p.is_file()
+    }
+    run = Run(tmp_path, "--set", "checkpoint.reshard=false")
+    assert run.rc == 1 and run.final["state"] == "failed"
+    reason = run.final["fatal"]["reason"]
+    assert "TP1 x PP1 x DP4" in reason and "TP1 x PP1 x DP2" in reason, reason
+    assert "checkpoint.reshard = false" in reason
+    assert run.final["generations"] == 1 and run.final["evicted"] == []
+    after = {
+        p: p.read_bytes() for p in sorted((tmp_path / "checkpoints").rglob("*")) if p.is_file()
+    }
+    assert after.keys() == before.keys() and after == before  # nothing removed or demoted
