@@ -2,7 +2,7 @@
 
 ``final.json``::
 
-    {"finished": true, "state": "finished", "final_step": 50, "steps": 50,
+    {"finished": true, "state": "finished", "reason": null, "final_step": 50, "steps": 50,
      "param_digest": "<sha256>", "digest_step": 50,
      "faults_injected": ["kill-worker:rank=1,step=25"],
      "faults_detected": {"worker_exit": 1},          # controller faults + notices, by kind
@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from megascale.robustness import inject
 from megascale.robustness.events import read_events
+from megascale.train.checkpoint_paths import CheckpointPathError, resolve_file
+
+logger = logging.getLogger(__name__)
 
 NOTICES = ("checkpoint_fallback", "etcd_unavailable", "controller_takeover")
 """Events counted in ``faults_detected`` besides the controller's faults."""
@@ -59,7 +63,9 @@ def parameter_digest(run_dir: Path, job: Any) -> tuple[str | None, int | None]:
     """sha256 over the model weights in the newest complete checkpoint, in a canonical order
     (files by name; within a file, dict keys sorted; each tensor's path, dtype, shape and bytes),
     and that checkpoint's step. Equal for equal weights under the same layout; the model files
-    are shared by data-parallel replicas, so the DP size does not change it either."""
+    are shared by data-parallel replicas, so the DP size does not change it either. A manifest
+    naming a file outside its step directory (``checkpoint_paths.resolve_file``) gives no
+    digest: nothing outside the checkpoint is opened."""
     from megascale.train.checkpoint_io import (
         MANIFEST,
         Storage,
@@ -73,12 +79,16 @@ def parameter_digest(run_dir: Path, job: Any) -> tuple[str | None, int | None]:
     if not steps:
         return None, None
     directory = step_name(steps[-1])
-    manifest = storage.read_json(f"{directory}/{MANIFEST}") or {}
-    names = sorted(manifest.get("files", {}))
+    manifest = storage.read_json(f"{directory}/{MANIFEST}")
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    names = sorted(files) if isinstance(files, dict) else []
     digest = hashlib.sha256()
     for name in [n for n in names if n.startswith("model_")] or names:
-        data = storage.read_bytes(f"{directory}/{name}")
-        if data is None:
+        try:
+            path = resolve_file(storage.path(directory), name, local=storage.local)
+            data = storage.fs.cat_file(path)
+        except (CheckpointPathError, OSError, ValueError) as e:
+            logger.warning("no parameter digest of %s: %s", directory, e)
             return None, steps[-1]
         state = load_state_bytes(data)  # weights_only: tensors and plain data, never code
         if "model" in state:
@@ -151,13 +161,17 @@ def faults_detected(events: list[dict[str, Any]]) -> dict[str, int]:
     return detected
 
 
-def summarize(run_dir: Path, job: Any, state: str, wall_s: float, opts: Any) -> dict[str, Any]:
-    """The content of ``final.json`` (see the module docstring)."""
+def summarize(
+    run_dir: Path, job: Any, state: str, wall_s: float, opts: Any, reason: str | None = None
+) -> dict[str, Any]:
+    """The content of ``final.json`` (see the module docstring); ``reason``: why the launcher
+    stopped the job (a signal, a timeout, etcd or the controller lost for good), else None."""
     events = read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
     digest, digest_step = parameter_digest(run_dir, job)
     return {
         "finished": state == "finished",
         "state": state,
+        "reason": reason,
         "final_step": current_step(run_dir / "metrics.jsonl"),
         "steps": job.train.steps,
         "param_digest": digest,

@@ -296,6 +296,7 @@ def corrupt_latest_checkpoint(
     its checksum gives it away. Once per run; None when there is no checkpoint yet."""
     from megascale.config import load
     from megascale.train.checkpoint_io import MANIFEST, Storage, location, step_name
+    from megascale.train.checkpoint_paths import CheckpointPathError, resolve_file
 
     job = load(config, list(overrides))
     storage = Storage(location(job.checkpoint, run_dir))
@@ -307,9 +308,13 @@ def corrupt_latest_checkpoint(
     names = sorted(manifest["files"])
     rank = int(spec.get("rank", 0))
     name = next((n for n in names if n == f"rank_{rank:05d}.pt"), names[0])
+    try:
+        target = Path(resolve_file(directory, name))  # never a file outside the checkpoint
+    except CheckpointPathError as e:
+        logger.warning("fault %s not injected: %s", spec.text, e)
+        return None
     if not claim(run_dir, spec, checkpoint=str(directory), file=name):
         return None
-    target = directory / name
     data = bytearray(target.read_bytes())
     middle = len(data) // 2
     data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
