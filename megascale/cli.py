@@ -30,13 +30,11 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     from megascale import config as config_mod
     from megascale.launcher import runlock
-    from megascale.machine_check import check_machine
+    from megascale.machine_check import check_machine, resolve_device
 
     job = config_mod.load(args.config, args.overrides)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # torchrun
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc_per_node
-    from megascale.train.run import resolve_device
-
     try:
         device = resolve_device(job.train.device)
     except ValueError as e:

@@ -80,6 +80,18 @@ def estimate_rank_bytes(cfg: JobConfig, device: str) -> MemoryEstimate:
     return MemoryEstimate(params, grads, optimizer, activations)
 
 
+def resolve_device(requested: str) -> str:
+    """ "auto" -> "cuda" when a GPU is visible, else "cpu"; ValueError for "cuda" without one.
+    Imports torch, not megatron-core, so that bad input is refused in a second or two."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
+    return requested
+
+
 def check_machine(cfg: JobConfig, device: str, ranks_here: int) -> None:
     """Raise ConfigError when ``cfg`` (validated) cannot run on this machine with
     ``ranks_here`` ranks of it sharing the machine (see the module docstring)."""
