@@ -89,22 +89,25 @@ def _listen(addr: str, port: int) -> int:
 def _agree_on_prefix(store: dist.Store, rank: int, world: int, timeout_s: float) -> str:
     """A key prefix no earlier worker group used, agreed by all ranks of this one.
 
-    Rank 0 draws a random token. Every other rank keeps writing a random nonce of its own to
-    ``hello/<rank>`` until it finds ``ack/<nonce>`` (the token, written by rank 0 for the nonce it
-    read), then confirms with ``<token>/joined/<rank>``. Rank 0 answers whatever nonce it reads
-    until every rank has confirmed. A stale ``hello`` or ``ack`` of a dead group is harmless: no
-    live rank waits for an old nonce, and the confirmations live under the new token."""
+    Rank 0 draws a random token. Every other rank writes a random nonce of its own to
+    ``hello/<rank>`` once and waits for ``ack/<nonce>`` (the token, written by rank 0 for the
+    nonce it read), then confirms with ``<token>/joined/<rank>``. Rank 0 reads every unconfirmed
+    rank's ``hello`` until that rank has confirmed, answering each nonce it has not answered yet.
+    A stale ``hello`` or ``ack`` of a dead group is harmless: no live rank waits for an old
+    nonce, and the confirmations live under the new token. Store traffic: O(1) per rank, and
+    O(unconfirmed ranks) per poll of rank 0."""
     deadline = time.monotonic() + timeout_s
     if rank != 0:
         nonce = uuid.uuid4().hex
+        store.set(f"{PREFIX}hello/{rank}", nonce)
         while not store.check([f"{PREFIX}ack/{nonce}"]):
             _check_deadline(deadline, "rank 0's answer")
-            store.set(f"{PREFIX}hello/{rank}", nonce)
             time.sleep(_POLL_S)
         token = store.get(f"{PREFIX}ack/{nonce}").decode()
         store.set(f"{PREFIX}{token}/joined/{rank}", "1")
         return f"{PREFIX}{token}/"
     token = uuid.uuid4().hex
+    answered: dict[int, str] = {}
     pending = set(range(1, world))
     while pending:
         _check_deadline(deadline, f"ranks {sorted(pending)[:8]} to join")
@@ -113,7 +116,9 @@ def _agree_on_prefix(store: dist.Store, rank: int, world: int, timeout_s: float)
                 pending.discard(r)
             elif store.check([f"{PREFIX}hello/{r}"]):
                 nonce = store.get(f"{PREFIX}hello/{r}").decode()
-                store.set(f"{PREFIX}ack/{nonce}", token)
+                if answered.get(r) != nonce:
+                    store.set(f"{PREFIX}ack/{nonce}", token)
+                    answered[r] = nonce
         time.sleep(_POLL_S if pending else 0)
     logger.info("worker group store prefix %s%s/", PREFIX, token)
     return f"{PREFIX}{token}/"

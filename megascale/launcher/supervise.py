@@ -46,14 +46,13 @@ class Supervisor:
         if etcd.running:
             self._etcd_down_since = None
             return None
-        now = time.monotonic()
         if self._etcd_down_since is None:
-            self._etcd_down_since = now
+            self._etcd_down_since = time.monotonic()
             logger.warning("etcd exited; starting it again from its data directory")
         try:
             etcd.start()
         except (EtcdStartError, OSError) as e:
-            if now - self._etcd_down_since > self.etcd_grace_s:
+            if time.monotonic() - self._etcd_down_since > self.etcd_grace_s:
                 return (
                     f"etcd exited and could not be started again within {self.etcd_grace_s:.0f} s: "
                     + str(e).splitlines()[0]
