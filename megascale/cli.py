@@ -42,7 +42,7 @@ def _train(args: argparse.Namespace) -> int:
     # Refuse bad config before any process group starts.
     job = config_mod.validate(job, world, "nccl" if device == "cuda" else "gloo")
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world
-    check_machine(job, device, ranks_here=here)
+    check_machine(job, device, ranks_here=here, started=launched)
     run_dir = Path(args.run_dir or _default_run_dir())
     if runlock.owns_job():  # held until this process exits; a torchrun restart waits for it
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0

@@ -92,13 +92,15 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-def check_machine(cfg: JobConfig, device: str, ranks_here: int) -> None:
+def check_machine(cfg: JobConfig, device: str, ranks_here: int, started: bool = False) -> None:
     """Raise ConfigError when ``cfg`` (validated) cannot run on this machine with
-    ``ranks_here`` ranks of it sharing the machine (see the module docstring)."""
+    ``ranks_here`` ranks of it sharing the machine (see the module docstring). ``started``: the
+    ranks may be allocating already (each rank under torchrun checks for itself), so memory is
+    compared with the machine's total, not with what is available at this moment."""
     check_tmpdir()
     _check_data(cfg)
     _check_checkpoint_url(cfg.checkpoint.url)
-    check_memory(cfg, device, ranks_here)
+    check_memory(cfg, device, ranks_here, started)
 
 
 def check_tmpdir(environ: dict[str, str] | None = None) -> None:
@@ -147,9 +149,10 @@ def _check_checkpoint_url(url: str | None) -> None:
         return  # an unknown protocol: validate() names it
 
 
-def check_memory(cfg: JobConfig, device: str, ranks_here: int) -> None:
+def check_memory(cfg: JobConfig, device: str, ranks_here: int, started: bool = False) -> None:
     """Refuse a model whose estimated per-rank memory (``estimate_rank_bytes``) exceeds the GPU's
-    memory (CUDA), or whose ``ranks_here`` ranks together exceed the host's available memory."""
+    memory (CUDA), or whose ``ranks_here`` ranks together exceed the host's available memory
+    (its total memory when ``started``)."""
     estimate = estimate_rank_bytes(cfg, device)
     m = cfg.model
     shape = (
@@ -165,7 +168,7 @@ def check_memory(cfg: JobConfig, device: str, ranks_here: int) -> None:
                 "smaller model or split it further (parallel.tp, parallel.pp)"
             )
         return
-    available = host_memory_bytes()
+    available = host_memory_bytes("MemTotal" if started else "MemAvailable")
     need = estimate.total * max(1, ranks_here)
     if available is not None and need > available:
         raise ConfigError(
@@ -175,8 +178,10 @@ def check_memory(cfg: JobConfig, device: str, ranks_here: int) -> None:
         )
 
 
-def host_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
-    """MemAvailable (else MemTotal) from ``/proc/meminfo``; None where there is none."""
+def host_memory_bytes(
+    field: str = "MemAvailable", meminfo: str | Path = "/proc/meminfo"
+) -> int | None:
+    """``field`` (else MemTotal) from ``/proc/meminfo``, in bytes; None where there is none."""
     try:
         lines = Path(meminfo).read_text().splitlines()
     except OSError:
@@ -187,7 +192,7 @@ def host_memory_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
         parts = rest.split()
         if parts and parts[0].isdigit():
             fields[name] = int(parts[0]) * 1024  # kB
-    return fields.get("MemAvailable", fields.get("MemTotal"))
+    return fields.get(field, fields.get("MemTotal"))
 
 
 def gpu_memory_bytes() -> int | None:

@@ -57,6 +57,8 @@ def prepare_run_dir(run_dir: Path, flag: str = "--run-dir", wait_s: float = 0.0)
         raise RunDirError(f"{flag} = {str(run_dir)!r}: is a file; must be a directory")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(run_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "permission denied")
         fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise RunDirError(
