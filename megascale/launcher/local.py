@@ -42,13 +42,12 @@ class RankFailed(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed: {detail}")
 
 
-class Stopped(RankFailed):
+class Stopped(RuntimeError):
     """The parent got SIGTERM or SIGINT and stopped the ranks (forwarding SIGTERM to them)."""
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
-        self.failures = {}
-        RuntimeError.__init__(self, f"stopped by {signal.Signals(signum).name}: ranks terminated")
+        super().__init__(f"stopped by {signal.Signals(signum).name}: ranks terminated")
 
 
 class _PortTaken(RankFailed):
