@@ -38,22 +38,28 @@ def _unusable_checkpoint(failed: Exception) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     from megascale import config as config_mod
+    from megascale.launcher import runlock
+    from megascale.machine_check import check_machine, resolve_device
 
     job = config_mod.load(args.config, args.overrides)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # torchrun
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc_per_node
-    from megascale.train.run import resolve_device
-
     try:
         device = resolve_device(job.train.device)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     # Refuse bad config before any process group starts.
     job = config_mod.validate(job, world, "nccl" if device == "cuda" else "gloo")
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world
+    check_machine(job, device, ranks_here=here, started=launched)
     run_dir = Path(args.run_dir or _default_run_dir())
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if runlock.owns_job():  # held until this process exits; a torchrun restart waits for it
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+        runlock.prepare_run_dir(run_dir, wait_s=30.0 if restarted else 0.0)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
 
-    from megascale.launcher.local import RankFailed, run_local
+    from megascale.launcher.local import RankFailed, Stopped, run_local
     from megascale.train.checkpoint import CheckpointUnusable
     from megascale.train.run import run_rank
 
@@ -65,6 +71,9 @@ def _train(args: argparse.Namespace) -> int:
     except CheckpointUnusable as e:
         print(f"megascale: cannot start: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        logging.getLogger("megascale").error("%s", e)
+        return 128 + e.signum
     except RankFailed as e:
         unusable = _unusable_checkpoint(e)
         if unusable:
@@ -250,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"megascale: config error: {e}", file=sys.stderr)
+        from megascale.launcher.runlock import RunDirError
+
+        kind = "run directory" if isinstance(e, RunDirError) else "config error"
+        print(f"megascale: {kind}: {e}", file=sys.stderr)
         return 2
 
 

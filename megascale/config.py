@@ -293,9 +293,15 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobCo
         )
     file = resolve_path(path)
     try:
-        raw = tomllib.loads(file.read_text())
+        raw = tomllib.loads(file.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{file}: not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config = {str(file)!r}: not UTF-8 text (byte {e.start}); must be a UTF-8 TOML file"
+        ) from e
+    except OSError as e:
+        raise ConfigError(f"config = {str(file)!r}: cannot be read ({e.strerror or e})") from e
     sources: dict[tuple[str, str], str] = {}
     values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     for section, table in raw.items():

@@ -1,13 +1,15 @@
 """Cross-field rules for a JobConfig: the checks that need the world size and the backend.
 
 ``validate`` runs them all and raises one ConfigError listing every broken rule, each naming the
-field, its value, and the rule. Range checks run first; the divisibility rules run only when the
+field, its value, and the rule (one line when one rule is broken). Range checks run first; the divisibility rules run only when the
 sizes they divide by are valid, so one mistake is reported once and never as a ZeroDivisionError.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 
 from megascale.config import ConfigError, JobConfig, check_types
 
@@ -32,7 +34,7 @@ def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
     if backend not in BACKENDS:
         raise ConfigError(f"backend = {backend!r}: must be one of {', '.join(BACKENDS)}")
     check_types(cfg)
-    problems = _ranges(cfg)
+    problems = _finite(cfg) or _ranges(cfg)
     if not problems:
         dp = _data_parallel_size(cfg, world_size, problems)
         problems += _model_shape(cfg)
@@ -40,6 +42,8 @@ def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
         problems += _overlap(cfg)
         if dp is not None:
             problems += _batch(cfg, dp)
+    if len(problems) == 1:  # one line: the field, its value, the rule
+        raise ConfigError(f"{problems[0]} (world_size={world_size}, backend={backend})")
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(
@@ -52,6 +56,19 @@ def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
     out = copy.deepcopy(cfg)
     out.parallel.dp = world_size // (cfg.parallel.tp * cfg.parallel.pp)
     return out
+
+
+def _finite(cfg: JobConfig) -> list[str]:
+    """Every float field a finite number (inf and nan pass some range checks and then end in a
+    traceback inside megatron-core, or in training that never updates)."""
+    problems = []
+    for section in dataclasses.fields(cfg):
+        table = getattr(cfg, section.name)
+        for f in dataclasses.fields(table):
+            value = getattr(table, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{section.name}.{f.name} = {value}: must be a finite number")
+    return problems
 
 
 def _ranges(cfg: JobConfig) -> list[str]:
@@ -118,6 +135,13 @@ def _ranges(cfg: JobConfig) -> list[str]:
     ]:
         if not value > 0:
             problems.append(f"{name} = {value}: must be > 0")
+    if not o.eps < 1:
+        problems.append(f"optim.eps = {o.eps}: must be < 1 (a denominator epsilon, e.g. 1e-8)")
+    if cfg.data.path is not None and not cfg.data.path.strip():
+        problems.append(
+            f"data.path = {cfg.data.path!r}: must be a token file prefix (PREFIX.bin + "
+            "PREFIX.idx from `megascale data build`), or left out for the built-in corpus"
+        )
     if o.lr > 0 and o.min_lr > o.lr:
         problems.append(
             f"optim.min_lr = {o.min_lr}: must be <= optim.lr = {o.lr} "

@@ -27,13 +27,11 @@ controller restarts the job on it; under ``shrink`` the job goes on without it.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -42,6 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from megascale.launcher.outcome import current_step, summarize
+from megascale.launcher.runlock import prepare_run_dir
+from megascale.launcher.signals import StopSignals, reset_in_child
+from megascale.launcher.supervise import Supervisor
+from megascale.machine_check import check_machine
+from megascale.machine_check import gpu_count as _gpu_count
 from megascale.robustness import inject
 
 logger = logging.getLogger("megascale.launch")
@@ -83,6 +86,8 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             flag = "--" + name.replace("_", "-")
             raise LaunchError(f"{flag} = {value!r}: must be an integer >= {low}")
+    if opts.timeout_s is not None and not 0 < opts.timeout_s < float("inf"):
+        raise LaunchError(f"--timeout = {opts.timeout_s}: must be a number of seconds > 0")
     if not 0.05 <= opts.heartbeat_interval <= 60:
         raise LaunchError(
             f"--heartbeat-interval = {opts.heartbeat_interval}: must be in [0.05, 60] seconds"
@@ -116,6 +121,7 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
     inject.check_fits(
         opts.faults, nodes=opts.nodes + opts.spares, world_size=world, steps=job.train.steps
     )
+    check_machine(job, _device(job), ranks_here=world)
     notes = []
     if job.checkpoint.interval == 0:
         job.checkpoint.interval = max(1, job.train.steps // 5)
@@ -137,21 +143,6 @@ def _device(job: Any) -> str:
     return "cuda" if _gpu_count() else "cpu"
 
 
-@functools.cache
-def _gpu_count() -> int:
-    """GPUs on this machine, counted without initialising CUDA here: the launcher forks later,
-    and a forked child cannot use CUDA once its parent has."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return (
-        sum(line.startswith("GPU ") for line in out.stdout.splitlines())
-        if not out.returncode
-        else 0
-    )
-
-
 # -- processes ----------------------------------------------------------------------------------
 
 
@@ -160,9 +151,11 @@ def _die_with_launcher(launcher_pid: int) -> None:
     outright, e.g. by a test's timeout, leaves no process behind: an agent's zygote and workers
     die with the agent), and exit now if it already has (it died before the ``prctl``). Only
     here, in the launcher's fork path: ``megascale agent`` / ``megascale controller`` started
-    by hand or by a pod are not tied to their parent."""
+    by hand or by a pod are not tied to their parent. The launcher's signal handlers are not
+    inherited (``signals.reset_in_child``)."""
     from megascale.launcher.lifetime import die_with_parent
 
+    reset_in_child()
     die_with_parent(parent=launcher_pid)
 
 
@@ -239,7 +232,7 @@ class LocalCluster:
             time.sleep(0.02)
 
     def start_controllers(self) -> None:
-        from megascale.robustness.service_options import ServiceOptions, policy_for
+        from megascale.robustness.service_options import policy_for
 
         o, p, ft, t = self.opts, self.job.parallel, self.job.fault_tolerance, self.job.train
         policy = policy_for(
@@ -260,28 +253,35 @@ class LocalCluster:
             stop_timeout_s=15.0,
             selfcheck_timeout_s=120.0,
         )
+        self._policy = policy
         for i in range(2 if o.standby_controller else 1):
             name = f"controller-{i}"
-            service_opts = ServiceOptions(
-                o.job_id,
-                self.run_dir,
-                policy,
-                name,
-                o.heartbeat_interval,
-                metrics_port=0,
-                straggler_threshold=self.job.diagnostics.straggler_threshold,
-                straggler_action=self.job.diagnostics.straggler_action,
-            )
-            proc = self.ctx.Process(
-                target=_controller_process,
-                args=(service_opts, self.store_cfg, os.getpid()),
-                name=name,
-            )
-            proc.start()
-            self.controllers[name] = proc
+            self.spawn_controller(name)
             if i == 0 and o.standby_controller:
                 self.wait_for_leader(name)  # controller-0 leads; the next one is its standby
         self.log_metrics_urls()
+
+    def spawn_controller(self, name: str) -> None:
+        """Fork controller ``name``; it leads once elected, resuming from the state in etcd."""
+        from megascale.robustness.service_options import ServiceOptions
+
+        o = self.opts
+        service_opts = ServiceOptions(
+            o.job_id,
+            self.run_dir,
+            self._policy,
+            name,
+            o.heartbeat_interval,
+            metrics_port=0,
+            straggler_threshold=self.job.diagnostics.straggler_threshold,
+            straggler_action=self.job.diagnostics.straggler_action,
+        )
+        proc = self.ctx.Process(
+            target=_controller_process, args=(service_opts, self.store_cfg, os.getpid()), name=name
+        )
+        proc.start()
+        self.controllers[name] = proc
+        logger.info("%s started (pid %d)", name, proc.pid)
 
     def wait_for_leader(self, name: str, wait_s: float = 30.0) -> None:
         """Wait until controller ``name`` holds the leader key (RuntimeError if it exits or has
@@ -420,6 +420,8 @@ class Monitor:
         self.steps = cluster.job.train.steps
         self.log_interval = max(1, cluster.job.train.log_interval)
         self.shown = 0.0  # time of the last metrics line shown
+        self.supervisor = Supervisor(cluster)
+        self.reason: str | None = None  # why the job was stopped, when the launcher stopped it
 
     def run(self, deadline: float | None) -> str:
         """Poll until the job is finished or failed; returns its state ("timeout" if not)."""
@@ -434,9 +436,9 @@ class Monitor:
                 if state in ("finished", "failed"):
                     self._show()
                     return state
-                if not any(p.is_alive() for p in self.cluster.controllers.values()):
-                    logger.error("every controller has exited")
-                    return state or "failed"
+                self.reason = self.supervisor.check()  # etcd or controller restarted, or why not
+                if self.reason:  # logged by the supervisor
+                    return "failed"
             time.sleep(0.05)
         logger.error("timed out")
         return "timeout"
@@ -513,52 +515,66 @@ class Monitor:
 
 
 def launch(opts: LaunchOptions) -> int:
-    """Run the local cluster to the end (see the module docstring); returns the exit code."""
+    """Run the local cluster to the end (see the module docstring); returns the exit code.
+    SIGTERM and SIGINT stop it in order (``signals.StopSignals``), final.json included."""
     from megascale.config import to_toml
     from megascale.robustness.service_main import setup_logging
 
     job, notes = check_options(opts)  # LaunchError, ConfigError, InjectError: nothing started
-    run_dir = Path(opts.run_dir or Path("runs") / f"launch-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir = run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(opts.run_dir or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    lock = prepare_run_dir(run_dir)  # RunDirError: another job holds it; nothing started
     (run_dir / "job.toml").write_text(to_toml(job))
     setup_logging("launch", run_dir / "logs" / "launch.log")
+    stop_signals = StopSignals().install()
     started = time.monotonic()
-    import megascale.cli  # noqa: F401  (imported once here, inherited by every forked process)
-    import megascale.train.run  # noqa: F401
-
-    cluster = LocalCluster(opts, job, run_dir)
-    state = "failed"
-    try:
-        logger.info(
-            "job %s: %d nodes x %d ranks + %d spare(s); etcd at %s; run dir %s",
-            opts.job_id, opts.nodes, opts.nproc_per_node, opts.spares, cluster.etcd.endpoint,
-            run_dir,
-        )  # fmt: skip
-        for note in notes:
-            logger.info("%s", note)
-        for f in opts.faults:
-            logger.info("fault to inject: %s", f.text)
-        for i in range(opts.nodes + opts.spares):
-            cluster.start_agent(f"node-{i}")
-        cluster.start_controllers()
-        deadline = None if opts.timeout_s is None else started + opts.timeout_s
-        state = Monitor(cluster).run(deadline)
-    except KeyboardInterrupt:
-        logger.warning("interrupted")
-        state = "interrupted"
-    except RuntimeError as e:  # a process that would not start
-        logger.error("%s", e)
-    finally:
-        cluster.stop()
-    final = summarize(run_dir, job, state, time.monotonic() - started, opts)
+    state, reason = _run_cluster(opts, job, notes, run_dir, stop_signals, started)
+    final = summarize(run_dir, job, state, time.monotonic() - started, opts, reason=reason)
     (run_dir / "final.json").write_text(json.dumps(final, indent=1, sort_keys=True) + "\n")
     logger.info(
         "%s: step %s/%s, faults detected %s, recoveries %d, %.1f s; %s",
         state, final["final_step"], job.train.steps, final["faults_detected"],
         final["recoveries"], final["wall_time_s"], run_dir / "final.json",
     )  # fmt: skip
+    stop_signals.restore()
+    lock.release()
     return 0 if state == "finished" else 1
+
+
+def _run_cluster(
+    opts: LaunchOptions, job: Any, notes: list[str], run_dir: Path, stops: StopSignals, t0: float
+) -> tuple[str, str | None]:
+    """Start the cluster, watch it to the end, stop it; (state, reason the launcher stopped it)."""
+    cluster: LocalCluster | None = None
+    state, reason = "failed", None
+    try:
+        import megascale.cli  # noqa: F401  (imported once here, inherited by every forked process)
+        import megascale.train.run  # noqa: F401
+
+        cluster = LocalCluster(opts, job, run_dir)
+        logger.info(
+            "job %s: %d nodes x %d ranks + %d spare(s); etcd at %s; run dir %s",
+            opts.job_id, opts.nodes, opts.nproc_per_node, opts.spares, cluster.etcd.endpoint,
+            run_dir,
+        )  # fmt: skip
+        for line in [*notes, *(f"fault to inject: {f.text}" for f in opts.faults)]:
+            logger.info("%s", line)
+        for i in range(opts.nodes + opts.spares):
+            cluster.start_agent(f"node-{i}")
+        cluster.start_controllers()
+        monitor = Monitor(cluster)
+        state = monitor.run(None if opts.timeout_s is None else t0 + opts.timeout_s)
+        reason = monitor.reason or ("timed out" if state == "timeout" else None)
+    except KeyboardInterrupt as e:
+        state, reason = "interrupted", f"{e or 'SIGINT'} received"
+        logger.warning("interrupted (%s): stopping", reason)
+    except RuntimeError as e:  # a process that would not start
+        logger.error("%s", e)
+        reason = str(e)
+    finally:
+        stops.stopping()  # a second SIGINT/SIGTERM no longer cuts the stop short
+        if cluster is not None:
+            cluster.stop()
+    return state, reason
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

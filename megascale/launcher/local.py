@@ -5,6 +5,10 @@ cost one import, not N. Each child gets the environment ``torch.distributed`` ex
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). If any rank fails, the others
 are terminated and ``RankFailed`` names the failed ranks and their exit codes.
 
+Lifetime: every rank dies with the parent (``lifetime.die_with_parent``: a parent killed outright
+leaves no rank training), and SIGTERM or SIGINT to the parent is forwarded to the ranks as
+SIGTERM; the parent then raises ``Stopped`` naming the signal.
+
 MASTER_PORT is a port that was free when picked; another process may take it before rank 0 listens
 on it. When rank 0 fails with EADDRINUSE and no rank has returned, every rank is started again on a
 new port (``PORT_ATTEMPTS`` starts in all).
@@ -15,7 +19,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -36,6 +42,14 @@ class RankFailed(RuntimeError):
         super().__init__(f"{len(failures)} rank(s) failed: {detail}")
 
 
+class Stopped(RuntimeError):
+    """The parent got SIGTERM or SIGINT and stopped the ranks (forwarding SIGTERM to them)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}: ranks terminated")
+
+
 class _PortTaken(RankFailed):
     """Rank 0 could not listen on MASTER_PORT (taken since it was picked) and no rank returned:
     the run can start again on another port."""
@@ -48,7 +62,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, world: int, port: int, args: tuple, results: Any) -> None:
+def _child(
+    fn: Callable, rank: int, world: int, port: int, args: tuple, results: Any, parent: int
+) -> None:
+    from megascale.launcher.lifetime import die_with_parent
+    from megascale.launcher.signals import reset_in_child
+
+    reset_in_child()  # not the parent's forwarding handler
+    die_with_parent(parent=parent)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -93,15 +114,18 @@ def _run_ranks(
     ctx = mp.get_context("fork")
     results = ctx.SimpleQueue()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, nprocs, port, args, results), daemon=False)
+        ctx.Process(
+            target=_child, args=(fn, r, nprocs, port, args, results, os.getpid()), daemon=False
+        )
         for r in range(nprocs)
     ]
+    stop = _forward_stop_signals(procs)  # before the starts: a signal meanwhile is not lost
     for p in procs:
         p.start()
     outcomes: dict[int, tuple[str, Any]] = {}
     failures: dict[int, str] = {}
     try:
-        while len(outcomes) < nprocs:
+        while len(outcomes) < nprocs and not stop.signum:
             while not results.empty():
                 rank, status, value = results.get()
                 outcomes[rank] = (status, value)
@@ -120,7 +144,7 @@ def _run_ranks(
                 break
             time.sleep(0.02)
     finally:
-        if failures:
+        if failures or stop.signum:
             time.sleep(0.1)  # let a failing rank's traceback arrive before the exit code wins
             while not results.empty():
                 rank, status, value = results.get()
@@ -131,6 +155,35 @@ def _run_ranks(
                     p.terminate()
         for p in procs:
             p.join()
+        stop.restore()
+    if stop.signum:
+        raise Stopped(stop.signum)
     if failures:
         raise (_PortTaken if _port_taken(failures, outcomes, port) else RankFailed)(failures)
     return [outcomes[r][1] for r in range(nprocs)]
+
+
+class _Forwarder:
+    """SIGTERM/SIGINT to the parent: SIGTERM to every live rank, and ``signum`` set."""
+
+    def __init__(self, procs: list[Any]) -> None:
+        self.procs, self.signum, self.previous = procs, 0, {}
+
+    def handle(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                os.kill(p.pid, signal.SIGTERM)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _forward_stop_signals(procs: list[Any]) -> _Forwarder:
+    """Install the forwarding handler (main thread only: elsewhere signals are not ours)."""
+    forwarder = _Forwarder(procs)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            forwarder.previous[sig] = signal.signal(sig, forwarder.handle)
+    return forwarder

@@ -2,7 +2,7 @@
 
 ``final.json``::
 
-    {"finished": true, "state": "finished", "final_step": 50, "steps": 50,
+    {"finished": true, "state": "finished", "reason": null, "final_step": 50, "steps": 50,
      "param_digest": "<sha256>", "digest_step": 50,
      "faults_injected": ["kill-worker:rank=1,step=25"],
      "faults_detected": {"worker_exit": 1},          # controller faults + notices, by kind
@@ -20,12 +20,15 @@ checkpoints), so a run can be summarised again after the fact.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from megascale.robustness import inject
 from megascale.robustness.events import read_events
+
+logger = logging.getLogger(__name__)
 
 NOTICES = ("checkpoint_fallback", "etcd_unavailable", "controller_takeover")
 """Events counted in ``faults_detected`` besides the controller's faults."""
@@ -129,13 +132,17 @@ def failure(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def summarize(run_dir: Path, job: Any, state: str, wall_s: float, opts: Any) -> dict[str, Any]:
-    """The content of ``final.json`` (see the module docstring)."""
+def summarize(
+    run_dir: Path, job: Any, state: str, wall_s: float, opts: Any, reason: str | None = None
+) -> dict[str, Any]:
+    """The content of ``final.json`` (see the module docstring); ``reason``: why the launcher
+    stopped the job (a signal, a timeout, etcd or the controller lost for good), else None."""
     events = read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
     digest, digest_step = parameter_digest(run_dir, job)
     return {
         "finished": state == "finished",
         "state": state,
+        "reason": reason,
         "final_step": current_step(run_dir / "metrics.jsonl"),
         "steps": job.train.steps,
         "param_digest": digest,

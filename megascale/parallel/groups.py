@@ -52,8 +52,14 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
+        from megascale.launcher.job_store import job_store  # rank 0's store on MASTER_ADDR only
+
         dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+            backend,
+            store=job_store(rank, world, timeout_s),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
     return rank, world
 

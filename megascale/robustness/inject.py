@@ -296,6 +296,7 @@ def corrupt_latest_checkpoint(
     its checksum gives it away. Once per run; None when there is no checkpoint yet."""
     from megascale.config import load
     from megascale.train.checkpoint_io import MANIFEST, Storage, location, step_name
+    from megascale.train.checkpoint_paths import CheckpointPathError, resolve_file
 
     job = load(config, list(overrides))
     storage = Storage(location(job.checkpoint, run_dir))
@@ -308,9 +309,13 @@ def corrupt_latest_checkpoint(
     rank = int(spec.get("rank", 0))
     mine = (f"rank_{rank:05d}/__0_0.distcp", f"rank_{rank:05d}.pt")  # DCP data; the older format
     name = next((n for n in names if n in mine), names[0])
+    try:
+        target = Path(resolve_file(directory, name))  # never a file outside the checkpoint
+    except CheckpointPathError as e:
+        logger.warning("fault %s not injected: %s", spec.text, e)
+        return None
     if not claim(run_dir, spec, checkpoint=str(directory), file=name):
         return None
-    target = directory / name
     data = bytearray(target.read_bytes())
     middle = len(data) // 2
     data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])

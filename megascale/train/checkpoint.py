@@ -68,6 +68,7 @@ from megascale.train.checkpoint_io import (
     sha256_hex,
     step_name,
 )
+from megascale.train.checkpoint_paths import CheckpointPathError, resolve_file
 from megascale.train.checkpoint_shards import (
     Entry,
     ensure_optimizer_state,
@@ -544,14 +545,32 @@ def _check_loadable(
         )
 
 
+def _read_file(storage: Storage, sdir: str, name: str) -> bytes | None:
+    """A file a manifest names, only if it is a regular file inside the step directory
+    (``checkpoint_paths.resolve_file``); None when it is missing or refused."""
+    try:
+        path = resolve_file(storage.path(sdir), name, local=storage.local)
+        return storage.fs.cat_file(path)
+    except (CheckpointPathError, OSError, ValueError) as e:
+        logger.warning("checkpoint %s: %s", sdir, e)
+        return None
+
+
+def _data_files_listed(metadata, files: dict) -> str:
+    """'' when every data file the DCP metadata names is one the manifest lists (so verified)."""
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    unlisted = sorted(named - set(files))
+    return f"data files not in the manifest: {unlisted[:4]}" if unlisted else ""
+
+
 def _verify_share(storage: Storage, sdir: str, files: dict, rank: int, world: int) -> str:
     """Verify this rank's share of a checkpoint's files; return why not ('' when all verify)."""
     for i, name in enumerate(sorted(files)):
         if i % world != rank:
             continue
-        entry, data = files[name], storage.read_bytes(f"{sdir}/{name}")
+        entry, data = files[name], _read_file(storage, sdir, name)
         if data is None:
-            return f"{name} missing"
+            return f"{name} missing or not a file of the checkpoint"
         if len(data) != entry.get("bytes") or sha256_hex(data) != entry.get("sha256"):
             return f"{name} does not match its checksum"
     return ""
@@ -567,7 +586,13 @@ def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) ->
     why = next((w for w in whys if w), "")
     if why:
         return False, why
-    metadata = fmt.load_metadata(storage.read_bytes(f"{sdir}/{fmt.METADATA}") or b"")
+    try:
+        metadata = fmt.load_metadata(_read_file(storage, sdir, fmt.METADATA) or b"")
+    except Exception as e:  # refused by the allow-list, or not a metadata file (every rank alike)
+        return False, f"{fmt.METADATA} cannot be read: {e}"
+    unlisted = _data_files_listed(metadata, files)
+    if unlisted:
+        return False, unlisted
     ensure_optimizer_state(trainer)
     entries = training_entries(trainer)
     fmt.read_pieces(
@@ -600,11 +625,20 @@ def model_digest(where: str | Path | Storage) -> tuple[str | None, int | None]:
         return None, None
     sdir = step_name(steps[-1])
     manifest = storage.read_json(f"{sdir}/{MANIFEST}") or {}
-    entry = (manifest.get("files") or {}).get(fmt.METADATA)
-    data = storage.read_bytes(f"{sdir}/{fmt.METADATA}")
-    if entry is None or data is None or sha256_hex(data) != entry.get("sha256"):
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    entry, data = files.get(fmt.METADATA), _read_file(storage, sdir, fmt.METADATA)
+    if not isinstance(entry, dict) or data is None or sha256_hex(data) != entry.get("sha256"):
         return None, steps[-1]
-    metadata = fmt.load_metadata(data)
+    try:
+        metadata = fmt.load_metadata(data)
+    except Exception as e:
+        logger.warning("no parameter digest of %s: %s", sdir, e)
+        return None, steps[-1]
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    if _data_files_listed(metadata, files) or any(
+        _read_file(storage, sdir, name) is None for name in named
+    ):
+        return None, steps[-1]
     keys = sorted(k for k in metadata.state_dict_metadata if not k.startswith("optimizer."))
     digest = hashlib.sha256()
     for key, tensor in fmt.read_whole(storage.url_of(sdir), metadata, keys).items():

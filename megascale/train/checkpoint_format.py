@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -72,11 +73,20 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}: refused")
 
 
+_DATA_FILE = re.compile(r"(rank_\d{5}/)?__\d+_\d+\.distcp")
+
+
 def load_metadata(data: bytes) -> Metadata:
-    """A DCP ``.metadata`` file's content, unpickled with an allow-list (never runs code)."""
+    """A DCP ``.metadata`` file's content, unpickled with an allow-list (never runs code). Every
+    data file it names must be one this format writes (``rank_NNNNN/__R_I.distcp``): a name
+    leaving the step directory is refused, so a reader never opens a file outside it."""
     metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"checkpoint metadata is a {type(metadata).__name__}")
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        if not isinstance(path, str) or not _DATA_FILE.fullmatch(path):
+            raise pickle.UnpicklingError(f"checkpoint metadata names data file {path!r}: refused")
     return metadata
 
 

@@ -22,6 +22,7 @@ from megascale.data.token_file import bin_path, idx_path
 from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
 from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
+from megascale.machine_check import resolve_device
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.robustness import inject
@@ -31,15 +32,6 @@ from megascale.train import checkpoint
 from megascale.train.trainer import StepMetrics, Trainer
 
 logger = logging.getLogger("megascale")
-
-
-def resolve_device(requested: str) -> str:
-    """ "auto" -> "cuda" when a GPU is visible, else "cpu"."""
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device='cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
-    return requested
 
 
 class Progress:
