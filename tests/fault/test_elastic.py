@@ -3,8 +3,10 @@ agents and workers (``test_cluster.Run``).
 
 * shrink: 4 nodes x 1 rank, no spare, a node killed mid-run: the job goes on at once on the 3
   nodes left (dp 4 -> 3, 3 -> 4 micro-batches per rank: the same global batch) and finishes;
-* job-fatal: a ``data.path`` that does not exist fails the job once, with the reason, restarting
-  and evicting nothing.
+* job-fatal: checkpoints the job cannot load (another layout, ``checkpoint.reshard = false``) fail
+  the job once, with the reason, restarting and evicting nothing, and are left as they were (a
+  missing ``data.path``, the other job-fatal error, is refused by ``megascale launch`` before any
+  node starts).
 
 The ``wait`` policy (the default) is ``test_cluster.test_kill_agent_node_lost_and_node_reregisters``.
 """
@@ -73,21 +75,6 @@ def test_shrunk_run_resumes_from_its_checkpoint_and_matches_the_fault_free_loss(
     assert abs(final_loss(shrunk) - final_loss(fault_free)) <= 1e-4
 
 
-def test_a_bad_data_path_fails_the_job_once_with_the_reason(tmp_path):
-    run = Run(tmp_path, "--set", f"data.path={tmp_path / 'missing' / 'tokens'}")
-    assert run.rc == 1 and run.final["state"] == "failed"
-    reason = f"data.path = '{tmp_path / 'missing' / 'tokens'}': "
-    assert run.final["fatal"]["reason"].startswith(reason)
-    assert "tokens.bin and " in run.final["fatal"]["reason"]
-    assert run.final["failure"].startswith("job-fatal error on rank ")
-    [failed] = run.of("failed")
-    assert failed["detail"]["reason"] == run.final["failure"]
-    [fault] = run.faults()  # the other rank's job-fatal exit is not a second fault
-    assert fault["detail"]["fault"] == "job_fatal"
-    assert run.final["generations"] == 1 and run.final["recoveries"] == 0
-    assert run.final["evicted"] == [] and not run.of("selfcheck") and not run.of("evict")
-
-
 def test_checkpoints_the_job_cannot_load_fail_it_and_are_left_untouched(fault_free, tmp_path):
     # The 4-node run's checkpoints (dp 4), resumed by a 2-node job that may not reshard them.
     shutil.copytree(fault_free.dir / "checkpoints", tmp_path / "checkpoints")
@@ -99,7 +86,13 @@ def test_checkpoints_the_job_cannot_load_fail_it_and_are_left_untouched(fault_fr
     reason = run.final["fatal"]["reason"]
     assert "TP1 x PP1 x DP4" in reason and "TP1 x PP1 x DP2" in reason, reason
     assert "checkpoint.reshard = false" in reason
-    assert run.final["generations"] == 1 and run.final["evicted"] == []
+    assert run.final["failure"].startswith("job-fatal error on rank ")
+    [failed] = run.of("failed")
+    assert failed["detail"]["reason"] == run.final["failure"]
+    [fault] = run.faults()  # the other ranks' job-fatal exits are not more faults
+    assert fault["detail"]["fault"] == "job_fatal"
+    assert run.final["generations"] == 1 and run.final["recoveries"] == 0
+    assert run.final["evicted"] == [] and not run.of("selfcheck") and not run.of("evict")
     after = {
         p: p.read_bytes() for p in sorted((tmp_path / "checkpoints").rglob("*")) if p.is_file()
     }
