@@ -29,6 +29,9 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from megascale import config as config_mod
+    from megascale.launcher import gpus
+
+    gpus.prefer_nvml_checks()  # the ranks are forked from here: no CUDA init in this process
 
     job = config_mod.load(args.config, args.overrides)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # torchrun

@@ -32,7 +32,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megascale.launcher import gpus
 from megascale.launcher.outcome import current_step, summarize
 from megascale.robustness import inject
 
@@ -125,15 +125,7 @@ def _device(job: Any) -> str:
 def _gpu_count() -> int:
     """GPUs on this machine, counted without initialising CUDA here: the launcher forks later,
     and a forked child cannot use CUDA once its parent has."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return (
-        sum(line.startswith("GPU ") for line in out.stdout.splitlines())
-        if not out.returncode
-        else 0
-    )
+    return gpus.physical_gpu_count()
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -499,6 +491,7 @@ def launch(opts: LaunchOptions) -> int:
     (run_dir / "job.toml").write_text(to_toml(job))
     setup_logging("launch", run_dir / "logs" / "launch.log")
     started = time.monotonic()
+    gpus.prefer_nvml_checks()  # imports below probe CUDA; the agents and workers fork later
     import megascale.cli  # noqa: F401  (imported once here, inherited by every forked process)
     import megascale.train.run  # noqa: F401
 

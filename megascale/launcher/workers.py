@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
 
+from megascale.launcher import gpus
 from megascale.launcher.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -163,11 +164,15 @@ def _zygote_main(conn: Connection, preload: tuple[str, ...]) -> None:
     """The zygote's loop: fork on request, report every child's exit; exit when the agent goes."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gpus.prefer_nvml_checks()  # megatron-core / TE probe CUDA at import; the workers fork later
     for name in preload:
         try:
             importlib.import_module(name)
         except Exception as e:  # a worker will report the real error when it imports it
             conn.send(("log", f"preloading {name} failed: {e}"))
+    if gpus.cuda_initialised():
+        conn.send(("log", f"CUDA was initialised while preloading {preload}: workers forked "
+                          "from the zygote cannot use their GPUs"))  # fmt: skip
     children: set[int] = set()
     try:
         while True:

@@ -20,6 +20,7 @@ from megascale.config import JobConfig, to_toml
 from megascale.data.corpus import default_token_file
 from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
 from megascale.diagnostics.timers import build_timeline
+from megascale.launcher.gpus import visible_gpu_count
 from megascale.logs import setup_logging
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
@@ -32,10 +33,11 @@ logger = logging.getLogger("megascale")
 
 
 def resolve_device(requested: str) -> str:
-    """ "auto" -> "cuda" when a GPU is visible, else "cpu"."""
+    """ "auto" -> "cuda" when a GPU is visible, else "cpu". Never initialises CUDA (NVML counts the
+    GPUs): ``megascale train --nproc-per-node N`` calls it before forking its ranks."""
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
+        return "cuda" if visible_gpu_count() else "cpu"
+    if requested == "cuda" and not visible_gpu_count():
         raise ValueError("train.device='cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
     return requested
 
