@@ -208,6 +208,37 @@ class _Context:
     gpu_count: int
 
 
+def _nvml_gpu() -> tuple[str | None, int]:
+    """(name of GPU 0, GPU count) from NVML, which creates no CUDA context (the GPUs may be busy
+    training); (None, 0) without ``nvidia-ml-py``, a driver or a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # not installed, no driver
+        return None, 0
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        if not count:
+            return None, 0
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return (name.decode() if isinstance(name, bytes) else str(name)), count
+    except pynvml.NVMLError:
+        return None, 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _uses_gpus(only: list[str]) -> bool:
+    """Whether the selected checks use the GPUs themselves (CUDA, NCCL), not just NVML facts."""
+    names = [n for names, _ in CHECKS for n in names]
+    return any(
+        _selected((n,), only)
+        for n in names
+        if n.startswith("gpu.") or n == "net.intranode_alltoall"
+    )
+
+
 def _detect_gpu() -> tuple[str | None, int]:
     """(name of GPU 0, GPU count), or (None, 0) without CUDA; torch only where a driver is."""
     if not os.path.exists("/dev/nvidiactl"):
@@ -436,7 +467,8 @@ def _selected(names: tuple[str, ...], patterns: list[str]) -> bool:
 def run_selfcheck(options: SelfCheckOptions | None = None) -> SelfCheckReport:
     """Run the selected checks and return the report (contract in the module docstring)."""
     options = options or SelfCheckOptions()
-    gpu_name, gpu_count = _detect_gpu()
+    # Host-only selections (the DaemonSet on a node that trains) never create a CUDA context.
+    gpu_name, gpu_count = _detect_gpu() if _uses_gpus(options.only) else _nvml_gpu()
     profile = options.profile or profile_for_gpu(gpu_name)
     thresholds = load_thresholds(profile, options.thresholds_file, options.overrides)
     ctx = _Context(options, thresholds, gpu_name, gpu_count)

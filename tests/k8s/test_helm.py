@@ -204,7 +204,10 @@ def test_selfcheck_daemonset_labels_its_node():
     assert spec["runtimeClassName"] == "nvidia"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     role = next(d for d in by_kind(docs, "ClusterRole") if "selfcheck" in d["metadata"]["name"])
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},  # workers on its node
+    ]
     assert not by_kind(render(VARIANTS["selfcheck-off"]), "DaemonSet")
 
 
