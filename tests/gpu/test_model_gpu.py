@@ -63,7 +63,7 @@ def test_window_covering_the_sequence_is_full_attention(spec, data_dir):
     full = train_steps(small_job(model={"spec": spec}), 1, data_dir, steps=2)
     wide = train_steps(small_job(model={"spec": spec, "window_size": seq}), 1, data_dir, steps=2)
     for (loss, _), (ref_loss, _) in zip(wide, full, strict=True):
-        assert math.isclose(loss, ref_loss, rel_tol=1e-5), (loss, ref_loss)
+        assert math.isclose(loss, ref_loss, rel_tol=1e-4), (loss, ref_loss)
 
 
 def banded_attention(q, k, v, window: int | None) -> torch.Tensor:
