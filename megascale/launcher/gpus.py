@@ -10,7 +10,7 @@ context), or ``nvidia-smi -L`` where NVML cannot be loaded from Python.
 
 Contract for pre-fork code: call ``visible_gpu_count`` (never ``torch.cuda.*``), call
 ``prefer_nvml_checks`` before importing libraries that probe CUDA at import time, and call
-``check_fork_safe`` right before forking.
+``check_fork_safe`` right before forking (it names the problem if CUDA was initialised anyway).
 """
 
 from __future__ import annotations
@@ -21,10 +21,6 @@ import subprocess
 import sys
 
 logger = logging.getLogger(__name__)
-
-
-class CudaInitialisedBeforeFork(RuntimeError):
-    """CUDA was initialised in a process that is about to fork CUDA workers."""
 
 
 def prefer_nvml_checks() -> None:
@@ -92,12 +88,17 @@ def cuda_initialised() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def check_fork_safe(what: str) -> None:
-    """Raise ``CudaInitialisedBeforeFork`` if this process initialised CUDA: ``what`` (the children
-    about to be forked) could not use it. Call right before forking."""
-    if cuda_initialised():
-        raise CudaInitialisedBeforeFork(
-            f"CUDA was initialised in process {os.getpid()} before forking {what}; forked "
-            "children cannot use CUDA then. Count GPUs with "
-            "megascale.launcher.gpus.visible_gpu_count() instead of torch.cuda.* before forking"
-        )
+def check_fork_safe(what: str) -> bool:
+    """Call right before forking ``what``: False, with a warning naming the cause, if this process
+    initialised CUDA (children that use CUDA will then fail with "Cannot re-initialize CUDA in
+    forked subprocess"; children on CPU are unaffected, so this does not refuse)."""
+    if not cuda_initialised():
+        return True
+    logger.warning(
+        "CUDA was initialised in process %d before forking %s: a forked child cannot use CUDA "
+        "then. Count GPUs with megascale.launcher.gpus.visible_gpu_count(), never torch.cuda.*, "
+        "before forking",
+        os.getpid(),
+        what,
+    )
+    return False
