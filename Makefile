@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 HAVE_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install run test test-fast lint clean
+.PHONY: install run test test-fast lint clean gpu-check
 
 install: $(STAMP)
 
@@ -21,7 +21,13 @@ $(STAMP): pyproject.toml
 ifeq ($(HAVE_GPU),)
 	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 endif
+ifeq ($(HAVE_GPU),)
 	$(PY) -m pip install -q -e ".[dev]"
+else
+	@# A GPU machine: the gpu extra too (Transformer Engine, NVML bindings), for tests/gpu and
+	@# scripts/gpu-check. Never on a CPU machine (see below).
+	$(PY) -m pip install -q -e ".[dev,gpu]"
+endif
 	@# Transformer Engine must never be in a CPU environment: a broken TE breaks megatron.core.
 	@if [ -z "$(HAVE_GPU)" ] && $(PY) -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('transformer_engine') is None)"; then \
 		echo "transformer_engine is installed in $(VENV) on a machine without a GPU: remove it (pip uninstall transformer-engine transformer-engine-torch)"; exit 1; fi
@@ -39,6 +45,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The GPU test tier and the GPU benchmarks as one Markdown block (scripts/gpu-check); on a machine
+# without a GPU it says so and does nothing.
+gpu-check: $(STAMP)
+	PYTHON=$(PY) scripts/gpu-check
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megascale tests benchmarks

@@ -15,6 +15,7 @@
 
     python benchmarks/checkpoint.py
     python benchmarks/checkpoint.py --rounds 3 --storage-mbps 500 --set model.hidden_size=256
+    python benchmarks/checkpoint.py --device cuda --stall-only   # the state in GPU memory
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.train import checkpoint
 from megascale.train.checkpoint_io import Storage, step_name
+from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 
 DEFAULT_SETS = [
@@ -83,12 +85,14 @@ class ThrottledFileSystem(LocalFileSystem):
 
 
 def _trainer(job, data_dir: Path) -> Trainer:
-    torch.set_num_threads(1)
-    init_distributed("cpu")
-    cpu_backend.activate()
+    device = "cuda" if job.train.device == "cuda" else "cpu"  # cuda: the state is in GPU memory
+    init_distributed(device)
+    if device == "cpu":
+        torch.set_num_threads(1)
+        cpu_backend.activate()
     groups = build_groups(job.parallel)
-    cpu_backend.seed_rng_tracker(job.train.seed, groups.tp_rank)
-    trainer = Trainer(job, groups, "cpu", data_cache_dir=data_dir)
+    seed_everything(job.train.seed, groups.tp_rank, device)
+    trainer = Trainer(job, groups, device, data_cache_dir=data_dir)
     trainer.step()  # the optimizer state exists from the first step on
     return trainer
 
@@ -182,6 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds per comparison")
     parser.add_argument("--nproc", type=int, default=4, help="ranks (all DP) for the restart part")
     parser.add_argument("--storage-mbps", type=float, default=200.0)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the training state lives for the stall comparison (cuda: copied from GPU "
+        "memory into pinned host buffers)",
+    )
+    parser.add_argument(
+        "--stall-only", action="store_true", help="measure the training stall only (part 1)"
+    )
     args = parser.parse_args(argv)
     quiet_expected_noise()  # before forking: the ranks inherit the filters
     command = "python " + shlex.join(["benchmarks/checkpoint.py", *(argv or sys.argv[1:])])
@@ -192,11 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         default_token_file(data_dir)
         base = load(args.config, DEFAULT_SETS + args.overrides)
 
-        one = validate(base, 1, "gloo")
+        on = load(args.config, [*DEFAULT_SETS, *args.overrides, f"train.device={args.device}"])
+        one = validate(on, 1, "nccl" if args.device == "cuda" else "gloo")
         stall = run_local(stall_rank, 1, (one, data_dir, tmp_path / "stall", args.rounds))[0]
 
         recovery = {}
-        for optimizer, distributed in [("sharded", True), ("replicated", False)]:
+        comparisons = [] if args.stall_only else [("sharded", True), ("replicated", False)]
+        for optimizer, distributed in comparisons:
             job = dataclasses.replace(
                 base, parallel=dataclasses.replace(base.parallel, distributed_optimizer=distributed)
             )
@@ -211,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {command}")
     print(f"# model: {' '.join(DEFAULT_SETS + args.overrides)}")
     print()
-    print(f"## 1. training stall per save (1 rank, {stall['bytes'] / 1e6:.0f} MB of state,")
+    where = "GPU memory" if args.device == "cuda" else "CPU memory"
+    print(
+        f"## 1. training stall per save (1 rank, {stall['bytes'] / 1e6:.0f} MB of state in {where},"
+    )
     print(f"##    median of {args.rounds} alternating rounds, temp dir on local disk)")
     print()
     print("| save | stall (s) | vs synchronous |")
@@ -226,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{_median(stall['busy']) * 1e3:.0f} ms vs {_median(stall['idle']) * 1e3:.0f} ms without "
         f"({len(stall['busy'])} steps)"
     )
+    if args.stall_only:
+        return 0
     print()
     print(f"## 2. restart read time, {args.nproc} ranks (DP{args.nproc}), slowest rank, median")
     print()

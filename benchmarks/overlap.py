@@ -9,6 +9,7 @@ relative difference from "off".
 
     python benchmarks/overlap.py                      # 8 CPU ranks: TP2 x PP2 (VPP2) x DP2 + SP
     python benchmarks/overlap.py --latency-ms 5 --steps 2 --rounds 1
+    python benchmarks/overlap.py --device cuda --latency-ms 0   # 8 GPUs, NCCL, real links
 """
 
 from __future__ import annotations
@@ -62,11 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: one GPU per rank, NCCL (use --latency-ms 0 to measure the real links)",
+    )
     args = parser.parse_args(argv)
 
-    base = load(args.config, [*DEFAULT_SETS, "parallel.batch_p2p_comm=false", *args.overrides])
+    sets = [*DEFAULT_SETS, "parallel.batch_p2p_comm=false", f"train.device={args.device}"]
+    base = load(args.config, [*sets, *args.overrides])
+    backend = "nccl" if args.device == "cuda" else "gloo"
     names = [n.strip() for n in args.variants.split(",")]
-    variants = {n: validate(with_overlap(base, **VARIANTS[n]), args.nproc, "gloo") for n in names}
+    variants = {n: validate(with_overlap(base, **VARIANTS[n]), args.nproc, backend) for n in names}
     data_dir = Path(tempfile.mkdtemp(prefix="megascale-bench-"))
     default_token_file(data_dir)
     rank_fn = functools.partial(
@@ -86,7 +95,8 @@ def report(args, base, per_rank: list[dict]) -> str:
     lines = [
         f"# overlap benchmark — {datetime.date.today()}",
         f"command: {' '.join(sys.argv)}",
-        f"layout: {args.nproc} CPU ranks (gloo), TP{p.tp} x PP{p.pp} (VPP{p.vpp}) x "
+        f"layout: {args.nproc} {'GPU ranks (nccl)' if args.device == 'cuda' else 'CPU ranks (gloo)'}"
+        f", TP{p.tp} x PP{p.pp} (VPP{p.vpp}) x "
         f"DP{args.nproc // (p.tp * p.pp)}, sequence_parallel={p.sequence_parallel}",
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, "
         f"gbs {base.train.global_batch_size}, mbs {base.train.micro_batch_size}",

@@ -38,8 +38,10 @@ def _unusable_checkpoint(failed: Exception) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     from megascale import config as config_mod
-    from megascale.launcher import runlock
+    from megascale.launcher import gpus, runlock
     from megascale.machine_check import check_machine, resolve_device
+
+    gpus.prefer_nvml_checks()  # the ranks are forked from here: no CUDA init in this process
 
     job = config_mod.load(args.config, args.overrides)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # torchrun

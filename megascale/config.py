@@ -219,6 +219,11 @@ class DiagnosticsConfig:
     step (step time minus time blocked in communication) is at least this many times the median
     of its pipeline-stage peers', persistently (median over steps, and in at least half of them).
     MegaScale found a machine 10% slower than its peers."""
+    selfcheck_thresholds: str | None = None
+    """Thresholds file for the node self-check the agents run before (re)starting a job: a
+    calibration written by ``megascale selfcheck --calibrate --output FILE`` on a healthy node of
+    the same kind (thresholds = measured x its safety factor), optionally with explicit sections.
+    A path on every node; relative to the run directory. None: the hardware profile's defaults."""
     straggler_action: str = "report"
     """What the controller does about a persistent straggler: ``"report"`` (a ``straggler`` event
     and the dashboards' scores) or ``"evict"`` (also stop the job, block the node and restart on a

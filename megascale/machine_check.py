@@ -17,7 +17,6 @@ import functools
 import logging
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,12 +81,13 @@ def estimate_rank_bytes(cfg: JobConfig, device: str) -> MemoryEstimate:
 
 def resolve_device(requested: str) -> str:
     """ "auto" -> "cuda" when a GPU is visible, else "cpu"; ValueError for "cuda" without one.
-    Imports torch, not megatron-core, so that bad input is refused in a second or two."""
-    import torch
+    Never initialises CUDA (NVML counts the GPUs): ``megascale train --nproc-per-node N`` calls it
+    before forking its ranks. Imports no torch or megatron-core: bad input is refused at once."""
+    from megascale.launcher.gpus import visible_gpu_count
 
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
+        return "cuda" if visible_gpu_count() else "cpu"
+    if requested == "cuda" and not visible_gpu_count():
         raise ValueError("train.device='cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
     return requested
 
@@ -221,10 +221,6 @@ def gpu_memory_bytes() -> int | None:
 def gpu_count() -> int:
     """GPUs on this machine, counted without initialising CUDA here: launchers fork later, and a
     forked child cannot use CUDA once its parent has."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    if out.returncode:
-        return 0
-    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+    from megascale.launcher.gpus import physical_gpu_count
+
+    return physical_gpu_count()

@@ -40,6 +40,8 @@ Checks (``CheckResult.name``; thresholds in ``selfcheck_thresholds``, one per na
 
 Command line: ``megascale selfcheck [--json] [--quick] [--thresholds FILE] [--set K=V] ...``;
 exit code 0 iff no check failed, 2 for bad arguments. ``--json`` prints ``to_dict()``.
+``megascale selfcheck --calibrate --output FILE [--safety-factor 0.8]`` measures and writes the
+figures as a thresholds file (``selfcheck_calibration``); it exits 0 once the file is written.
 """
 
 from __future__ import annotations
@@ -204,6 +206,37 @@ class _Context:
     thresholds: Thresholds
     gpu_name: str | None
     gpu_count: int
+
+
+def _nvml_gpu() -> tuple[str | None, int]:
+    """(name of GPU 0, GPU count) from NVML, which creates no CUDA context (the GPUs may be busy
+    training); (None, 0) without ``nvidia-ml-py``, a driver or a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # not installed, no driver
+        return None, 0
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        if not count:
+            return None, 0
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return (name.decode() if isinstance(name, bytes) else str(name)), count
+    except pynvml.NVMLError:
+        return None, 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _uses_gpus(only: list[str]) -> bool:
+    """Whether the selected checks use the GPUs themselves (CUDA, NCCL), not just NVML facts."""
+    names = [n for names, _ in CHECKS for n in names]
+    return any(
+        _selected((n,), only)
+        for n in names
+        if n.startswith("gpu.") or n == "net.intranode_alltoall"
+    )
 
 
 def _detect_gpu() -> tuple[str | None, int]:
@@ -434,7 +467,8 @@ def _selected(names: tuple[str, ...], patterns: list[str]) -> bool:
 def run_selfcheck(options: SelfCheckOptions | None = None) -> SelfCheckReport:
     """Run the selected checks and return the report (contract in the module docstring)."""
     options = options or SelfCheckOptions()
-    gpu_name, gpu_count = _detect_gpu()
+    # Host-only selections (the DaemonSet on a node that trains) never create a CUDA context.
+    gpu_name, gpu_count = _detect_gpu() if _uses_gpus(options.only) else _nvml_gpu()
     profile = options.profile or profile_for_gpu(gpu_name)
     thresholds = load_thresholds(profile, options.thresholds_file, options.overrides)
     ctx = _Context(options, thresholds, gpu_name, gpu_count)
@@ -491,6 +525,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--net-timeout", type=float, default=30.0, help="seconds per network rendezvous"
     )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="write the measured figures to --output as a thresholds file (run on a healthy node)",
+    )
+    parser.add_argument("--output", metavar="FILE", help="where --calibrate writes")
+    parser.add_argument(
+        "--safety-factor",
+        type=float,
+        default=None,
+        help="with --calibrate: thresholds = measured x this (default 0.8)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -508,10 +554,40 @@ def run(args: argparse.Namespace) -> int:
         net_timeout_s=args.net_timeout,
     )
     try:
+        if args.calibrate != bool(args.output) or (args.safety_factor and not args.calibrate):
+            raise ValueError(
+                "--calibrate needs --output FILE (and --output, --safety-factor need --calibrate)"
+            )
         report = run_selfcheck(options)
+        if args.calibrate:
+            _write_calibration(report, args)
     except (ValueError, OSError) as e:  # bad thresholds file or override
         logger.error("megascale selfcheck: %s", e)
         return 2
     text = json.dumps(report.to_dict(), indent=2) if args.json else report.table()
     sys.stdout.write(text + "\n")
+    if args.calibrate:  # a calibration run measures; it does not judge the node
+        sys.stdout.write(f"calibration written to {args.output}\n")
+        return 0
     return 0 if report.ok else 1
+
+
+def _write_calibration(report: SelfCheckReport, args: argparse.Namespace) -> None:
+    """``megascale selfcheck --calibrate``: the report's figures as a thresholds file."""
+    from megascale.diagnostics import selfcheck_calibration as cal
+
+    factor = cal.DEFAULT_SAFETY_FACTOR if args.safety_factor is None else args.safety_factor
+    cal.check_factor(factor, "--safety-factor")
+    figures = cal.measured_figures(report.checks)
+    if not figures:
+        raise ValueError("--calibrate: no check measured a figure to calibrate")
+    text = cal.calibration_toml(
+        figures,
+        safety_factor=factor,
+        node=report.node,
+        time=report.time,
+        profile=report.profile,
+        command="megascale selfcheck --calibrate" + (" --quick" if args.quick else ""),
+    )
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(text)

@@ -17,6 +17,11 @@ for an 8 x H100 node: ``configs/selfcheck/h100-8gpu.toml``)::
     count = 8               # the node must show 8 GPUs
     matmul = 0.7            # of the dense bf16 peak
 
+Calibration (``megascale selfcheck --calibrate --output FILE``, ``selfcheck_calibration``): a
+file whose ``[calibration]`` section holds the figures measured on a healthy node of the same kind;
+each calibrated threshold is then ``measured x safety_factor``. Precedence: ``--set`` > the file's
+explicit sections > its calibration > the profile.
+
 Why these numbers: GPU figures are about 60% of the data-sheet figure for what these tests
 measure (bf16 8192^3 matmul vs the dense peak; a device-to-device copy counted as bytes read +
 written vs the HBM bandwidth; clocks, PCIe and NVLink as the data sheet states), to catch a
@@ -85,6 +90,9 @@ class GpuThresholds:
     """min active NVLink links per GPU on nodes with more than one GPU."""
     matmul: float = 0.6
     """min bf16 matmul throughput as a fraction of the GPU's dense bf16 peak."""
+    matmul_tflops: float | None = None
+    """min bf16 matmul TFLOP/s, absolute; when set (a calibration sets it: measured x safety
+    factor) it replaces ``matmul`` x the peak."""
     peak_tflops: float | None = None
     """dense bf16 peak per GPU for ``matmul``; None: ``flops.lookup_peak`` of the GPU name."""
     memory_bandwidth: float = 200.0
@@ -227,7 +235,8 @@ def parse_set(items: list[str]) -> dict[str, dict[str, str]]:
 def load_thresholds(
     profile: str, file: str | Path | None = None, overrides: list[str] | None = None
 ) -> Thresholds:
-    """The profile's defaults, then ``file`` (TOML), then ``overrides`` (``SECTION.KEY=VALUE``).
+    """The profile's defaults, then ``file`` (TOML: its calibration, then its explicit sections),
+    then ``overrides`` (``SECTION.KEY=VALUE``).
 
     Raises ValueError for an unknown profile, section, key, or a value of the wrong type, naming
     it and what would be accepted.
@@ -236,8 +245,14 @@ def load_thresholds(
         raise ValueError(f"selfcheck profile {profile!r} unknown; accepted: {', '.join(PROFILES)}")
     thresholds = dataclasses.replace(PROFILES[profile], profile=profile)
     if file is not None:
+        from megascale.diagnostics.selfcheck_calibration import calibrated_updates
+
         with open(file, "rb") as f:
-            thresholds = _apply(thresholds, tomllib.load(f), str(file))
+            content = tomllib.load(f)
+        calibration = content.pop("calibration", None)
+        if calibration is not None:  # measured figures x safety factor, then the explicit values
+            thresholds = _apply(thresholds, calibrated_updates(calibration, str(file)), str(file))
+        thresholds = _apply(thresholds, content, str(file))
     if overrides:
         thresholds = _apply(thresholds, parse_set(overrides), "--set")
     return thresholds

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megascale.config import ConfigError
-from megascale.k8s import builders, crd
+from megascale.k8s import builders, crd, node_selfcheck
 from megascale.k8s.builders import BuildError, Job
 from megascale.k8s.status import (
     CordonNode,
@@ -492,9 +492,11 @@ def label_node_with_selfcheck(
     command: Sequence[str],
     timeout_s: float,
     clock: Callable[[], float] = time.time,
+    note: str = "",
 ) -> bool:
     """Run the self-check once and label ``node`` ``megascale.io/selfcheck=passed|failed`` (a
-    timeout or a crash is ``failed``). Returns whether it passed."""
+    timeout or a crash is ``failed``); ``note`` heads the summary annotation. Returns whether it
+    passed."""
     try:
         done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout_s)
         passed, summary = done.returncode == 0, summarize_selfcheck(done.stdout)
@@ -504,6 +506,7 @@ def label_node_with_selfcheck(
         passed, summary = False, f"timed out after {timeout_s} s"
     except OSError as e:
         passed, summary = False, f"could not run {command[0]!r}: {e}"
+    summary = f"{note}; {summary}" if note else summary
     patch = builders.selfcheck_node_patch(passed, rfc3339(clock()), summary)
     kube.patch("v1", "Node", node, patch, None)
     logger.info("node %s: self-check %s (%s)", node, "passed" if passed else "failed", summary)
@@ -517,10 +520,19 @@ def selfcheck_daemon(
     interval_s: float,
     timeout_s: float,
     once: bool,
+    workers: Callable[[], int] = lambda: 0,
 ) -> int:
-    """The DaemonSet's loop: check and label, then every ``interval_s`` seconds again."""
+    """The DaemonSet's loop: check and label, then every ``interval_s`` seconds again. Before
+    each check ``workers()`` counts the megascale worker pods on the node: with any, or when it
+    fails, only the light host checks run (``megascale.k8s.node_selfcheck``)."""
     while True:
-        passed = label_node_with_selfcheck(kube, node, command, timeout_s)
+        try:
+            count: int | None = workers()
+        except Exception:  # the API server is unreachable or RBAC is missing: assume busy
+            logger.warning("node %s: could not count megascale workers", node, exc_info=True)
+            count = None
+        now, note = node_selfcheck.selfcheck_command(command, count)
+        passed = label_node_with_selfcheck(kube, node, now, timeout_s, note=note)
         if once:
             return 0 if passed else 1
         time.sleep(interval_s)
@@ -534,8 +546,10 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.operator_command == "selfcheck-label":
         command = args.selfcheck or ["megascale", "selfcheck", "--json"]
+        kube = LightkubeAPI()
+        workers = lambda: node_selfcheck.workers_on_node(kube.client, args.node)  # noqa: E731
         return selfcheck_daemon(
-            LightkubeAPI(), args.node, command, args.interval, args.timeout, args.once
+            kube, args.node, command, args.interval, args.timeout, args.once, workers
         )
     run_operator(args.namespace, args.interval, args.liveness)
     return 0

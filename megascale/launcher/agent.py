@@ -522,7 +522,18 @@ class Agent:
                 mode = "full"
             except ImportError:
                 mode = "builtin"
-        return self.pool.selfcheck(self.opts.nproc_per_node, full=mode == "full")
+        thresholds = self._selfcheck_thresholds() if mode == "full" else None
+        return self.pool.selfcheck(
+            self.opts.nproc_per_node, full=mode == "full", thresholds=thresholds
+        )
+
+    def _selfcheck_thresholds(self) -> str | None:
+        """The job's ``diagnostics.selfcheck_thresholds`` file (relative to the run directory)."""
+        from megascale import config as config_mod
+
+        path = config_mod.load(self.opts.config, list(self.opts.overrides)).diagnostics
+        path = path.selfcheck_thresholds
+        return None if path is None else str(self.opts.run_dir / path)
 
     def _cmd_start(self, command: dict[str, Any]) -> tuple[bool, str]:
         assignment = command["rank_assignment"]

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megascale.launcher import gpus
 from megascale.launcher.outcome import current_step, summarize
 from megascale.launcher.runlock import prepare_run_dir
 from megascale.launcher.signals import StopSignals, reset_in_child
@@ -106,11 +107,11 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
         ft.node_wait_timeout_s = 60.0
     world = opts.nodes * opts.nproc_per_node
     job = config_mod.validate(job, world, "nccl" if _device(job) == "cuda" else "gloo")
-    gpus = _gpus(job)
-    if gpus and (opts.nodes + opts.spares) * opts.nproc_per_node > gpus:
+    available = _gpus(job)
+    if available and (opts.nodes + opts.spares) * opts.nproc_per_node > available:
         raise LaunchError(
             f"train.device = cuda: (--nodes + --spares) x --nproc-per-node = "
-            f"{(opts.nodes + opts.spares) * opts.nproc_per_node} ranks, but {gpus} GPUs here "
+            f"{(opts.nodes + opts.spares) * opts.nproc_per_node} ranks, but {available} GPUs here "
             "(each local node gets GPUs of its own)"
         )
     if opts.nproc_per_node % job.parallel.tp:
@@ -547,6 +548,7 @@ def _run_cluster(
     cluster: LocalCluster | None = None
     state, reason = "failed", None
     try:
+        gpus.prefer_nvml_checks()  # imports below probe CUDA; the agents and workers fork later
         import megascale.cli  # noqa: F401  (imported once here, inherited by every forked process)
         import megascale.train.run  # noqa: F401
 

@@ -27,6 +27,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from megascale.launcher.gpus import check_fork_safe
+
 logger = logging.getLogger(__name__)
 
 
@@ -111,6 +113,7 @@ def _port_taken(failures: dict[int, str], outcomes: dict[int, tuple[str, Any]], 
 def _run_ranks(
     fn: Callable, nprocs: int, args: tuple, port: int, deadline: float | None
 ) -> list[Any]:
+    check_fork_safe(f"{nprocs} rank(s)")  # a child cannot use CUDA its parent initialised
     ctx = mp.get_context("fork")
     results = ctx.SimpleQueue()
     procs = [

@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
 
+from megascale.launcher import gpus
 from megascale.launcher.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def run_selfcheck(rank: int, world_size: int, port: int, run_dir: str, out: str)
     return 0 if result["ok"] else 1
 
 
-def run_selfcheck_full(node: str, run_dir: str, out: str) -> int:
+def run_selfcheck_full(node: str, run_dir: str, out: str, thresholds: str | None = None) -> int:
     """The full node self-check (``megascale.diagnostics.selfcheck``, quick profile). Without a
     GPU its intra-node all-to-all is left out: it starts fresh interpreters (seconds of imports
     per node, all nodes at once on a local cluster), and the built-in check run beside it
@@ -105,7 +106,10 @@ def run_selfcheck_full(node: str, run_dir: str, out: str) -> int:
     names = [n for group, _ in CHECKS for n in group]
     only = [] if torch.cuda.is_available() else [n for n in names if n != "net.intranode_alltoall"]
     start = time.perf_counter()
-    report = run_selfcheck(SelfCheckOptions(quick=True, directory=run_dir, node=node, only=only))
+    options = SelfCheckOptions(
+        quick=True, directory=run_dir, node=node, only=only, thresholds_file=thresholds
+    )
+    report = run_selfcheck(options)
     result = {
         "ok": report.ok,
         "detail": report.summary(),
@@ -163,11 +167,15 @@ def _zygote_main(conn: Connection, preload: tuple[str, ...]) -> None:
     """The zygote's loop: fork on request, report every child's exit; exit when the agent goes."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gpus.prefer_nvml_checks()  # megatron-core / TE probe CUDA at import; the workers fork later
     for name in preload:
         try:
             importlib.import_module(name)
         except Exception as e:  # a worker will report the real error when it imports it
             conn.send(("log", f"preloading {name} failed: {e}"))
+    if gpus.cuda_initialised():
+        conn.send(("log", f"CUDA was initialised while preloading {preload}: workers forked "
+                          "from the zygote cannot use their GPUs"))  # fmt: skip
     children: set[int] = set()
     try:
         while True:
@@ -468,17 +476,23 @@ class WorkerPool:
         return {w.rank: w.exit_code for w in self.workers.values()}
 
     def selfcheck(
-        self, nproc: int, full: bool = False, timeout_s: float = 120.0
+        self,
+        nproc: int,
+        full: bool = False,
+        timeout_s: float = 120.0,
+        thresholds: str | None = None,
     ) -> tuple[bool, str]:
         """Run the node self-check: the built-in one (``selfcheck_rank``) as ``nproc`` processes,
-        and with ``full`` the diagnostics one (``run_selfcheck_full``) beside them; (ok, detail)."""
+        and with ``full`` the diagnostics one (``run_selfcheck_full``, held to the ``thresholds``
+        file when given) beside them; (ok, detail)."""
         port, out_dir = free_port(), self.run_dir / "selfcheck"
         out_dir.mkdir(parents=True, exist_ok=True)
         log = self.run_dir / "logs" / self.node / "selfcheck.out"
         common = {"world_size": nproc, "port": port, "run_dir": str(self.run_dir)}
         jobs = [("selfcheck", {"rank": rank, **common}) for rank in range(nproc)]
         if full:
-            jobs.append(("selfcheck_full", {"node": self.node, "run_dir": str(self.run_dir)}))
+            full_args = {"node": self.node, "run_dir": str(self.run_dir), "thresholds": thresholds}
+            jobs.append(("selfcheck_full", full_args))
         outs = {}
         for i, (target, kwargs) in enumerate(jobs):
             out = out_dir / f"{self.node}_{i}.json"

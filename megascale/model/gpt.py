@@ -80,6 +80,19 @@ def _softmax_kernels_available() -> bool:
     return importlib.util.find_spec("scaled_upper_triang_masked_softmax_cuda") is not None
 
 
+def use_masked_softmax_fusion(
+    on_cuda: bool, kernels_available: bool, window_size: int | None
+) -> bool:
+    """Whether the local spec may use megatron-core's fused masked softmax.
+
+    Only on CUDA with its kernels importable, and never with a sliding window: megatron-core 0.16's
+    fused causal kernel (``scaled_upper_triang_masked_softmax``) applies the plain causal mask and
+    ignores ``window_size``, so the window would be silently dropped in bf16/fp16. The unfused path
+    builds the sliding-window causal mask itself. Pure: tested without CUDA.
+    """
+    return on_cuda and kernels_available and window_size is None
+
+
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     """Pad the vocabulary so the embedding splits evenly over TP ranks (Megatron's convention)."""
     step = multiple * tp
@@ -121,7 +134,9 @@ def transformer_config(job: JobConfig, device: str) -> TransformerConfig:
         overlap_p2p_comm_warmup_flush=job.overlap.pp_active(p),
         bias_activation_fusion=on_cuda and not m.swiglu,
         bias_dropout_fusion=on_cuda,
-        masked_softmax_fusion=on_cuda and _softmax_kernels_available(),
+        masked_softmax_fusion=use_masked_softmax_fusion(
+            on_cuda, on_cuda and _softmax_kernels_available(), m.window_size
+        ),
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         deterministic_mode=not on_cuda,

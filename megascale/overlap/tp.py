@@ -3,14 +3,15 @@
 With sequence parallelism the FFN's column-parallel fc1 all-gathers its input along the sequence
 before the GEMM, and the row-parallel fc2 reduce-scatters its output after it. MegaScale hides both:
 
-* ``fc1``: the local input is split into ``k`` sequence chunks; all ``k`` all-gathers are issued at
-  once (asynchronously), then chunk ``j``'s GEMM runs as soon as chunk ``j`` arrives while chunks
-  ``j+1..k-1`` are still in flight.
+* ``fc1``: the local input is split into ``k`` sequence chunks; chunk ``j+1``'s all-gather is
+  issued (asynchronously) just before chunk ``j``'s GEMM, which runs as soon as chunk ``j`` has
+  arrived, so one chunk's communication is always in flight behind the current GEMM.
 * ``fc2``: the GEMM is split into ``k`` chunks; chunk ``j``'s reduce-scatter is issued as soon as its
   GEMM is done and runs while chunk ``j+1``'s GEMM computes.
 
-Backward mirrors them (fc1: chunked GEMM + reduce-scatter of the input gradient; fc2: chunked
-all-gather of the output gradient + GEMM). Device-agnostic: the collectives are asynchronous
+Backward mirrors them (fc1: the local input gathered again chunk by chunk — only it is saved —
+with chunked GEMMs + reduce-scatter of the input gradient; fc2: chunked all-gather of the output
+gradient, one chunk ahead, + GEMM). Device-agnostic: the collectives are asynchronous
 ``torch.distributed`` calls (gloo runs them on its own threads; NCCL on its own stream), so the same
 code overlaps on CPU and GPU.
 
@@ -23,6 +24,8 @@ sub-block ``j``: the chunked results land exactly where the unchunked collective
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -30,18 +33,35 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megascale.overlap import trace
 
 
-def _gather_chunks(x_local: torch.Tensor, k: int, group) -> list[tuple[torch.Tensor, object]]:
-    """Issue the all-gather of each of ``k`` sequence chunks of ``x_local``; return (out, handle)."""
+def _start_gather(chunk: torch.Tensor, tp: int, group) -> tuple[torch.Tensor, object]:
+    """Issue the asynchronous all-gather of one sequence chunk; (output [tp*c, ...], handle)."""
+    out = torch.empty(
+        (tp * chunk.shape[0], *chunk.shape[1:]), dtype=chunk.dtype, device=chunk.device
+    )
+    return out, dist.all_gather_into_tensor(out, chunk.contiguous(), group=group, async_op=True)
+
+
+def _gathered_one_ahead(x_local: torch.Tensor, k: int, group) -> Iterator[torch.Tensor]:
+    """Yield each of the ``k`` sequence chunks of ``x_local`` all-gathered over ``group``, as
+    ``[tp, c, ...]``, keeping exactly one chunk's all-gather in flight ahead of the caller.
+
+    Ordering relied on: chunk ``j+1``'s all-gather is issued just before chunk ``j`` is yielded,
+    i.e. just before the caller's GEMM on chunk ``j``. With ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+    (sequence parallelism) the GPU runs work in issue order on one hardware queue, so issuing all
+    ``k`` gathers up front would make GEMM 0 wait behind gathers 1..k-1; interleaved, GEMM ``j``
+    waits only for gather ``j`` while gather ``j+1`` runs beside it. On CUDA the gathers run on
+    NCCL's own communication stream and ``wait()`` only makes the compute stream wait for them (no
+    host block); on gloo they run on gloo's threads.
+    """
     tp = dist.get_world_size(group)
-    pending = []
-    for chunk in x_local.chunk(k, dim=0):
-        out = torch.empty(
-            (tp * chunk.shape[0], *chunk.shape[1:]), dtype=chunk.dtype, device=chunk.device
-        )
-        pending.append(
-            (out, dist.all_gather_into_tensor(out, chunk.contiguous(), group=group, async_op=True))
-        )
-    return pending
+    chunks = x_local.chunk(k, dim=0)
+    pending = _start_gather(chunks[0], tp, group)
+    for j in range(k):
+        full, handle = pending
+        if j + 1 < k:
+            pending = _start_gather(chunks[j + 1], tp, group)
+        handle.wait()
+        yield full.view(tp, -1, *full.shape[1:])
 
 
 def _tp_chunk_view(full: torch.Tensor, tp: int, k: int) -> torch.Tensor:
@@ -54,56 +74,50 @@ def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class _ChunkedAllGatherLinear(torch.autograd.Function):
-    """y = all_gather_seq(x) @ w^T, with the gather chunked and overlapped with the GEMMs."""
+    """y = all_gather_seq(x) @ w^T, with the gather chunked and overlapped with the GEMMs.
+
+    Saves only the local input shard for backward (``1/tp`` of the gathered input), and gathers it
+    again there, chunk by chunk behind the input-gradient GEMMs, as megatron-core's own
+    sequence-parallel linear does.
+    """
 
     @staticmethod
     def forward(ctx, x_local, weight, k, group):
         tp = dist.get_world_size(group)
-        s_local = x_local.shape[0]
         out = torch.empty(
-            (s_local * tp, *x_local.shape[1:-1], weight.shape[0]),
+            (x_local.shape[0] * tp, *x_local.shape[1:-1], weight.shape[0]),
             dtype=x_local.dtype,
             device=x_local.device,
         )
-        gathered = torch.empty(
-            (s_local * tp, *x_local.shape[1:]), dtype=x_local.dtype, device=x_local.device
-        )
-        out_view, gathered_view = _tp_chunk_view(out, tp, k), _tp_chunk_view(gathered, tp, k)
-        # Every chunk's all-gather is in flight before the first GEMM starts (ordering relied on:
-        # chunk j+1's communication is issued before chunk j's GEMM).
-        pending = _gather_chunks(x_local, k, group)
-        for j, (chunk_full, handle) in enumerate(pending):
-            handle.wait()
-            chunk_full = chunk_full.view(tp, -1, *chunk_full.shape[1:])
-            gathered_view[:, j] = chunk_full
+        out_view = _tp_chunk_view(out, tp, k)
+        trace.mark("tp.fc1.start")
+        for j, chunk_full in enumerate(_gathered_one_ahead(x_local, k, group)):
+            trace.mark(f"tp.fc1.gemm_start.{j}")  # chunk j+1's all-gather is in flight
             out_view[:, j] = _matmul(chunk_full, weight)
             trace.mark(f"tp.fc1.gemm_done.{j}")
-        ctx.save_for_backward(gathered, weight)
+        ctx.save_for_backward(x_local, weight)
         ctx.k, ctx.group = k, group
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        gathered, weight = ctx.saved_tensors
+        x_local, weight = ctx.saved_tensors
         k, group = ctx.k, ctx.group
         tp = dist.get_world_size(group)
         grad_out = grad_out.contiguous()
-        grad_view, gathered_view = _tp_chunk_view(grad_out, tp, k), _tp_chunk_view(gathered, tp, k)
-        s_local = grad_out.shape[0] // tp
-        grad_x = torch.empty(
-            (s_local, *gathered.shape[1:]), dtype=grad_out.dtype, device=grad_out.device
-        )
+        grad_view = _tp_chunk_view(grad_out, tp, k)
+        grad_x = torch.empty_like(x_local, dtype=grad_out.dtype)
         grad_x_chunks = grad_x.chunk(k, dim=0)
         grad_w = torch.zeros_like(weight)
         handles = []
-        for j in range(k):
+        for j, x_full in enumerate(_gathered_one_ahead(x_local, k, group)):
             g = grad_view[:, j].reshape(-1, *grad_out.shape[1:])
             gx = torch.matmul(g, weight).contiguous()
-            # Reduce-scatter chunk j while chunk j+1's GEMM runs.
+            # Reduce-scatter chunk j while chunk j+1's GEMMs run.
             handles.append(
                 (gx, dist.reduce_scatter_tensor(grad_x_chunks[j], gx, group=group, async_op=True))
             )
-            x = gathered_view[:, j].reshape(-1, gathered.shape[-1])
+            x = x_full.reshape(-1, x_local.shape[-1])
             grad_w += g.reshape(-1, g.shape[-1]).t().matmul(x)
         for _, handle in handles:
             handle.wait()
@@ -147,9 +161,7 @@ class _ChunkedReduceScatterLinear(torch.autograd.Function):
         grad_x = torch.empty_like(x)
         grad_x_view, x_view = _tp_chunk_view(grad_x, tp, k), _tp_chunk_view(x, tp, k)
         grad_w = torch.zeros_like(weight)
-        for j, (g_full, handle) in enumerate(_gather_chunks(grad_out_local.contiguous(), k, group)):
-            handle.wait()
-            g = g_full.view(tp, -1, *g_full.shape[1:])
+        for j, g in enumerate(_gathered_one_ahead(grad_out_local.contiguous(), k, group)):
             grad_x_view[:, j] = torch.matmul(g, weight)
             grad_w += g.reshape(-1, g.shape[-1]).t().matmul(x_view[:, j].reshape(-1, x.shape[-1]))
         return grad_x, grad_w, None, None

@@ -1,4 +1,5 @@
-"""Run a few training steps of a JobConfig on N forked gloo ranks and collect per-step numbers.
+"""Run a few training steps of a JobConfig on N forked ranks and collect per-step numbers: gloo on
+CPU (the distributed tier), NCCL on GPUs when ``job.train.device`` is "cuda" (tests/gpu).
 
 megatron-core is imported once here, in the pytest process; ranks are forked from it, so an 8-rank
 run costs seconds instead of eight ~8 s imports. Each rank activates the CPU backend in its own
@@ -17,16 +18,19 @@ from megascale.config import JobConfig, validate
 from megascale.launcher.local import run_local
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
+from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 
 
 def _rank_steps(job: JobConfig, data_dir: Path, steps: int) -> list[tuple[float, float]]:
-    torch.set_num_threads(1)
-    init_distributed("cpu")
-    cpu_backend.activate()
+    device = "cuda" if job.train.device == "cuda" else "cpu"
+    init_distributed(device)  # cuda: this rank's GPU is LOCAL_RANK
+    if device == "cpu":
+        torch.set_num_threads(1)
+        cpu_backend.activate()
     groups = build_groups(job.parallel)
-    cpu_backend.seed_rng_tracker(job.train.seed, groups.tp_rank)
-    trainer = Trainer(job, groups, "cpu", data_cache_dir=data_dir)
+    seed_everything(job.train.seed, groups.tp_rank, device)
+    trainer = Trainer(job, groups, device, data_cache_dir=data_dir)
     out = []
     for _ in range(steps):
         m = trainer.step()
@@ -39,7 +43,7 @@ def train_steps(
     job: JobConfig, world: int, data_dir: Path, steps: int = 3
 ) -> list[tuple[float, float]]:
     """(loss, grad_norm) per step as rank 0 sees them (every rank agrees on both)."""
-    job = validate(job, world, "gloo")
+    job = validate(job, world, "nccl" if job.train.device == "cuda" else "gloo")
     return run_local(_rank_steps, world, (job, data_dir, steps), timeout_s=300)[0]
 
 

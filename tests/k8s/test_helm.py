@@ -204,7 +204,10 @@ def test_selfcheck_daemonset_labels_its_node():
     assert spec["runtimeClassName"] == "nvidia"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     role = next(d for d in by_kind(docs, "ClusterRole") if "selfcheck" in d["metadata"]["name"])
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},  # workers on its node
+    ]
     assert not by_kind(render(VARIANTS["selfcheck-off"]), "DaemonSet")
 
 
@@ -325,3 +328,55 @@ def _all_variant_jobs() -> list[Job]:
     from k8s_support import example_jobs
 
     return [Job.from_body(b) for b in example_jobs().values()]
+
+
+CLUSTER_SCOPED = {"customresourcedefinitions", "namespaces", "nodes"}
+
+
+def _operator_rbac(values) -> tuple[dict, list[dict], list[dict]]:
+    docs = render(values)
+    (cluster_role,) = [
+        d for d in by_kind(docs, "ClusterRole") if "selfcheck" not in d["metadata"]["name"]
+    ]
+    return cluster_role, by_kind(docs, "Role"), by_kind(docs, "RoleBinding")
+
+
+def test_watched_namespaces_get_roles_and_the_cluster_role_only_cluster_scoped_rules():
+    values = {"operator": {"watchNamespaces": ["training", "research"]}}
+    cluster_role, roles, bindings = _operator_rbac(values)
+    # What no Role can grant stays cluster-wide: the CRD watch, namespaces, nodes.
+    assert {r for _, r, _ in grants(cluster_role["rules"])} == CLUSTER_SCOPED
+    assert ("", "secrets", "get") not in grants(cluster_role["rules"])
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["research", "training"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["research", "training"]
+    everything = grants(operator_role()["rules"])  # the all-namespaces ClusterRole
+    for role in roles:
+        assert grants(role["rules"]) == {g for g in everything if g[1] not in CLUSTER_SCOPED}
+    for binding in bindings:
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": roles[0]["metadata"]["name"],
+        }
+        assert binding["subjects"] == [
+            {
+                "kind": "ServiceAccount",
+                "name": "megascale-megascale-operator",
+                "namespace": "megascale-system",
+            }
+        ]
+
+
+def test_scoping_to_namespaces_keeps_every_permission_the_operator_needs():
+    """Namespaced: the ClusterRole plus one Role grant exactly what the all-namespaces
+    ClusterRole grants, so nothing the operator does in a watched namespace is lost."""
+    cluster_role, roles, _ = _operator_rbac({"operator": {"watchNamespaces": ["training"]}})
+    assert grants(cluster_role["rules"]) | grants(roles[0]["rules"]) == grants(
+        operator_role()["rules"]
+    )
+
+
+def test_all_namespaces_needs_no_role():
+    cluster_role, roles, bindings = _operator_rbac(None)
+    assert roles == [] and bindings == []
+    assert CLUSTER_SCOPED < {r for _, r, _ in grants(cluster_role["rules"])}

@@ -475,7 +475,13 @@ def test_operator_command_line(capsys):
 
 def test_selfcheck_label_once_exit_code(monkeypatch):
     recorded = FakeKube()
+    recorded.client = "the lightkube client"
     monkeypatch.setattr("megascale.k8s.operator.LightkubeAPI", lambda: recorded)
+    asked = []
+    monkeypatch.setattr(
+        "megascale.k8s.node_selfcheck.workers_on_node",
+        lambda client, node: asked.append((client, node)) or 0,  # an idle node
+    )
     argv = ["selfcheck-label", "--node", "n7", "--once", "--", *_python("raise SystemExit(3)")]
     assert k8s_main(_parse(argv)) == 1
     argv = ["selfcheck-label", "--node", "n7", "--once", "--", *_python("print('{}')")]
@@ -483,6 +489,7 @@ def test_selfcheck_label_once_exit_code(monkeypatch):
     assert recorded.objects[("v1", "Node", None, "n7")]["metadata"]["labels"] == {
         "megascale.io/selfcheck": "passed"
     }
+    assert asked == [("the lightkube client", "n7")] * 2
     json.dumps(recorded.calls)  # the calls are plain data
 
 

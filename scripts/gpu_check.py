@@ -1,0 +1,268 @@
+"""One-command GPU validation: the GPU test tier and the GPU benchmarks, one Markdown block out.
+
+Run ``scripts/gpu-check`` (no arguments) on a machine with NVIDIA GPUs and the ``gpu`` extra
+installed (``make install`` does that where ``nvidia-smi -L`` lists a GPU). It runs, each as its
+own process with its own time limit, and keeps going when one fails:
+
+1. ``pytest -m gpu tests/gpu``: layouts on up to 8 GPUs vs the 1-GPU reference over NCCL, TE's
+   spec (serial and parallel block), sliding window vs full attention and a banded mask, bf16,
+   CUDA-event timers, the two-stage checkpoint from GPU memory, the self-check on the GPU.
+2. ``benchmarks/model_blocks.py`` on ``configs/h100-1b.toml``: serial vs parallel block, full vs
+   sliding-window attention (tokens/s, MFU).
+3. ``benchmarks/overlap.py --device cuda``: each overlap off vs on over NCCL (2+ GPUs).
+4. ``benchmarks/checkpoint.py --device cuda --stall-only``: the checkpoint stall with the state in
+   GPU memory (synchronous vs two-stage).
+5. ``megascale selfcheck --calibrate``: this node's self-check figures as a calibration file.
+
+It prints one Markdown block headed by the device, driver, CUDA, torch, Transformer Engine and
+megatron-core versions, the date, the commit and each command, ready to paste into
+``benchmarks/RESULTS.md``; the block and every step's full output are also written under
+``runs/gpu-check-<time>/``. Exit code: 0 when every step passed, 1 otherwise. On a machine
+without a visible GPU it says why and exits 0 having done nothing.
+
+The checking process never initialises CUDA (GPUs are counted through NVML); every GPU step runs in
+a child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Step:
+    title: str
+    argv: list[str]
+    timeout_s: int
+    skip: str | None = None
+    """Why the step does not run on this machine (None: it runs)."""
+    table: bool = False
+    """The step prints Markdown itself: its output goes into the block as-is, not fenced."""
+    attach: Path | None = None
+    """A file the step writes, appended to its output (the calibration)."""
+
+
+@dataclass
+class Outcome:
+    step: Step
+    status: str  # "passed", "failed", "timed out", "skipped"
+    seconds: float = 0.0
+    output: str = ""
+
+
+# The overlap benchmark's model on GPUs: big enough that GEMMs and NCCL transfers take real time.
+OVERLAP_GPU_SETS = [
+    "model.num_layers=8",
+    "model.hidden_size=4096",
+    "model.num_heads=32",
+    "model.seq_length=2048",
+    "model.params_dtype=bf16",
+    "model.spec=local",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=1",
+]
+
+
+def overlap_layout(gpus: int) -> tuple[int, list[str]] | None:
+    """(ranks, extra --set values) for the overlap benchmark on ``gpus`` GPUs; None below 2."""
+    if gpus >= 8:
+        return 8, []  # the benchmark's own layout: TP2 x PP2 (VPP2) x DP2 + SP
+    if gpus >= 4:
+        return 4, []  # TP2 x PP2 (VPP2) + SP
+    if gpus >= 2:
+        return 2, ["parallel.pp=1", "parallel.vpp=1"]  # TP2 + SP
+    return None
+
+
+def plan(gpus: int, python: str, out_dir: Path) -> list[Step]:
+    """The steps for a machine with ``gpus`` visible GPUs, in the order they run."""
+    sets = lambda items: [a for item in items for a in ("--set", item)]  # noqa: E731
+    layout = overlap_layout(gpus)
+    overlap = Step(
+        "overlap off vs on (NCCL)",
+        [python, "benchmarks/overlap.py", "--device", "cuda", "--latency-ms", "0"],
+        1800,
+        skip="needs 2 or more GPUs" if layout is None else None,
+        table=True,
+    )
+    if layout is not None:
+        ranks, extra = layout
+        overlap = Step(
+            overlap.title,
+            [*overlap.argv, "--nproc", str(ranks), *sets(OVERLAP_GPU_SETS + extra)],
+            overlap.timeout_s,
+            table=True,
+        )
+    calibration = out_dir / "selfcheck-calibration.toml"
+    return [
+        Step(
+            "GPU test tier", [python, "-m", "pytest", "-q", "-rs", "-m", "gpu", "tests/gpu"], 3600
+        ),
+        Step(
+            "model blocks: serial vs parallel block, full vs window (configs/h100-1b.toml)",
+            [python, "benchmarks/model_blocks.py", "--config", "h100-1b"],
+            3600,
+            table=True,
+        ),
+        overlap,
+        Step(
+            "checkpoint stall from GPU memory",
+            [python, "benchmarks/checkpoint.py", "--device", "cuda", "--stall-only"],
+            1800,
+            table=True,
+        ),
+        Step(
+            "self-check calibration",
+            [
+                python,
+                "-m",
+                "megascale.cli",
+                "selfcheck",
+                "--calibrate",
+                "--output",
+                str(calibration),
+                "--dir",
+                str(out_dir),
+            ],
+            900,
+            attach=calibration,
+        ),  # fmt: skip
+    ]
+
+
+def run_step(step: Step, log: Path) -> Outcome:
+    """Run one step from the repository root; its whole output goes to ``log``."""
+    if step.skip:
+        return Outcome(step, "skipped", output=step.skip)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # parents that fork ranks must not init CUDA
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            step.argv,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=step.timeout_s,
+        )
+        status, output = ("passed" if proc.returncode == 0 else "failed"), proc.stdout
+        if proc.returncode:
+            output += f"\n[exit code {proc.returncode}]\n{proc.stderr[-3000:]}"
+    except subprocess.TimeoutExpired as e:
+        status, partial = "timed out", e.stdout or ""
+        output = partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+    if step.attach is not None and step.attach.exists():
+        output += f"\n{step.attach.name}:\n{step.attach.read_text()}"
+    log.write_text(output)
+    return Outcome(step, status, time.monotonic() - start, output)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _run(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def machine_facts() -> dict[str, str]:
+    """Device, driver and software versions, read without initialising CUDA."""
+    import torch
+
+    gpus = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
+    names = gpus.splitlines()
+    driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return {
+        "device": f"{len(names)} x {names[0]}" if names and gpus != "unknown" else "unknown",
+        "driver": driver.splitlines()[0] if driver != "unknown" else driver,
+        "CUDA (torch build)": str(torch.version.cuda),
+        "torch": torch.__version__,
+        "Transformer Engine": _version("transformer-engine"),
+        "megatron-core": _version("megatron-core"),
+        "commit": _run(["git", "rev-parse", "--short", "HEAD"]),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "scripts/gpu-check",
+    }
+
+
+def render(facts: dict[str, str], outcomes: list[Outcome]) -> str:
+    """The Markdown block for ``benchmarks/RESULTS.md``."""
+    lines = [f"## GPU check: {facts.get('device', 'unknown')}", ""]
+    lines += [f"- {key}: {value}" for key, value in facts.items()]
+    lines += ["", "| step | result | time |", "|---|---|---:|"]
+    lines += [f"| {o.step.title} | {o.status} | {o.seconds:.0f} s |" for o in outcomes]
+    for o in outcomes:
+        lines += ["", f"### {o.step.title}", ""]
+        if o.step.skip:
+            lines.append(f"skipped: {o.step.skip}")
+            continue
+        lines += [f"`{shlex.join(o.step.argv)}` ({o.status})", ""]
+        text = o.output.strip() or "(no output)"
+        if o.step.table and o.status == "passed":
+            lines.append(text)
+        else:
+            tail = "\n".join(text.splitlines()[-40:])
+            lines += ["```", tail, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the steps for this machine; run nothing"
+    )
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    try:
+        from megascale.launcher.gpus import visible_gpu_count
+    except ImportError as e:
+        print(f"gpu-check: {sys.executable} cannot import megascale ({e}): run `make install`")
+        return 2
+
+    gpus = visible_gpu_count()
+    if not gpus:
+        print(
+            "gpu-check: no CUDA device visible here (NVML / nvidia-smi list none, or torch is a "
+            "CPU build): nothing to check. Run it on a machine with NVIDIA GPUs and the gpu extra."
+        )
+        return 0
+    out_dir = REPO / "runs" / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
+    steps = plan(gpus, sys.executable, out_dir)
+    if args.dry_run:
+        for step in steps:
+            print(f"{step.title}: {step.skip or shlex.join(step.argv)}")
+        return 0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    for i, step in enumerate(steps, 1):
+        print(f"gpu-check [{i}/{len(steps)}] {step.title} ...", file=sys.stderr, flush=True)
+        outcomes.append(run_step(step, out_dir / f"step{i}.log"))
+        print(f"gpu-check [{i}/{len(steps)}] {outcomes[-1].status}", file=sys.stderr, flush=True)
+    block = render(machine_facts(), outcomes)
+    (out_dir / "RESULTS-block.md").write_text(block)
+    print(block)
+    print(f"(also in {out_dir / 'RESULTS-block.md'}; step logs beside it)", file=sys.stderr)
+    return 0 if all(o.status in ("passed", "skipped") for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

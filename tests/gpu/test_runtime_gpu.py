@@ -1,0 +1,62 @@
+"""A real training run on one GPU (``megascale.train.run.run_rank``): the CUDA-event timeline, and
+the two-stage checkpoint copied out of GPU memory while training goes on."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections import defaultdict
+
+import pytest
+from gpu_jobs import in_child, small_job
+
+from megascale.train.checkpoint_io import step_name
+from megascale.train.run import run_rank
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory):
+    """4 steps on one GPU, a two-stage checkpoint every 2 steps, the timeline on."""
+    run_dir = tmp_path_factory.mktemp("run-a")
+    job = small_job(
+        train={"steps": 4},
+        checkpoint={"interval": 2, "async_save": True, "keep": 2},
+        diagnostics={"timeline": True, "flush_interval_steps": 2},
+    )
+    history = in_child(run_rank, job, run_dir)
+    return job, run_dir, history
+
+
+def test_cuda_event_timeline_has_device_segments_within_each_step(run_a):
+    _job, run_dir, history = run_a
+    text = (run_dir / "timeline" / "rank_00000.jsonl").read_text()
+    # step 0 holds what ran before the first step (setup collectives)
+    steps = [x for x in map(json.loads, text.splitlines()) if x["type"] == "step" and x["step"]]
+    assert [s["step"] for s in steps] == [m.step for m in history]
+    for record in steps:
+        durations = defaultdict(int)
+        for name, _cat, _start, dur in record["spans"]:
+            durations[name] += dur
+        for name in ("megascale::model::forward", "megascale::model::backward"):
+            assert durations[name] > 0, (record["step"], name, dict(durations))
+        # The host's step span ends with float(loss), which waits for the GPU: the device's
+        # forward and backward (CUDA events) fit inside it.
+        device = durations["megascale::model::forward"] + durations["megascale::model::backward"]
+        assert device <= durations["megascale::train::step"], dict(durations)
+
+
+def test_two_stage_checkpoint_from_gpu_memory_resumes_exactly(run_a, tmp_path):
+    """The step-2 checkpoint was copied to host memory and written while steps 3-4 trained on the
+    GPU; resuming from it must redo steps 3-4 with the same numbers."""
+    job, run_dir, history = run_a
+    copy = tmp_path / "run-b"
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "checkpoints" / step_name(4))
+    resumed = in_child(run_rank, job, copy)
+    assert [m.step for m in resumed] == [3, 4]
+    for got, want in zip(resumed, history[2:], strict=True):
+        assert math.isclose(got.loss, want.loss, rel_tol=1e-5), (got, want)
+        assert math.isclose(got.grad_norm, want.grad_norm, rel_tol=1e-4), (got, want)

@@ -1,0 +1,87 @@
+"""``scripts/gpu-check``, the one-command GPU validation kit, on a machine without a GPU: it says
+why it does nothing and exits 0; its plan for 1, 2, 4 and 8 GPUs; its Markdown block; one step run
+for real (pass, fail, time-out)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megascale.launcher import gpus
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up
+_spec.loader.exec_module(gpu_check)
+
+
+@pytest.mark.skipif(gpus.visible_gpu_count() > 0, reason="a GPU is visible: it would run the kit")
+def test_without_a_gpu_it_says_why_and_exits_zero():
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "gpu-check")], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA device visible here" in proc.stdout
+    assert "nothing to check" in proc.stdout
+
+
+def test_dry_run_lists_the_steps_for_eight_gpus(monkeypatch, capsys):
+    monkeypatch.setattr(gpus, "visible_gpu_count", lambda: 8)
+    assert gpu_check.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "pytest -q -rs -m gpu tests/gpu" in out
+    assert "benchmarks/model_blocks.py --config h100-1b" in out
+    assert "benchmarks/overlap.py --device cuda --latency-ms 0 --nproc 8" in out
+    assert "benchmarks/checkpoint.py --device cuda --stall-only" in out
+    assert "selfcheck --calibrate --output" in out
+
+
+@pytest.mark.parametrize(
+    ("count", "ranks", "extra"),
+    [(1, None, None), (2, 2, ["parallel.pp=1", "parallel.vpp=1"]), (4, 4, []), (16, 8, [])],
+)
+def test_overlap_layout_fits_the_gpus(count, ranks, extra, tmp_path):
+    layout = gpu_check.overlap_layout(count)
+    assert layout == (None if ranks is None else (ranks, extra))
+    steps = {s.title: s for s in gpu_check.plan(count, "python", tmp_path)}
+    overlap = steps["overlap off vs on (NCCL)"]
+    assert (overlap.skip is not None) == (ranks is None)
+    for step in steps.values():  # every script and preset the plan names exists
+        for arg in step.argv:
+            if arg.endswith(".py") or arg.startswith("tests/"):
+                assert (REPO / arg).exists(), arg
+    assert (REPO / "configs" / "h100-1b.toml").exists()
+
+
+def test_run_step_passes_fails_times_out_and_attaches(tmp_path):
+    attach = tmp_path / "figures.toml"
+    ok = gpu_check.Step(
+        "ok",
+        [sys.executable, "-c", f"open({str(attach)!r}, 'w').write('x = 1'); print('| a |')"],
+        60,
+        table=True,
+        attach=attach,
+    )
+    bad = gpu_check.Step("bad", [sys.executable, "-c", "import sys; sys.exit(3)"], 60)
+    slow = gpu_check.Step("slow", [sys.executable, "-c", "import time; time.sleep(30)"], 1)
+    skipped = gpu_check.Step("skipped", ["true"], 1, skip="needs 2 or more GPUs")
+    outcomes = [gpu_check.run_step(s, tmp_path / f"{s.title}.log") for s in (ok, bad, slow)]
+    outcomes.append(gpu_check.run_step(skipped, tmp_path / "skipped.log"))
+    assert [o.status for o in outcomes] == ["passed", "failed", "timed out", "skipped"]
+    assert "x = 1" in outcomes[0].output and "[exit code 3]" in outcomes[1].output
+    assert (tmp_path / "ok.log").read_text() == outcomes[0].output
+
+    block = gpu_check.render({"device": "8 x NVIDIA H100", "torch": "2.13.0"}, outcomes)
+    assert block.startswith("## GPU check: 8 x NVIDIA H100")
+    assert "- torch: 2.13.0" in block
+    assert "| ok | passed |" in block and "| bad | failed |" in block
+    assert "\n| a |\n" in block  # a passing table step's Markdown goes in as-is
+    assert "```\n[exit code 3]" in block  # a failure's output is fenced
+    assert "skipped: needs 2 or more GPUs" in block
