@@ -135,6 +135,12 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
 
 
+def _export(args: argparse.Namespace) -> int:
+    from megascale import export
+
+    return export.run(args)
+
+
 def _data_build(args: argparse.Namespace) -> int:
     from megascale.data import build
 
@@ -182,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     build.add_arguments(build_p)
     build_p.set_defaults(func=_data_build)
+
+    export_p = sub.add_parser("export", help="a trained run to a Hugging Face transformers model")
+    from megascale import export
+
+    export.add_arguments(export_p)
+    export_p.set_defaults(func=_export)
 
     from megascale.diagnostics import report, timeline
 

@@ -1,0 +1,497 @@
+"""``megascale export``: a trained run to a Hugging Face ``transformers`` model directory.
+
+``export(run_dir, output, step=None)`` reads the run's resolved ``config.toml``, builds a
+1-process trainer the way training does (``parallel.tp = pp = dp = 1`` on CPU, in a world-size-1
+gloo group on loopback), loads the checkpoint through ``checkpoint.load_latest`` (the only reader of
+checkpoint files), maps the model's ``state_dict()`` onto a ``transformers`` architecture that
+computes the same function, and writes ``config.json`` + ``model.safetensors`` (+ the run's
+tokenizer files) into ``output``, which then loads with ``AutoModelForCausalLM.from_pretrained``
+without custom code.
+
+Architectures (megascale's GPT: pre-LN, LayerNorm with bias, biased linears, GeLU (erf), RoPE
+(non-interleaved), tied input/output embeddings, final LayerNorm, optional GQA):
+
+- serial block -> ``Starcoder2ForCausalLM`` (two LayerNorms per layer, ``c_fc``/``c_proj`` MLP;
+  ``model.window_size`` becomes ``sliding_window``: both let a token see itself and the
+  ``window_size - 1`` tokens before it, in every layer);
+- parallel block (one LayerNorm shared by attention and MLP) -> ``PhiForCausalLM``, whose decoder
+  layer is exactly ``x + Attn(LN(x)) + MLP(LN(x))``; its ``lm_head`` bias is written as zeros.
+
+Refused with an ``ExportError`` naming the feature (no exact counterpart): ``model.swiglu``, the
+parallel block with a sliding window, ``model.params_dtype = "bf16"`` (the export builds the model
+on CPU, which trains in fp32 only), and any parameter or model setting the mapping does not know.
+
+The vocabulary is exported at megatron's padded size (``vocab_size`` rounded up to a multiple of
+128), so logits match megascale's over every id; ids past the tokenizer's are never produced.
+Megatron's fused QKV weight holds ``[q (heads/groups heads), k, v]`` per query group; it is split
+into ``q_proj``/``k_proj``/``v_proj`` with the query heads in megatron's order.
+
+The export is written to a temporary directory next to ``output`` and renamed into place at the
+end, so ``output`` is either absent, or complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megascale.config import JobConfig, ModelConfig, load
+from megascale.data.tokenizer import EOD
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+HF_CONFIG = "config.json"
+
+
+class ExportError(ValueError):
+    """The run cannot be exported as asked; the message names what and why, on one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """A ``transformers`` causal LM and where megascale's per-layer tensors go in it."""
+
+    name: str
+    """The ``architectures`` entry, e.g. ``Starcoder2ForCausalLM``."""
+    model_type: str
+    """``transformers`` model type (``AutoConfig.for_model``)."""
+    layer: dict[str, str]
+    """megascale name inside ``decoder.layers.N.`` -> HF name inside ``model.layers.N.``."""
+    top: dict[str, str]
+    """megascale name outside the layers -> HF name."""
+    hf_config: Callable[[ModelConfig, dict], dict]
+    """(model config, facts read from the built model) -> ``transformers`` config kwargs."""
+    extra: Callable[[int], dict[str, torch.Tensor]] = lambda _vocab: {}
+    """HF tensors with no megascale counterpart, given the padded vocabulary size (zeros)."""
+
+
+_LINEARS = ("weight", "bias")
+
+
+def _common_config(m: ModelConfig, facts: dict) -> dict:
+    return {
+        "vocab_size": facts["vocab_size"],
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size or 4 * m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_query_groups or m.num_heads,
+        "hidden_act": "gelu",  # torch's exact (erf) GeLU, what megascale trains with
+        "max_position_embeddings": m.seq_length,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": facts["eos_token_id"],
+        "pad_token_id": None,
+        "dtype": "float32",
+    }
+
+
+def _starcoder2_config(m: ModelConfig, facts: dict) -> dict:
+    if facts["rotary_percent"] != 1.0:
+        raise ExportError(
+            f"rotary_percent={facts['rotary_percent']}: Starcoder2 rotates the whole head only"
+        )
+    return {
+        **_common_config(m, facts),
+        "norm_epsilon": facts["eps"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": facts["rotary_base"]},
+        "sliding_window": m.window_size,
+        "use_bias": True,
+        "residual_dropout": 0.0,
+        "embedding_dropout": 0.0,
+    }
+
+
+def _phi_config(m: ModelConfig, facts: dict) -> dict:
+    return {
+        **_common_config(m, facts),
+        "layer_norm_eps": facts["eps"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": facts["rotary_base"],
+            "partial_rotary_factor": facts["rotary_percent"],
+        },
+        "qk_layernorm": False,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+    }
+
+
+def _zero_lm_head_bias(vocab: int) -> dict[str, torch.Tensor]:
+    import torch
+
+    return {"lm_head.bias": torch.zeros(vocab)}
+
+
+_TOP = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.norm.weight": "{final}.weight",
+    "decoder.final_layernorm.norm.bias": "{final}.bias",
+}
+
+
+def _names(pairs: dict[str, str]) -> dict[str, str]:
+    """Expand ``{megascale module: HF module}`` to both the weight and the bias."""
+    return {f"{ms}.{leaf}": f"{hf}.{leaf}" for ms, hf in pairs.items() for leaf in _LINEARS}
+
+
+STARCODER2 = Architecture(
+    name="Starcoder2ForCausalLM",
+    model_type="starcoder2",
+    layer=_names(
+        {
+            "input_layernorm.norm": "input_layernorm",
+            "self_attention.linear_proj": "self_attn.o_proj",
+            "pre_mlp_layernorm.norm": "post_attention_layernorm",
+            "mlp.linear_fc1": "mlp.c_fc",
+            "mlp.linear_fc2": "mlp.c_proj",
+        }
+    ),
+    top={k: v.format(final="model.norm") for k, v in _TOP.items()},
+    hf_config=_starcoder2_config,
+)
+PHI = Architecture(
+    name="PhiForCausalLM",
+    model_type="phi",
+    layer=_names(
+        {
+            "input_layernorm.norm": "input_layernorm",
+            "self_attention.linear_proj": "self_attn.dense",
+            "mlp.linear_fc1": "mlp.fc1",
+            "mlp.linear_fc2": "mlp.fc2",
+        }
+    ),
+    top={k: v.format(final="model.final_layernorm") for k, v in _TOP.items()},
+    hf_config=_phi_config,
+    extra=_zero_lm_head_bias,
+)
+
+
+def choose_architecture(m: ModelConfig) -> Architecture:
+    """The architecture that computes what ``m`` does; ExportError naming the feature otherwise."""
+    if m.swiglu:
+        raise ExportError(
+            "model.swiglu = true: no transformers architecture has a SwiGLU MLP with LayerNorm "
+            "and biased linears (Starcoder2 and Phi use a GeLU MLP); not exported"
+        )
+    if m.params_dtype != "fp32":
+        raise ExportError(
+            f"model.params_dtype = {m.params_dtype!r}: the export loads the checkpoint into a "
+            "CPU model, which megascale builds in fp32 only; export a run trained with 'fp32'"
+        )
+    if m.parallel_block and m.window_size is not None:
+        raise ExportError(
+            f"model.window_size = {m.window_size} with model.parallel_block = true: Phi (the "
+            "parallel block's counterpart) has no sliding-window attention; not exported"
+        )
+    return PHI if m.parallel_block else STARCODER2
+
+
+def split_qkv(
+    fused: torch.Tensor, heads: int, groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's fused QKV weight ``[(heads + 2 * groups) * d, ...]`` (or bias) -> q, k, v.
+
+    Rows are grouped per query group ``g``: its ``heads // groups`` query heads, then its key head,
+    then its value head. Query head ``g * (heads // groups) + i`` attends with key/value head ``g``,
+    which is ``transformers``' ``repeat_kv`` convention.
+    """
+    per_group = heads // groups
+    head_dim = fused.shape[0] // (heads + 2 * groups)
+    rest = fused.shape[1:]
+    grouped = fused.reshape(groups, (per_group + 2) * head_dim, *rest)
+    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return (
+        q.reshape(heads * head_dim, *rest),
+        k.reshape(groups * head_dim, *rest),
+        v.reshape(groups * head_dim, *rest),
+    )
+
+
+_LAYER = "decoder.layers."
+
+
+def convert(
+    state: dict[str, torch.Tensor], m: ModelConfig, arch: Architecture, vocab: int
+) -> dict[str, torch.Tensor]:
+    """megascale's 1-process ``GPTModel.state_dict()`` -> ``arch``'s tensors (contiguous copies).
+
+    Every megascale tensor must land somewhere: an unknown one raises ExportError, so a model
+    feature added later is refused instead of silently dropped.
+    """
+    heads, groups = m.num_heads, m.num_query_groups or m.num_heads
+    out: dict[str, torch.Tensor] = dict(arch.extra(vocab))
+    for name, tensor in state.items():
+        if name.endswith("_extra_state"):
+            continue
+        if name in arch.top:
+            out[arch.top[name]] = tensor
+            continue
+        index, _, inner = name.removeprefix(_LAYER).partition(".")
+        prefix = f"model.layers.{index}."
+        if not name.startswith(_LAYER) or not index.isdigit():
+            raise ExportError(f"parameter {name!r} has no counterpart in {arch.name}")
+        if inner.startswith("self_attention.linear_qkv.") and inner.rsplit(".", 1)[1] in _LINEARS:
+            leaf = inner.rsplit(".", 1)[1]
+            for proj, part in zip("qkv", split_qkv(tensor, heads, groups), strict=True):
+                out[f"{prefix}self_attn.{proj}_proj.{leaf}"] = part
+        elif inner in arch.layer:
+            out[prefix + arch.layer[inner]] = tensor
+        else:
+            raise ExportError(f"parameter {name!r} has no counterpart in {arch.name}")
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
+
+
+def model_facts(trainer) -> dict:
+    """What the built model computes beyond the config: checked against what the mapping assumes
+    (ExportError naming the setting otherwise), and the numbers the HF config needs."""
+    import torch
+    from torch.nn import functional
+
+    cfg, model = trainer.config, trainer.model[0].module
+    expected = {
+        "normalization": (cfg.normalization, "LayerNorm"),
+        "add_bias_linear": (cfg.add_bias_linear, True),
+        "gated_linear_unit": (cfg.gated_linear_unit, False),
+        "activation_func": (cfg.activation_func, functional.gelu),
+        "rotary_interleaved": (cfg.rotary_interleaved, False),
+        "qk_layernorm": (cfg.qk_layernorm, False),
+        "kv_channels": (cfg.kv_channels, cfg.hidden_size // cfg.num_attention_heads),
+        "position_embedding_type": (model.position_embedding_type, "rope"),
+        "rope_scaling": (bool(model.rotary_scaling), False),
+        "share_embeddings_and_output_weights": (model.share_embeddings_and_output_weights, True),
+    }
+    for setting, (actual, wanted) in expected.items():
+        if actual != wanted:
+            raise ExportError(
+                f"the model has {setting}={actual!r}; the export maps only {wanted!r}"
+            )
+    norm = model.decoder.final_layernorm.norm
+    if type(norm) is not torch.nn.LayerNorm:
+        raise ExportError(f"the model's norm is {type(norm).__name__}; the export maps LayerNorm")
+    return {
+        "eps": float(norm.eps),
+        "rotary_base": float(model.rotary_base),
+        "rotary_percent": float(model.rotary_percent),
+        "vocab_size": int(model.vocab_size),
+    }
+
+
+def _loopback_ifname() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), None)
+
+
+def _one_rank_job(job: JobConfig) -> JobConfig:
+    from megascale.config import validate
+
+    one = dataclasses.replace(
+        job,
+        parallel=dataclasses.replace(
+            job.parallel, tp=1, pp=1, vpp=1, dp=None, sequence_parallel=False, batch_p2p_comm=None
+        ),
+        model=dataclasses.replace(job.model, spec="local"),
+        train=dataclasses.replace(job.train, device="cpu"),
+        data=dataclasses.replace(job.data, path=None),
+    )
+    return validate(one, 1, "gloo")
+
+
+def load_model_state(
+    job: JobConfig, run_dir: Path, step: int | None
+) -> tuple[dict[str, torch.Tensor], dict, int]:
+    """Build a 1-rank CPU trainer, load checkpoint ``step`` (None: the newest) through
+    ``checkpoint.load_latest``, return (model state_dict, ``model_facts``, the step loaded).
+
+    Runs in this process in its own world-size-1 gloo group (a FileStore; gloo bound to the
+    loopback interface) and tears it down after; refused if a process group already exists. The trainer reads the built-in
+    corpus from a temporary directory: the export never reads the run's training data.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from megascale.parallel import cpu_backend
+    from megascale.parallel.groups import build_groups, destroy_groups
+    from megascale.train.checkpoint_io import location
+    from megascale.train.run import seed_everything
+    from megascale.train.trainer import Trainer
+
+    if dist.is_initialized():
+        raise ExportError("a torch.distributed process group is already initialised here")
+    one = _one_rank_job(job)
+    saved_ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if saved_ifname is None and (loopback := _loopback_ifname()):
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo listens on this interface only
+    with tempfile.TemporaryDirectory(prefix="megascale-export-") as scratch:
+        store = dist.FileStore(str(Path(scratch) / "store"), 1)  # no listening socket
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        cpu_backend.activate()
+        try:
+            groups = build_groups(one.parallel)
+            seed_everything(one.train.seed, groups.tp_rank, "cpu")
+            trainer = Trainer(one, groups, "cpu", data_cache_dir=Path(scratch) / "data")
+            loaded = _load(trainer, location(job.checkpoint, run_dir), step)
+            facts = model_facts(trainer)
+            with torch.no_grad():
+                state = trainer.model[0].module.state_dict()
+                state = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+            return state, facts, loaded
+        finally:
+            destroy_groups()
+            cpu_backend.deactivate()
+            if saved_ifname is None:
+                os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
+def _load(trainer, where: str, step: int | None) -> int:
+    """``checkpoint.load_latest`` into ``trainer``; the step loaded, or ExportError saying why not."""
+    from megascale.train import checkpoint
+
+    try:
+        loaded = checkpoint.load_latest(trainer, where, step=step)
+    except (RuntimeError, KeyError) as e:  # e.g. a state_dict that does not fit this model
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ExportError(f"the checkpoint does not load into a 1-process model: {why}") from e
+    if loaded is None:
+        which = "the newest checkpoint" if step is None else f"checkpoint step {step}"
+        raise ExportError(
+            f"{which} at {where} does not load into a 1-process model (see the warnings above)"
+        )
+    return loaded
+
+
+def _read_job(run_dir: Path) -> JobConfig:
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise ExportError(f"{path}: no such file; RUN_DIR must be a megascale run directory")
+    return load(path)
+
+
+def _check_output(output: Path) -> None:
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"--output {output}: exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()):
+        raise ExportError(f"--output {output}: exists and is not empty; give a new directory")
+
+
+def _check_step(job: JobConfig, run_dir: Path, step: int | None) -> None:
+    from megascale.train.checkpoint_io import Storage, location
+
+    where = location(job.checkpoint, run_dir)
+    steps = Storage(where).complete_steps()
+    if not steps:
+        raise ExportError(f"no complete checkpoint at {where}; train with checkpoint.interval > 0")
+    if step is not None and step not in steps:
+        listed = ", ".join(str(s) for s in steps)
+        raise ExportError(f"--step {step}: no complete checkpoint; available steps: {listed}")
+
+
+def _import_hf():
+    try:
+        import safetensors.torch
+        import transformers
+    except ImportError as e:
+        raise ExportError(
+            f"export needs transformers and safetensors ({e.name} is missing): "
+            "pip install 'megascale[hf]'"
+        ) from e
+    return transformers, safetensors.torch
+
+
+def _copy_tokenizer(run_dir: Path, dest: Path) -> list[str]:
+    """Copy ``RUN_DIR/tokenizer/*`` next to the weights (never over config.json or the weights)."""
+    source = run_dir / "tokenizer"
+    if not source.is_dir():
+        return []
+    copied = []
+    for item in sorted(source.iterdir()):
+        if item.name in (HF_CONFIG, WEIGHTS):
+            logger.warning("not copying %s: the export writes its own %s", item, item.name)
+            continue
+        if item.is_dir():
+            shutil.copytree(item, dest / item.name)
+        else:
+            shutil.copy2(item, dest / item.name)
+        copied.append(item.name)
+    return copied
+
+
+def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> dict:
+    """Export ``run_dir``'s checkpoint ``step`` (None: the newest) to ``output``.
+
+    Returns {"architecture", "step", "output", "tokenizer" (files copied)}. Raises ExportError (one
+    line) for a missing config.toml, an unsupported model, a non-empty ``output``, no checkpoint,
+    an unknown ``step``, or missing ``transformers``; ConfigError for a bad config.toml. ``output``
+    is written whole or not at all.
+    """
+    run_dir, output = Path(run_dir), Path(output)
+    job = _read_job(run_dir)
+    arch = choose_architecture(job.model)
+    _check_output(output)
+    _check_step(job, run_dir, step)
+    transformers, safetensors_torch = _import_hf()
+    state, facts, loaded = load_model_state(job, run_dir, step)
+    has_tokenizer = (run_dir / "tokenizer").is_dir()
+    facts["eos_token_id"] = None if has_tokenizer else EOD
+    hf_config = transformers.AutoConfig.for_model(
+        arch.model_type, architectures=[arch.name], **arch.hf_config(job.model, facts)
+    )
+    tensors = convert(state, job.model, arch, facts["vocab_size"])
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        hf_config.save_pretrained(tmp)
+        safetensors_torch.save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        copied = _copy_tokenizer(run_dir, tmp)
+        _apply_umask(tmp)
+        _check_output(output)  # still absent or empty: rename replaces an empty directory
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("exported %s step %d as %s to %s", run_dir, loaded, arch.name, output)
+    return {"architecture": arch.name, "step": loaded, "output": str(output), "tokenizer": copied}
+
+
+def _apply_umask(directory: Path) -> None:
+    """mkdtemp makes a 0700 directory: give it, and the weights, the modes a plain mkdir would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    (directory / WEIGHTS).chmod(0o666 & ~umask)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``megascale export RUN_DIR [--step N] --output DIR``."""
+    parser.add_argument("run_dir", help="the run directory (holds config.toml and checkpoints)")
+    parser.add_argument(
+        "--step", type=int, default=None, help="checkpoint step to export (default: the newest)"
+    )
+    parser.add_argument(
+        "--output", required=True, help="directory to write (must not exist or be empty)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``megascale export``: 0 on success, 2 with a one-line error on bad input."""
+    try:
+        result = export(args.run_dir, args.output, args.step)
+    except ExportError as e:
+        print(f"megascale export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported step {result['step']} as {result['architecture']} to {result['output']}")
+    return 0
