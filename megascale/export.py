@@ -1,33 +1,22 @@
 """``megascale export``: a trained run to a Hugging Face ``transformers`` model directory.
 
-``export(run_dir, output, step=None)`` reads the run's resolved ``config.toml``, builds a
-1-process trainer the way training does (``parallel.tp = pp = dp = 1`` on CPU, in a world-size-1
-gloo group on loopback), loads the checkpoint through ``checkpoint.load_latest`` (the only reader of
-checkpoint files), maps the model's ``state_dict()`` onto a ``transformers`` architecture that
-computes the same function, and writes ``config.json`` + ``model.safetensors`` (+ the run's
-tokenizer files) into ``output``, which then loads with ``AutoModelForCausalLM.from_pretrained``
-without custom code.
+``export(run_dir, output, step=None)`` reads the run's ``config.toml``, builds a 1-process CPU
+trainer the way training does, loads the checkpoint through ``checkpoint.load_latest`` (the only
+reader of checkpoint files), maps the model's ``state_dict()`` onto a ``transformers`` architecture
+that computes the same function, and writes ``config.json`` + ``model.safetensors`` (+ the files
+of ``RUN_DIR/tokenizer/``) for ``AutoModelForCausalLM.from_pretrained`` (no custom code).
 
-Architectures (megascale's GPT: pre-LN, LayerNorm with bias, biased linears, GeLU (erf), RoPE
-(non-interleaved), tied input/output embeddings, final LayerNorm, optional GQA):
+megascale's GPT is pre-LN with LayerNorm (with bias), biased linears, GeLU (erf), RoPE (not
+interleaved), tied embeddings, a final LayerNorm and optional GQA. Its serial block is
+``Starcoder2ForCausalLM`` (``model.window_size`` is its ``sliding_window``: both let a token see
+itself and the ``window_size - 1`` tokens before it, in every layer); the parallel block, one
+LayerNorm shared by both branches, is ``PhiForCausalLM`` (its ``lm_head`` bias written as zeros).
+Refused, naming the feature: ``model.swiglu``, the parallel block with a sliding window, bf16
+runs, and any parameter or model setting the mapping does not know.
 
-- serial block -> ``Starcoder2ForCausalLM`` (two LayerNorms per layer, ``c_fc``/``c_proj`` MLP;
-  ``model.window_size`` becomes ``sliding_window``: both let a token see itself and the
-  ``window_size - 1`` tokens before it, in every layer);
-- parallel block (one LayerNorm shared by attention and MLP) -> ``PhiForCausalLM``, whose decoder
-  layer is exactly ``x + Attn(LN(x)) + MLP(LN(x))``; its ``lm_head`` bias is written as zeros.
-
-Refused with an ``ExportError`` naming the feature (no exact counterpart): ``model.swiglu``, the
-parallel block with a sliding window, ``model.params_dtype = "bf16"`` (the export builds the model
-on CPU, which trains in fp32 only), and any parameter or model setting the mapping does not know.
-
-The vocabulary is exported at megatron's padded size (``vocab_size`` rounded up to a multiple of
-128), so logits match megascale's over every id; ids past the tokenizer's are never produced.
-Megatron's fused QKV weight holds ``[q (heads/groups heads), k, v]`` per query group; it is split
-into ``q_proj``/``k_proj``/``v_proj`` with the query heads in megatron's order.
-
-The export is written to a temporary directory next to ``output`` and renamed into place at the
-end, so ``output`` is either absent, or complete.
+The vocabulary is exported at megatron's padded size (a multiple of 128), so the logits match
+megascale's over every id. The export is written to a temporary directory next to ``output`` and
+renamed into place at the end: ``output`` is absent or complete.
 """
 
 from __future__ import annotations
@@ -40,7 +29,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,27 +51,68 @@ class ExportError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    """A ``transformers`` causal LM and where megascale's per-layer tensors go in it."""
+    """A ``transformers`` causal LM: where megascale's tensors go, and its own config fields."""
 
-    name: str
-    """The ``architectures`` entry, e.g. ``Starcoder2ForCausalLM``."""
-    model_type: str
-    """``transformers`` model type (``AutoConfig.for_model``)."""
+    name: str  # the ``architectures`` entry
+    model_type: str  # what ``AutoConfig.for_model`` takes
     layer: dict[str, str]
-    """megascale name inside ``decoder.layers.N.`` -> HF name inside ``model.layers.N.``."""
-    top: dict[str, str]
-    """megascale name outside the layers -> HF name."""
-    hf_config: Callable[[ModelConfig, dict], dict]
-    """(model config, facts read from the built model) -> ``transformers`` config kwargs."""
-    extra: Callable[[int], dict[str, torch.Tensor]] = lambda _vocab: {}
-    """HF tensors with no megascale counterpart, given the padded vocabulary size (zeros)."""
+    """megascale module in ``decoder.layers.N.`` -> HF module in ``model.layers.N.`` (weight and
+    bias); the fused ``self_attention.linear_qkv`` is split by ``split_qkv``."""
+    final_norm: str  # HF module of decoder.final_layernorm
+    fields: dict  # constant config fields (dropouts off, biases on)
+    eps_field: str  # config field of the LayerNorm epsilon
+    lm_head_bias: bool  # HF's lm_head has a bias (megascale's has none: zeros)
+    partial_rotary: bool  # supports ``partial_rotary_factor``
 
 
-_LINEARS = ("weight", "bias")
+STARCODER2 = Architecture(
+    name="Starcoder2ForCausalLM",
+    model_type="starcoder2",
+    layer={
+        "input_layernorm.norm": "input_layernorm",
+        "self_attention.linear_proj": "self_attn.o_proj",
+        "pre_mlp_layernorm.norm": "post_attention_layernorm",
+        "mlp.linear_fc1": "mlp.c_fc",
+        "mlp.linear_fc2": "mlp.c_proj",
+    },
+    final_norm="model.norm",
+    fields={"use_bias": True, "residual_dropout": 0.0, "embedding_dropout": 0.0},
+    eps_field="norm_epsilon",
+    lm_head_bias=False,
+    partial_rotary=False,
+)
+PHI = Architecture(
+    name="PhiForCausalLM",
+    model_type="phi",
+    layer={
+        "input_layernorm.norm": "input_layernorm",
+        "self_attention.linear_proj": "self_attn.dense",
+        "mlp.linear_fc1": "mlp.fc1",
+        "mlp.linear_fc2": "mlp.fc2",
+    },
+    final_norm="model.final_layernorm",
+    fields={"qk_layernorm": False, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    eps_field="layer_norm_eps",
+    lm_head_bias=True,
+    partial_rotary=True,
+)
 
 
-def _common_config(m: ModelConfig, facts: dict) -> dict:
+def hf_config_fields(arch: Architecture, m: ModelConfig, facts: dict) -> dict:
+    """``transformers`` config fields for ``m`` given ``model_facts`` (+ ``eos_token_id``)."""
+    rope = {"rope_type": "default", "rope_theta": facts["rotary_base"]}
+    if arch.partial_rotary:
+        rope["partial_rotary_factor"] = facts["rotary_percent"]
+    elif facts["rotary_percent"] != 1.0:
+        raise ExportError(
+            f"rotary_percent={facts['rotary_percent']}: {arch.name} rotates whole heads"
+        )
+    window = {} if m.window_size is None else {"sliding_window": m.window_size}
     return {
+        **arch.fields,
+        **window,
+        arch.eps_field: facts["eps"],
+        "rope_parameters": rope,
         "vocab_size": facts["vocab_size"],
         "hidden_size": m.hidden_size,
         "intermediate_size": m.ffn_hidden_size or 4 * m.hidden_size,
@@ -100,93 +130,12 @@ def _common_config(m: ModelConfig, facts: dict) -> dict:
     }
 
 
-def _starcoder2_config(m: ModelConfig, facts: dict) -> dict:
-    if facts["rotary_percent"] != 1.0:
-        raise ExportError(
-            f"rotary_percent={facts['rotary_percent']}: Starcoder2 rotates the whole head only"
-        )
-    return {
-        **_common_config(m, facts),
-        "norm_epsilon": facts["eps"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": facts["rotary_base"]},
-        "sliding_window": m.window_size,
-        "use_bias": True,
-        "residual_dropout": 0.0,
-        "embedding_dropout": 0.0,
-    }
-
-
-def _phi_config(m: ModelConfig, facts: dict) -> dict:
-    return {
-        **_common_config(m, facts),
-        "layer_norm_eps": facts["eps"],
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": facts["rotary_base"],
-            "partial_rotary_factor": facts["rotary_percent"],
-        },
-        "qk_layernorm": False,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
-    }
-
-
-def _zero_lm_head_bias(vocab: int) -> dict[str, torch.Tensor]:
-    import torch
-
-    return {"lm_head.bias": torch.zeros(vocab)}
-
-
-_TOP = {
-    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-    "decoder.final_layernorm.norm.weight": "{final}.weight",
-    "decoder.final_layernorm.norm.bias": "{final}.bias",
-}
-
-
-def _names(pairs: dict[str, str]) -> dict[str, str]:
-    """Expand ``{megascale module: HF module}`` to both the weight and the bias."""
-    return {f"{ms}.{leaf}": f"{hf}.{leaf}" for ms, hf in pairs.items() for leaf in _LINEARS}
-
-
-STARCODER2 = Architecture(
-    name="Starcoder2ForCausalLM",
-    model_type="starcoder2",
-    layer=_names(
-        {
-            "input_layernorm.norm": "input_layernorm",
-            "self_attention.linear_proj": "self_attn.o_proj",
-            "pre_mlp_layernorm.norm": "post_attention_layernorm",
-            "mlp.linear_fc1": "mlp.c_fc",
-            "mlp.linear_fc2": "mlp.c_proj",
-        }
-    ),
-    top={k: v.format(final="model.norm") for k, v in _TOP.items()},
-    hf_config=_starcoder2_config,
-)
-PHI = Architecture(
-    name="PhiForCausalLM",
-    model_type="phi",
-    layer=_names(
-        {
-            "input_layernorm.norm": "input_layernorm",
-            "self_attention.linear_proj": "self_attn.dense",
-            "mlp.linear_fc1": "mlp.fc1",
-            "mlp.linear_fc2": "mlp.fc2",
-        }
-    ),
-    top={k: v.format(final="model.final_layernorm") for k, v in _TOP.items()},
-    hf_config=_phi_config,
-    extra=_zero_lm_head_bias,
-)
-
-
 def choose_architecture(m: ModelConfig) -> Architecture:
     """The architecture that computes what ``m`` does; ExportError naming the feature otherwise."""
     if m.swiglu:
         raise ExportError(
-            "model.swiglu = true: no transformers architecture has a SwiGLU MLP with LayerNorm "
-            "and biased linears (Starcoder2 and Phi use a GeLU MLP); not exported"
+            "model.swiglu = true: the export maps megascale's LayerNorm + biased-linear GPT onto "
+            "Starcoder2 or Phi, whose MLP is GeLU; SwiGLU has no counterpart there (not exported)"
         )
     if m.params_dtype != "fp32":
         raise ExportError(
@@ -223,6 +172,7 @@ def split_qkv(
 
 
 _LAYER = "decoder.layers."
+_LEAVES = ("weight", "bias")
 
 
 def convert(
@@ -233,24 +183,29 @@ def convert(
     Every megascale tensor must land somewhere: an unknown one raises ExportError, so a model
     feature added later is refused instead of silently dropped.
     """
-    heads, groups = m.num_heads, m.num_query_groups or m.num_heads
-    out: dict[str, torch.Tensor] = dict(arch.extra(vocab))
+    import torch
+
+    top = {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        **{f"decoder.final_layernorm.norm.{x}": f"{arch.final_norm}.{x}" for x in _LEAVES},
+    }
+    out = {"lm_head.bias": torch.zeros(vocab)} if arch.lm_head_bias else {}
     for name, tensor in state.items():
-        if name.endswith("_extra_state"):
-            continue
-        if name in arch.top:
-            out[arch.top[name]] = tensor
-            continue
         index, _, inner = name.removeprefix(_LAYER).partition(".")
+        module, _, leaf = inner.rpartition(".")
         prefix = f"model.layers.{index}."
-        if not name.startswith(_LAYER) or not index.isdigit():
+        if name.endswith("._extra_state"):
+            continue
+        if name in top:
+            out[top[name]] = tensor
+        elif not (name.startswith(_LAYER) and index.isdigit() and leaf in _LEAVES):
             raise ExportError(f"parameter {name!r} has no counterpart in {arch.name}")
-        if inner.startswith("self_attention.linear_qkv.") and inner.rsplit(".", 1)[1] in _LINEARS:
-            leaf = inner.rsplit(".", 1)[1]
+        elif module == "self_attention.linear_qkv":
+            heads, groups = m.num_heads, m.num_query_groups or m.num_heads
             for proj, part in zip("qkv", split_qkv(tensor, heads, groups), strict=True):
                 out[f"{prefix}self_attn.{proj}_proj.{leaf}"] = part
-        elif inner in arch.layer:
-            out[prefix + arch.layer[inner]] = tensor
+        elif module in arch.layer:
+            out[f"{prefix}{arch.layer[module]}.{leaf}"] = tensor
         else:
             raise ExportError(f"parameter {name!r} has no counterpart in {arch.name}")
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in out.items()}
@@ -317,9 +272,10 @@ def load_model_state(
     """Build a 1-rank CPU trainer, load checkpoint ``step`` (None: the newest) through
     ``checkpoint.load_latest``, return (model state_dict, ``model_facts``, the step loaded).
 
-    Runs in this process in its own world-size-1 gloo group (a FileStore; gloo bound to the
-    loopback interface) and tears it down after; refused if a process group already exists. The trainer reads the built-in
-    corpus from a temporary directory: the export never reads the run's training data.
+    ``parallel.tp = pp = dp = 1``, in this process's own world-size-1 gloo group (a FileStore, no
+    listening store; gloo bound to the loopback interface), torn down after; refused if a process
+    group already exists. The trainer reads the built-in corpus from a temporary directory: the
+    export never reads the run's training data.
     """
     import torch
     import torch.distributed as dist
@@ -448,16 +404,17 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> 
     has_tokenizer = (run_dir / "tokenizer").is_dir()
     facts["eos_token_id"] = None if has_tokenizer else EOD
     hf_config = transformers.AutoConfig.for_model(
-        arch.model_type, architectures=[arch.name], **arch.hf_config(job.model, facts)
+        arch.model_type, architectures=[arch.name], **hf_config_fields(arch, job.model, facts)
     )
     tensors = convert(state, job.model, arch, facts["vocab_size"])
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    tmp = output.parent / f".{output.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
     try:
         hf_config.save_pretrained(tmp)
         safetensors_torch.save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        (tmp / WEIGHTS).chmod((tmp / HF_CONFIG).stat().st_mode)  # not safetensors' 0600
         copied = _copy_tokenizer(run_dir, tmp)
-        _apply_umask(tmp)
         _check_output(output)  # still absent or empty: rename replaces an empty directory
         os.replace(tmp, output)
     except BaseException:
@@ -465,14 +422,6 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> 
         raise
     logger.info("exported %s step %d as %s to %s", run_dir, loaded, arch.name, output)
     return {"architecture": arch.name, "step": loaded, "output": str(output), "tokenizer": copied}
-
-
-def _apply_umask(directory: Path) -> None:
-    """mkdtemp makes a 0700 directory: give it, and the weights, the modes a plain mkdir would."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    (directory / WEIGHTS).chmod(0o666 & ~umask)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
