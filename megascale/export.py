@@ -320,7 +320,7 @@ def _load(trainer, where: str, step: int | None) -> int:
     try:
         loaded = checkpoint.load_latest(trainer, where, step=step)
     except (RuntimeError, KeyError) as e:  # e.g. a state_dict that does not fit this model
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        why = " ".join(str(e).split())[:300] or type(e).__name__
         raise ExportError(f"the checkpoint does not load into a 1-process model: {why}") from e
     if loaded is None:
         which = "the newest checkpoint" if step is None else f"checkpoint step {step}"
@@ -345,8 +345,9 @@ def _check_output(output: Path) -> None:
 
 
 def _check_step(job: JobConfig, run_dir: Path, step: int | None) -> None:
-    from megascale.train.checkpoint_io import Storage, location
+    from megascale.train.checkpoint_io import Storage, check_config, location
 
+    check_config(job.checkpoint, 1)  # ConfigError naming checkpoint.url if it cannot be read here
     where = location(job.checkpoint, run_dir)
     steps = Storage(where).complete_steps()
     if not steps:
