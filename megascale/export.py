@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
 HF_CONFIG = "config.json"
+TOLERANCE = 1e-4
+"""Largest |logit difference| (fp32) the written model may show against megascale's forward."""
 
 
 class ExportError(ValueError):
@@ -191,11 +193,11 @@ def convert(
     }
     out = {"lm_head.bias": torch.zeros(vocab)} if arch.lm_head_bias else {}
     for name, tensor in state.items():
+        if name.endswith("._extra_state"):
+            continue
         index, _, inner = name.removeprefix(_LAYER).partition(".")
         module, _, leaf = inner.rpartition(".")
         prefix = f"model.layers.{index}."
-        if name.endswith("._extra_state"):
-            continue
         if name in top:
             out[top[name]] = tensor
         elif not (name.startswith(_LAYER) and index.isdigit() and leaf in _LEAVES):
@@ -212,32 +214,13 @@ def convert(
 
 
 def model_facts(trainer) -> dict:
-    """What the built model computes beyond the config: checked against what the mapping assumes
-    (ExportError naming the setting otherwise), and the numbers the HF config needs."""
-    import torch
-    from torch.nn import functional
+    """The numbers the HF config needs, read from the built model (not assumed from the config).
 
-    cfg, model = trainer.config, trainer.model[0].module
-    expected = {
-        "normalization": (cfg.normalization, "LayerNorm"),
-        "add_bias_linear": (cfg.add_bias_linear, True),
-        "gated_linear_unit": (cfg.gated_linear_unit, False),
-        "activation_func": (cfg.activation_func, functional.gelu),
-        "rotary_interleaved": (cfg.rotary_interleaved, False),
-        "qk_layernorm": (cfg.qk_layernorm, False),
-        "kv_channels": (cfg.kv_channels, cfg.hidden_size // cfg.num_attention_heads),
-        "position_embedding_type": (model.position_embedding_type, "rope"),
-        "rope_scaling": (bool(model.rotary_scaling), False),
-        "share_embeddings_and_output_weights": (model.share_embeddings_and_output_weights, True),
-    }
-    for setting, (actual, wanted) in expected.items():
-        if actual != wanted:
-            raise ExportError(
-                f"the model has {setting}={actual!r}; the export maps only {wanted!r}"
-            )
+    Semantics the mapping assumes and the config cannot change (GeLU (erf), RoPE not interleaved,
+    LayerNorm, biases) are not re-checked here: the written model's logits are (``_verify``).
+    """
+    model = trainer.model[0].module
     norm = model.decoder.final_layernorm.norm
-    if type(norm) is not torch.nn.LayerNorm:
-        raise ExportError(f"the model's norm is {type(norm).__name__}; the export maps LayerNorm")
     return {
         "eps": float(norm.eps),
         "rotary_base": float(model.rotary_base),
@@ -266,11 +249,32 @@ def _one_rank_job(job: JobConfig) -> JobConfig:
     return validate(one, 1, "gloo")
 
 
-def load_model_state(
-    job: JobConfig, run_dir: Path, step: int | None
-) -> tuple[dict[str, torch.Tensor], dict, int]:
-    """Build a 1-rank CPU trainer, load checkpoint ``step`` (None: the newest) through
-    ``checkpoint.load_latest``, return (model state_dict, ``model_facts``, the step loaded).
+@dataclasses.dataclass
+class LoadedModel:
+    """A checkpoint's model as a 1-process trainer holds it, and its answer to a probe batch."""
+
+    step: int
+    state: dict[str, torch.Tensor]  # GPTModel.state_dict()
+    facts: dict  # model_facts()
+    probe: torch.Tensor  # token ids [1, s]
+    probe_logits: torch.Tensor  # megascale's logits for them [1, s, padded vocab]
+
+
+def _probe(trainer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens over a whole sample (so a sliding window is exercised) and the logits."""
+    import torch
+
+    m, model = trainer.job.model, trainer.model[0].module
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, m.vocab_size, (1, min(m.seq_length, 256)), generator=generator)
+    model.eval()
+    with torch.no_grad():
+        return tokens, model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0), None)
+
+
+def load_model(job: JobConfig, run_dir: Path, step: int | None) -> LoadedModel:
+    """Build a 1-rank CPU trainer and load checkpoint ``step`` (None: the newest) through
+    ``checkpoint.load_latest``.
 
     ``parallel.tp = pp = dp = 1``, in this process's own world-size-1 gloo group (a FileStore, no
     listening store; gloo bound to the loopback interface), torn down after; refused if a process
@@ -305,7 +309,7 @@ def load_model_state(
             with torch.no_grad():
                 state = trainer.model[0].module.state_dict()
                 state = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
-            return state, facts, loaded
+            return LoadedModel(loaded, state, facts, *_probe(trainer))
         finally:
             destroy_groups()
             cpu_backend.deactivate()
@@ -370,30 +374,25 @@ def _import_hf():
 
 
 def _copy_tokenizer(run_dir: Path, dest: Path) -> list[str]:
-    """Copy ``RUN_DIR/tokenizer/*`` next to the weights (never over config.json or the weights)."""
+    """Copy the files of ``RUN_DIR/tokenizer/`` next to the weights (not config.json, weights)."""
     source = run_dir / "tokenizer"
-    if not source.is_dir():
-        return []
-    copied = []
-    for item in sorted(source.iterdir()):
+    files = sorted(p for p in source.glob("*") if p.is_file())
+    for item in files:
         if item.name in (HF_CONFIG, WEIGHTS):
-            logger.warning("not copying %s: the export writes its own %s", item, item.name)
-            continue
-        if item.is_dir():
-            shutil.copytree(item, dest / item.name)
-        else:
-            shutil.copy2(item, dest / item.name)
-        copied.append(item.name)
-    return copied
+            raise ExportError(f"{item}: a tokenizer file may not be named {item.name}")
+        shutil.copy2(item, dest / item.name)
+    return [item.name for item in files]
 
 
 def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> dict:
     """Export ``run_dir``'s checkpoint ``step`` (None: the newest) to ``output``.
 
-    Returns {"architecture", "step", "output", "tokenizer" (files copied)}. Raises ExportError (one
-    line) for a missing config.toml, an unsupported model, a non-empty ``output``, no checkpoint,
-    an unknown ``step``, or missing ``transformers``; ConfigError for a bad config.toml. ``output``
-    is written whole or not at all.
+    Before the rename the written model is loaded with ``AutoModelForCausalLM`` and its logits for
+    a probe batch are compared with megascale's (``TOLERANCE``). Returns {"architecture", "step",
+    "output", "tokenizer" (files copied), "max_abs_diff"}. Raises ExportError (one line) for a
+    missing config.toml, an unsupported model, a non-empty ``output``, no checkpoint, an unknown
+    ``step``, missing ``transformers`` or a failed check; ConfigError for a bad config.toml.
+    ``output`` is written whole or not at all.
     """
     run_dir, output = Path(run_dir), Path(output)
     job = _read_job(run_dir)
@@ -401,13 +400,12 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> 
     _check_output(output)
     _check_step(job, run_dir, step)
     transformers, safetensors_torch = _import_hf()
-    state, facts, loaded = load_model_state(job, run_dir, step)
-    has_tokenizer = (run_dir / "tokenizer").is_dir()
-    facts["eos_token_id"] = None if has_tokenizer else EOD
+    loaded = load_model(job, run_dir, step)
+    facts = {**loaded.facts, "eos_token_id": None if (run_dir / "tokenizer").is_dir() else EOD}
     hf_config = transformers.AutoConfig.for_model(
         arch.model_type, architectures=[arch.name], **hf_config_fields(arch, job.model, facts)
     )
-    tensors = convert(state, job.model, arch, facts["vocab_size"])
+    tensors = convert(loaded.state, job.model, arch, facts["vocab_size"])
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.partial-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
@@ -416,13 +414,38 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> 
         safetensors_torch.save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / WEIGHTS).chmod((tmp / HF_CONFIG).stat().st_mode)  # not safetensors' 0600
         copied = _copy_tokenizer(run_dir, tmp)
+        diff = _verify(transformers, tmp, arch, loaded)
         _check_output(output)  # still absent or empty: rename replaces an empty directory
         os.replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("exported %s step %d as %s to %s", run_dir, loaded, arch.name, output)
-    return {"architecture": arch.name, "step": loaded, "output": str(output), "tokenizer": copied}
+    logger.info("exported %s step %d as %s to %s", run_dir, loaded.step, arch.name, output)
+    return {
+        "architecture": arch.name,
+        "step": loaded.step,
+        "output": str(output),
+        "tokenizer": copied,
+        "max_abs_diff": diff,
+    }
+
+
+def _verify(transformers, directory: Path, arch: Architecture, loaded: LoadedModel) -> float:
+    """Load ``directory`` with ``AutoModelForCausalLM`` and compare its logits for the probe with
+    megascale's; the max |difference|, or ExportError when it exceeds ``TOLERANCE``."""
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=loaded.probe).logits
+    diff = float((logits - loaded.probe_logits).abs().max())
+    if not diff <= TOLERANCE:
+        raise ExportError(
+            f"the written {arch.name} computes other logits than megascale's model (max |diff| "
+            f"{diff:.2e} > {TOLERANCE}); not exported"
+        )
+    return diff
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -443,5 +466,8 @@ def run(args: argparse.Namespace) -> int:
     except ExportError as e:
         print(f"megascale export: {e}", file=sys.stderr)
         return 2
-    print(f"exported step {result['step']} as {result['architecture']} to {result['output']}")
+    print(
+        f"exported step {result['step']} as {result['architecture']} to {result['output']} "
+        f"(logits checked: max |diff| {result['max_abs_diff']:.1e} <= {TOLERANCE})"
+    )
     return 0

@@ -118,6 +118,7 @@ def test_serial_block_exports_to_starcoder2_with_equal_logits(serial_run, tmp_pa
     proc = _cli(str(serial_run), "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "exported step 4 as Starcoder2ForCausalLM" in proc.stdout
+    assert "logits checked" in proc.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Starcoder2ForCausalLM"]
     assert (config["sliding_window"], config["num_key_value_heads"]) == (8, 2)
@@ -169,6 +170,7 @@ def test_parallel_block_exports_to_phi_with_padded_vocab_and_tokenizer(tmp_path)
     out = tmp_path / "hf"
     result = _export_in_child(run_dir, out)
     assert (result["architecture"], result["step"]) == ("PhiForCausalLM", 4)
+    assert result["max_abs_diff"] <= TOL
     assert "tokenizer.json" in result["tokenizer"]
     config = json.loads((out / "config.json").read_text())
     assert (config["vocab_size"], config["eos_token_id"]) == (384, None)
@@ -180,18 +182,25 @@ def test_parallel_block_exports_to_phi_with_padded_vocab_and_tokenizer(tmp_path)
     assert _in_child(_loaded_tokenizer_ids, out) == original
 
 
-def _fail_while_copying(run_dir: Path, out: Path) -> None:
-    def broken(*_args):
-        raise OSError("disk full")
+def _export_with_a_wrong_mapping(run_dir: Path, out: Path) -> None:
+    """Export with the k and v projections swapped (a mapping bug the logit check must catch)."""
+    real = export_mod.convert
 
-    export_mod._copy_tokenizer = broken  # this forked process only
+    def swapped(*args):
+        tensors = real(*args)
+        for name in [n for n in tensors if ".self_attn.k_proj." in n]:
+            v_name = name.replace(".k_proj.", ".v_proj.")
+            tensors[name], tensors[v_name] = tensors[v_name], tensors[name]
+        return tensors
+
+    export_mod.convert = swapped  # this forked process only
     export_mod.export(run_dir, out)
 
 
-def test_a_failed_export_leaves_nothing(serial_run, tmp_path):
+def test_a_model_that_computes_other_logits_is_not_written(serial_run, tmp_path):
     out = tmp_path / "parent" / "hf"
-    with pytest.raises(RankFailed, match="disk full"):
-        run_local(_fail_while_copying, 1, (serial_run, out), timeout_s=300)
+    with pytest.raises(RankFailed, match="computes other logits than megascale's model"):
+        run_local(_export_with_a_wrong_mapping, 1, (serial_run, out), timeout_s=300)
     assert list(out.parent.iterdir()) == []  # no output, no temporary directory
 
 
