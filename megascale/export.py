@@ -293,28 +293,28 @@ def load_model(job: JobConfig, run_dir: Path, step: int | None) -> LoadedModel:
     if dist.is_initialized():
         raise ExportError("a torch.distributed process group is already initialised here")
     one = _one_rank_job(job)
-    saved_ifname = os.environ.get("GLOO_SOCKET_IFNAME")
-    if saved_ifname is None and (loopback := _loopback_ifname()):
-        os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo listens on this interface only
-    with tempfile.TemporaryDirectory(prefix="megascale-export-") as scratch:
-        store = dist.FileStore(str(Path(scratch) / "store"), 1)  # no listening socket
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        cpu_backend.activate()
-        try:
+    saved_ifname, backend_was_active = os.environ.get("GLOO_SOCKET_IFNAME"), cpu_backend.is_active()
+    try:
+        if saved_ifname is None and (loopback := _loopback_ifname()):
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo listens on this interface only
+        with tempfile.TemporaryDirectory(prefix="megascale-export-") as scratch:
+            store = dist.FileStore(str(Path(scratch) / "store"), 1)  # no listening socket
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            cpu_backend.activate()
             groups = build_groups(one.parallel)
             seed_everything(one.train.seed, groups.tp_rank, "cpu")
             trainer = Trainer(one, groups, "cpu", data_cache_dir=Path(scratch) / "data")
             loaded = _load(trainer, location(job.checkpoint, run_dir), step)
-            facts = model_facts(trainer)
             with torch.no_grad():
                 state = trainer.model[0].module.state_dict()
                 state = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
-            return LoadedModel(loaded, state, facts, *_probe(trainer))
-        finally:
-            destroy_groups()
+            return LoadedModel(loaded, state, model_facts(trainer), *_probe(trainer))
+    finally:
+        destroy_groups()
+        if not backend_was_active:
             cpu_backend.deactivate()
-            if saved_ifname is None:
-                os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        if saved_ifname is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def _load(trainer, where: str, step: int | None) -> int:
