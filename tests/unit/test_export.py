@@ -100,3 +100,17 @@ def test_convert_maps_every_tensor_and_refuses_unknown_ones():
     extra = {**state, "decoder.layers.0.self_attention.q_layernorm.weight": torch.ones(4)}
     with pytest.raises(ExportError, match="q_layernorm"):
         convert(extra, m, STARCODER2, 16)
+
+
+def test_a_multi_rank_job_becomes_a_valid_one_rank_cpu_job():
+    from megascale.config import load, validate
+    from megascale.export import _one_rank_job
+
+    sets = ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.sequence_parallel=true"]
+    job = validate(load("tiny", [*sets, "parallel.batch_p2p_comm=false"]), 8, "gloo")
+    one = _one_rank_job(job)
+    p = one.parallel
+    assert (p.tp, p.pp, p.vpp, p.dp, p.sequence_parallel) == (1, 1, 1, 1, False)
+    assert (one.model.spec, one.train.device, one.data.path) == ("local", "cpu", None)
+    assert one.model == dataclasses.replace(job.model, spec="local")
+    assert one.optim == job.optim and one.checkpoint == job.checkpoint
