@@ -61,7 +61,8 @@ class Architecture:
     """megascale module in ``decoder.layers.N.`` -> HF module in ``model.layers.N.`` (weight and
     bias); the fused ``self_attention.linear_qkv`` is split by ``split_qkv``."""
     final_norm: str  # HF module of decoder.final_layernorm
-    fields: dict  # constant config fields (dropouts off, biases on)
+    fields: dict  # constant config fields
+    dropout_fields: tuple[str, str]  # (after attention/MLP, on embeddings): model.hidden_dropout
     eps_field: str  # config field of the LayerNorm epsilon
     lm_head_bias: bool  # HF's lm_head has a bias (megascale's has none: zeros)
     partial_rotary: bool  # supports ``partial_rotary_factor``
@@ -78,7 +79,8 @@ STARCODER2 = Architecture(
         "mlp.linear_fc2": "mlp.c_proj",
     },
     final_norm="model.norm",
-    fields={"use_bias": True, "residual_dropout": 0.0, "embedding_dropout": 0.0},
+    fields={"use_bias": True},
+    dropout_fields=("residual_dropout", "embedding_dropout"),
     eps_field="norm_epsilon",
     lm_head_bias=False,
     partial_rotary=False,
@@ -93,7 +95,8 @@ PHI = Architecture(
         "mlp.linear_fc2": "mlp.fc2",
     },
     final_norm="model.final_layernorm",
-    fields={"qk_layernorm": False, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    fields={"qk_layernorm": False},
+    dropout_fields=("resid_pdrop", "embd_pdrop"),
     eps_field="layer_norm_eps",
     lm_head_bias=True,
     partial_rotary=True,
@@ -113,6 +116,8 @@ def hf_config_fields(arch: Architecture, m: ModelConfig, facts: dict) -> dict:
     return {
         **arch.fields,
         **window,
+        **dict.fromkeys(arch.dropout_fields, m.hidden_dropout),  # where megatron applies it
+        "attention_dropout": m.attention_dropout,
         arch.eps_field: facts["eps"],
         "rope_parameters": rope,
         "vocab_size": facts["vocab_size"],
@@ -123,7 +128,6 @@ def hf_config_fields(arch: Architecture, m: ModelConfig, facts: dict) -> dict:
         "num_key_value_heads": m.num_query_groups or m.num_heads,
         "hidden_act": "gelu",  # torch's exact (erf) GeLU, what megascale trains with
         "max_position_embeddings": m.seq_length,
-        "attention_dropout": 0.0,
         "tie_word_embeddings": True,
         "bos_token_id": None,
         "eos_token_id": facts["eos_token_id"],

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from megascale.config import ModelConfig
-from megascale.export import PHI, STARCODER2, ExportError, choose_architecture, convert, split_qkv
+from megascale.export import (
+    PHI,
+    STARCODER2,
+    ExportError,
+    choose_architecture,
+    convert,
+    hf_config_fields,
+    split_qkv,
+)
 
 
 def _fused_qkv(heads: int, groups: int, head_dim: int) -> torch.Tensor:
@@ -114,3 +122,32 @@ def test_a_multi_rank_job_becomes_a_valid_one_rank_cpu_job():
     assert (one.model.spec, one.train.device, one.data.path) == ("local", "cpu", None)
     assert one.model == dataclasses.replace(job.model, spec="local")
     assert one.optim == job.optim and one.checkpoint == job.checkpoint
+
+
+FACTS = {
+    "eps": 1e-5,
+    "rotary_base": 1e4,
+    "rotary_percent": 1.0,
+    "vocab_size": 384,
+    "eos_token_id": 0,
+}
+
+
+def test_hf_config_fields_carry_the_model_settings():
+    transformers = pytest.importorskip("transformers")
+    m = ModelConfig(num_query_groups=2, window_size=16, hidden_dropout=0.1, attention_dropout=0.05)
+    fields = hf_config_fields(STARCODER2, m, FACTS)
+    config = transformers.AutoConfig.for_model("starcoder2", **fields)
+    assert (config.sliding_window, config.num_key_value_heads, config.vocab_size) == (16, 2, 384)
+    assert (config.residual_dropout, config.embedding_dropout) == (0.1, 0.1)
+    assert (config.attention_dropout, config.norm_epsilon, config.hidden_act) == (
+        0.05,
+        1e-5,
+        "gelu",
+    )
+    assert config.tie_word_embeddings and config.use_bias and config.eos_token_id == 0
+
+    phi = hf_config_fields(PHI, ModelConfig(parallel_block=True), {**FACTS, "rotary_percent": 0.5})
+    assert phi["rope_parameters"]["partial_rotary_factor"] == 0.5 and "sliding_window" not in phi
+    with pytest.raises(ExportError, match="rotary_percent=0.5: Starcoder2ForCausalLM"):
+        hf_config_fields(STARCODER2, m, {**FACTS, "rotary_percent": 0.5})
