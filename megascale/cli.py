@@ -138,7 +138,16 @@ def _launch(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from megascale import export
 
-    return export.run(args)
+    try:
+        done = export.export(args.run_dir, args.output, args.step)
+    except export.ExportError as e:
+        print(f"megascale export: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"exported step {done['step']} as {done['architecture']} to {done['output']} "
+        f"(logits checked: max |diff| {done['max_abs_diff']:.1e} <= {export.TOLERANCE})"
+    )
+    return 0
 
 
 def _data_build(args: argparse.Namespace) -> int:

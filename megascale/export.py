@@ -27,7 +27,6 @@ import logging
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -410,12 +409,14 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> 
         arch.model_type, architectures=[arch.name], **hf_config_fields(arch, job.model, facts)
     )
     tensors = convert(loaded.state, job.model, arch, facts["vocab_size"])
+    loaded.state.clear()  # converted: hold one copy of the weights, not two
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.partial-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
         hf_config.save_pretrained(tmp)
         safetensors_torch.save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        del tensors  # written; _verify loads them back
         (tmp / WEIGHTS).chmod((tmp / HF_CONFIG).stat().st_mode)  # not safetensors' 0600
         copied = _copy_tokenizer(run_dir, tmp)
         diff = _verify(transformers, tmp, arch, loaded)
@@ -461,17 +462,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output", required=True, help="directory to write (must not exist or be empty)"
     )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``megascale export``: 0 on success, 2 with a one-line error on bad input."""
-    try:
-        result = export(args.run_dir, args.output, args.step)
-    except ExportError as e:
-        print(f"megascale export: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"exported step {result['step']} as {result['architecture']} to {result['output']} "
-        f"(logits checked: max |diff| {result['max_abs_diff']:.1e} <= {TOLERANCE})"
-    )
-    return 0
