@@ -113,10 +113,20 @@ def serial_run(tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("export") / "serial", job)
 
 
+def _files(directory: Path) -> list[tuple[str, int, int]]:
+    return sorted(
+        (str(p.relative_to(directory)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in directory.rglob("*")
+        if p.is_file()
+    )
+
+
 def test_serial_block_exports_to_starcoder2_with_equal_logits(serial_run, tmp_path):
     out = tmp_path / "hf"
+    before = _files(serial_run)
     proc = _cli(str(serial_run), "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _files(serial_run) == before  # the run directory is only read
     assert "exported step 4 as Starcoder2ForCausalLM" in proc.stdout
     assert "logits checked" in proc.stdout
     config = json.loads((out / "config.json").read_text())
