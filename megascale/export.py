@@ -264,12 +264,12 @@ class LoadedModel:
 
 
 def _probe(trainer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random tokens over a whole sample (so a sliding window is exercised) and the logits."""
+    """Random tokens (256, or past the sliding window, at most a sample) and megascale's logits."""
     import torch
 
     m, model = trainer.job.model, trainer.model[0].module
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, m.vocab_size, (1, min(m.seq_length, 256)), generator=generator)
+    length = min(m.seq_length, max(256, (m.window_size or 0) + 16))
+    tokens = torch.randint(0, m.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     model.eval()
     with torch.no_grad():
         return tokens, model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0), None)
