@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -415,6 +416,7 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> 
     tmp.mkdir()
     try:
         hf_config.save_pretrained(tmp)
+        _add_pre_v5_rope_fields(tmp / HF_CONFIG)
         safetensors_torch.save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         del tensors  # written; _verify loads them back
         (tmp / WEIGHTS).chmod((tmp / HF_CONFIG).stat().st_mode)  # not safetensors' 0600
@@ -433,6 +435,15 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> 
         "tokenizer": copied,
         "max_abs_diff": diff,
     }
+
+
+def _add_pre_v5_rope_fields(path: Path) -> None:
+    """transformers < 5 reads ``rope_theta`` / ``partial_rotary_factor`` as top-level fields (and
+    Phi's default factor is 0.5): write them next to ``rope_parameters``, which 5.x reads."""
+    config = json.loads(path.read_text())
+    rope = config.get("rope_parameters") or {}
+    config.update({k: v for k, v in rope.items() if k in ("rope_theta", "partial_rotary_factor")})
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _verify(transformers, directory: Path, arch: Architecture, loaded: LoadedModel) -> float:

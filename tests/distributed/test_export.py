@@ -184,6 +184,10 @@ def test_parallel_block_exports_to_phi_with_padded_vocab_and_tokenizer(tmp_path)
     assert "tokenizer.json" in result["tokenizer"]
     config = json.loads((out / "config.json").read_text())
     assert (config["vocab_size"], config["eos_token_id"]) == (384, None)
+    # Phi's default rotates half of each head; megascale rotates all of it (in both config styles).
+    assert (
+        config["rope_parameters"]["partial_rotary_factor"] == config["partial_rotary_factor"] == 1
+    )
 
     tokens = _tokens(300)
     _, ours = _in_child(_reference_logits, run_dir, tokens)
