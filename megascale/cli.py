@@ -162,6 +162,21 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
 
 
+def _export(args: argparse.Namespace) -> int:
+    from megascale import export
+
+    try:
+        done = export.export(args.run_dir, args.output, args.step)
+    except export.ExportError as e:
+        print(f"megascale export: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"exported step {done['step']} as {done['architecture']} to {done['output']} "
+        f"(logits checked: max |diff| {done['max_abs_diff']:.1e} <= {export.TOLERANCE})"
+    )
+    return 0
+
+
 def _data_build(args: argparse.Namespace) -> int:
     from megascale.data import build
 
@@ -209,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     build.add_arguments(build_p)
     build_p.set_defaults(func=_data_build)
+
+    export_p = sub.add_parser("export", help="a trained run to a Hugging Face transformers model")
+    from megascale import export
+
+    export.add_arguments(export_p)
+    export_p.set_defaults(func=_export)
 
     from megascale.diagnostics import report, timeline
 
