@@ -143,6 +143,22 @@ def test_serial_block_exports_to_starcoder2_with_equal_logits(serial_run, tmp_pa
     assert _max_diff(unwindowed, ours) > 1e-3
 
 
+def test_a_multi_rank_run_exports_through_a_resharded_load(serial_run, tmp_path):
+    # The same job trained at TP2 x DP2 with the distributed optimizer: its checkpoint is
+    # resharded into the 1-process model, and the export computes the 1-rank run's logits.
+    job = with_changes(
+        _job(num_query_groups=2, window_size=8),
+        parallel={"tp": 2, "dp": None, "distributed_optimizer": True},
+    )
+    run_dir = tmp_path / "tp2xdp2"
+    run_local(run_rank, 4, (validate(job, 4, "gloo"), run_dir), timeout_s=300)
+    out = tmp_path / "hf"
+    assert _export_in_child(run_dir, out)["step"] == 4
+    tokens = _tokens(256)
+    _, ours = _in_child(_reference_logits, serial_run, tokens)
+    assert _max_diff(_in_child(_hf_logits, out, tokens), ours) <= TOL
+
+
 def test_step_selects_an_older_checkpoint(serial_run, tmp_path):
     newest, older = tmp_path / "newest", tmp_path / "older"
     assert _export_in_child(serial_run, newest)["step"] == 4
