@@ -150,16 +150,17 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
 
 
-def _data_build(args: argparse.Namespace) -> int:
-    from megascale.data import build
+def _data(args: argparse.Namespace) -> int:
+    """``megascale data build|convert``: 0, or 1 with a one-line error naming the file/option."""
+    from megascale.data import build, convert
+    from megascale.data.indexed import DataError
 
-    return build.run(args)
-
-
-def _data_convert(args: argparse.Namespace) -> int:
-    from megascale.data import convert
-
-    return convert.run(args)
+    try:
+        {"build": build.run, "convert": convert.run}[args.data_command](args)
+    except (OSError, DataError) as e:
+        print(f"megascale data {args.data_command}: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,12 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     from megascale.data import build, convert
 
     build.add_arguments(build_p)
-    build_p.set_defaults(func=_data_build)
+    build_p.set_defaults(func=_data)
     convert_p = data_sub.add_parser(
         "convert", help="rewrite an old megascale MSTOKEN token file in Megatron's format"
     )
     convert.add_arguments(convert_p)
-    convert_p.set_defaults(func=_data_convert)
+    convert_p.set_defaults(func=_data)
 
     from megascale.diagnostics import report, timeline
 

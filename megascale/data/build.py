@@ -238,18 +238,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``megascale data build``; 0 on success, 1 with a one-line error on bad input."""
-    try:
-        build(
-            args.inputs,
-            args.output,
-            args.tokenizer,
-            split=args.split,
-            json_key=args.json_key,
-            eod_token=args.eod_token,
-        )
-    except (OSError, DataError) as e:
-        logger.error("megascale data build: %s", e)
-        return 1
-    return 0
+def run(args: argparse.Namespace) -> None:
+    """Run ``megascale data build``; raises DataError or OSError (the CLI prints one line)."""
+    build(
+        args.inputs,
+        args.output,
+        args.tokenizer,
+        split=args.split,
+        json_key=args.json_key,
+        eod_token=args.eod_token,
+    )

@@ -84,11 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run ``megascale data convert``; 0 on success, 1 with a one-line error."""
-    try:
-        convert(args.old_prefix, args.output)
-    except (OSError, DataError) as e:
-        logger.error("megascale data convert: %s", e)
-        return 1
-    return 0
+def run(args: argparse.Namespace) -> None:
+    """Run ``megascale data convert``; raises DataError or OSError (the CLI prints one line)."""
+    convert(args.old_prefix, args.output)
