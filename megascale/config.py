@@ -457,8 +457,9 @@ def _check_type(name: str, value: Any, hint: Any, source: str = "") -> Any:
     elif base is str:
         ok = isinstance(value, str)
     elif base == list[str]:
-        value = _string_list(value)
-        ok = value is not None
+        strings = _string_list(value)
+        ok = strings is not None
+        value = strings if ok else value
     else:
         raise TypeError(f"unsupported config annotation {hint} on {name}")
     if ok or (value is None and nullable):

@@ -144,7 +144,8 @@ def build_splits(job: JobConfig, default_prefix: Path | None, cache_dir: Path):
         create_attention_mask=False,
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, split_sizes(job), lambda: True, config)
-    train, valid, _test = builder.build()
+    builder.build()  # rank 0 builds the missing index files and holds them in memory: dropped
+    train, valid, _test = builder.build()  # every rank now memory-maps them from the cache
     if train is None or len(train) == 0:
         raise DataError(f"data.split = {job.data.split!r}: the train split has no samples")
     return train, valid
