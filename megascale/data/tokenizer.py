@@ -130,3 +130,27 @@ def load_tokenizer(spec: str | Path, eod_token: str | None = None) -> ByteTokeni
             )
         return ByteTokenizer()
     return HFTokenizer(spec, eod_token)
+
+
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, path: str | Path, eod_token: str | None = "<|endoftext|>"
+) -> Path:
+    """Train a byte-level BPE tokenizer (GPT-2 style) on ``texts`` and save it as ``path``.
+
+    For a tokenizer without a download, e.g. on the built-in corpus (``corpus.generate_corpus``);
+    ``eod_token`` (None: no special token) becomes a special token of the vocabulary.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eod_token] if eod_token else [],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(path))
+    return Path(path)

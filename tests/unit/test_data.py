@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from megascale import cli
 from megascale.data.build import build, split_documents
@@ -32,24 +31,14 @@ from megascale.data.indexed import (
     write_indexed,
 )
 from megascale.data.tokenizer import EOD, ByteTokenizer, HFTokenizer, load_tokenizer
+from megascale.data.tokenizer import train_bpe as train_bpe_tokenizer
 
 BPE_VOCAB = 400
 
 
 def train_bpe(path: Path, special: str | None = "<|endoftext|>", vocab: int = BPE_VOCAB) -> Path:
     """A tiny byte-level BPE tokenizer trained on the built-in corpus, saved as ``path``."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = __import__("tokenizers").decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=[special] if special else [],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(generate_corpus().split("\n\n"), trainer)
-    tok.save(str(path))
-    return path
+    return train_bpe_tokenizer(generate_corpus().split("\n\n"), vocab, path, special)
 
 
 @pytest.fixture(scope="module")
