@@ -94,6 +94,9 @@ def _steps(train, job, steps: int, dp: int, state=None, first: int = 0) -> list[
 
 
 def test_blend_shares_match_the_weights(corpora, tmp_path):
+    from megatron.core.datasets import helpers_cpp  # the compiled blending/sample-index helpers
+
+    assert hasattr(helpers_cpp, "build_blending_indices")
     job = _job(corpora)
     train, _valid = build_splits(job, None, tmp_path / "cache")
     samples = [s for step in _steps(train, job, job.train.steps, dp=1) for s in step]
