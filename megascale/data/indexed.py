@@ -139,19 +139,28 @@ def check_prefix(prefix: str | os.PathLike, field: str = "data.path") -> None:
 
 
 def _expected_bin_bytes(idx: Path, code: int) -> int:
-    """Bytes the ``.bin`` must have per the ``.idx``: the last pointer + the last length."""
-    raw = idx.read_bytes()
-    try:
-        off = len(MEGATRON_MAGIC) + 8 + 1
-        n_seq, _n_doc = struct.unpack_from("<QQ", raw, off)
-        off += 16
-        lengths = np.frombuffer(raw, np.int32, n_seq, off)
-        pointers = np.frombuffer(raw, np.int64, n_seq, off + 4 * n_seq)
-    except (struct.error, ValueError) as e:
-        raise DataError(f"{idx}: truncated index ({len(raw)} bytes): {e}") from e
-    if n_seq == 0:
-        return 0
-    return int(pointers[-1]) + int(lengths[-1]) * np.dtype(_DTYPE_CODES[code]).itemsize
+    """Bytes the ``.bin`` must have per the ``.idx``: the last pointer + the last length. Reads
+    the header and those two numbers only (an index holds 12+ bytes per sequence)."""
+    head = len(MEGATRON_MAGIC) + 8 + 1 + 16  # magic, version, dtype code, counts
+    size = idx.stat().st_size
+    with open(idx, "rb") as f:
+        f.seek(head - 16)
+        counts = f.read(16)
+        if len(counts) < 16:
+            raise DataError(f"{idx}: truncated index ({size} bytes, header needs {head})")
+        n_seq, n_doc = struct.unpack("<QQ", counts)
+        if size < head + 12 * n_seq + 8 * n_doc:
+            raise DataError(
+                f"{idx}: truncated index ({size} bytes, expected {head + 12 * n_seq + 8 * n_doc} "
+                f"for {n_seq} sequences and {n_doc} document indices)"
+            )
+        if n_seq == 0:
+            return 0
+        f.seek(head + 4 * (n_seq - 1))
+        (last_length,) = struct.unpack("<i", f.read(4))
+        f.seek(head + 4 * n_seq + 8 * (n_seq - 1))
+        (last_pointer,) = struct.unpack("<q", f.read(8))
+    return last_pointer + last_length * np.dtype(_DTYPE_CODES[code]).itemsize
 
 
 def open_indexed(prefix: str | os.PathLike, field: str = "data.path"):

@@ -176,6 +176,22 @@ def test_build_jsonl_with_hf_tokenizer(tmp_path, bpe, caplog):
         build([src], tmp_path / "k", bpe)
 
 
+def test_build_refuses_missing_input_and_nul_bytes(tmp_path):
+    with pytest.raises(DataError, match=r"input .*missing\.txt: no such file"):
+        build([tmp_path / "missing.txt"], tmp_path / "o")
+    nul = tmp_path / "nul.txt"
+    nul.write_bytes(b"ab\x00c")
+    with pytest.raises(DataError, match=r"nul\.txt: byte 0x00 at offset 2"):
+        build([nul], tmp_path / "o")
+
+
+def test_check_prefix_refuses_another_format(tmp_path):
+    idx_path(tmp_path / "x").write_bytes(b"NOTMEGATRON" + bytes(40))
+    bin_path(tmp_path / "x").write_bytes(b"")
+    with pytest.raises(DataError, match=r"x\.idx: not a Megatron indexed dataset \(header"):
+        check_prefix(tmp_path / "x")
+
+
 def test_build_refuses_empty_input_keeping_existing_data(tmp_path):
     good, empty = tmp_path / "good.txt", tmp_path / "empty.txt"
     good.write_text("keep me\n")
@@ -310,3 +326,10 @@ def test_default_corpus_concurrent_builders(tmp_path):
     assert len(set(prefixes)) == 1
     assert int(IndexedDataset(str(prefixes[0])).sequence_lengths.sum()) == CORPUS_TOKENS
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_check_prefix_refuses_a_truncated_index(tmp_path, byte_data):
+    raw = idx_path(byte_data).read_bytes()
+    idx_path(byte_data).write_bytes(raw[:-3])
+    with pytest.raises(DataError, match=r"d\.idx: truncated index"):
+        check_prefix(byte_data)

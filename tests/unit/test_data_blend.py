@@ -182,3 +182,40 @@ def test_config_validation_of_data_fields():
     assert "train.eval_steps = 0: must be >= 1" in problems("train.eval_steps=0")
     with pytest.raises(ConfigError, match="data.blend = True .*expected a list"):
         load(None, ["data.blend=true"])
+
+
+def test_samples_are_shifted_windows_with_full_masks(corpora, tmp_path):
+    job = load(None, [f"data.path={corpora / 'a'}", "train.steps=5", "model.seq_length=32"])
+    train, _ = build_splits(job, None, tmp_path / "cache")
+    batch = ShardedBatches(train, 8, 4, 0, 1, job.train.seed).next_step()[0]
+    assert batch["tokens"].shape == batch["labels"].shape == (4, 32)
+    assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
+    assert torch.equal(batch["loss_mask"], torch.ones(4, 32))
+    assert torch.equal(batch["position_ids"], torch.arange(32).expand(4, 32))
+
+
+def test_order_depends_on_the_seed_and_runs_across_epochs(corpora, tmp_path):
+    def first_step_tokens(seed: int, steps: int):
+        job = load(
+            None,
+            [f"data.path={corpora / 'b'}", f"train.seed={seed}", f"train.steps={steps}",
+             "model.seq_length=32"],
+        )  # fmt: skip
+        train, _ = build_splits(job, None, tmp_path / "cache")
+        return train, ShardedBatches(train, 8, 2, 0, 1, seed).next_step()[0]["tokens"]
+
+    one, a = first_step_tokens(1, 5)
+    _, b = first_step_tokens(2, 5)
+    assert not torch.equal(a, b)
+    # Corpus b is ~2k samples of 32 tokens; 2,000 steps of 8 need several epochs.
+    many, _ = first_step_tokens(1, 2000)
+    assert len(many) >= 16_000 > 2 * len(one)
+
+
+def test_bad_batch_sizes(corpora, tmp_path):
+    job = load(None, [f"data.path={corpora / 'a'}", "train.steps=5", "model.seq_length=32"])
+    train, _ = build_splits(job, None, tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"global_batch_size=6 must be a positive multiple"):
+        ShardedBatches(train, 6, 2, 0, 2, 0)
+    with pytest.raises(ValueError, match="dp_rank=2, dp_size=2"):
+        ShardedBatches(train, 8, 2, 2, 2, 0)
