@@ -41,7 +41,7 @@ import torch
 
 from megascale.config import JobConfig
 from megascale.data.blend import parse_blend, parse_split
-from megascale.data.indexed import DataError, DatasetInfo, check_prefix, max_token
+from megascale.data.indexed import DataError, DatasetInfo, check_prefix, max_token, open_indexed
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ def check_data(job: JobConfig, default_prefix: Path | None, *, scan: bool) -> Da
                 f"{prefix}: token id {top} >= model.vocab_size = {vocab}; accepted ids "
                 f"0..{vocab - 1}"
             )
+    _check_split_tokens(job, prefixes, built_splits(job))
     kinds = {(i.tokenizer, i.vocab_size, i.eod) for i in infos.values()}
     if len(kinds) > 1:
         raise DataError(
@@ -114,6 +115,19 @@ def split_sizes(job: JobConfig) -> list[int]:
     t = job.train
     valid = t.eval_steps * t.global_batch_size if t.eval_interval else 0
     return [t.steps * t.global_batch_size, valid, 0]
+
+
+def built_splits(job: JobConfig) -> list[tuple[float, float] | None]:
+    """megatron-core's split matrix for ``data.split`` (bounds of each share in [0, 1]), with the
+    shares never read set to None: the test share always, the valid share without evaluation.
+    The train and valid bounds are those of the full split."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_split(job.data.split))
+    sizes = split_sizes(job)
+    return [b if i == 0 or (i == 1 and sizes[1]) else None for i, b in enumerate(matrix)]
 
 
 def build_splits(job: JobConfig, default_prefix: Path | None, cache_dir: Path):
@@ -143,12 +157,35 @@ def build_splits(job: JobConfig, default_prefix: Path | None, cache_dir: Path):
         eod_mask_loss=False,
         create_attention_mask=False,
     )
+    config.split_matrix = built_splits(job)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, split_sizes(job), lambda: True, config)
     builder.build()  # rank 0 builds the missing index files and holds them in memory: dropped
     train, valid, _test = builder.build()  # every rank now memory-maps them from the cache
     if train is None or len(train) == 0:
         raise DataError(f"data.split = {job.data.split!r}: the train split has no samples")
     return train, valid
+
+
+def _check_split_tokens(job: JobConfig, prefixes: list[str], split_matrix: list) -> None:
+    """DataError unless every split that is built holds one sample's tokens in every dataset
+    (megatron-core would loop forever on an empty one). Documents are split as megatron-core
+    does: split ``[b, e)`` of ``n`` is documents ``round(b * n) .. round(e * n) - 1``."""
+    need = job.model.seq_length + 1
+    for prefix in prefixes:
+        dataset = open_indexed(prefix)  # keeps the memory map that ``lengths`` views open
+        lengths = dataset.sequence_lengths
+        n = len(lengths)
+        for name, bounds in zip(("train", "valid"), split_matrix, strict=False):
+            if bounds is None:
+                continue
+            beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
+            tokens = int(lengths[beg:end].sum())
+            if tokens < need:
+                raise DataError(
+                    f"data.split = {job.data.split!r}: the {name} split of {prefix} is "
+                    f"{end - beg} of {n} documents, {tokens} tokens; it needs at least "
+                    f"model.seq_length + 1 = {need} (more data, or a larger {name} share)"
+                )
 
 
 def collate(samples: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -324,7 +324,8 @@ def test_default_corpus_concurrent_builders(tmp_path):
     with ThreadPoolExecutor(4) as pool:
         prefixes = list(pool.map(lambda _: default_token_file(tmp_path), range(4)))
     assert len(set(prefixes)) == 1
-    assert int(IndexedDataset(str(prefixes[0])).sequence_lengths.sum()) == CORPUS_TOKENS
+    ds = IndexedDataset(str(prefixes[0]))  # its memory map must outlive the lengths' view
+    assert int(ds.sequence_lengths.sum()) == CORPUS_TOKENS
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 

@@ -139,7 +139,7 @@ def test_indices_are_memory_mapped_from_the_cache(corpora, tmp_path):
     for mid in train.datasets:
         assert isinstance(mid.shuffle_index, np.memmap)
         assert isinstance(mid.sample_index, np.memmap)
-    assert len(valid) >= split_sizes(job)[1] == 10 * 0 + job.train.eval_steps * 8
+    assert len(valid) >= split_sizes(job)[1] == job.train.eval_steps * 8
     assert any(p.name.endswith("shuffle_index.npy") for p in (tmp_path / "cache").iterdir())
 
 
@@ -219,3 +219,16 @@ def test_bad_batch_sizes(corpora, tmp_path):
         ShardedBatches(train, 6, 2, 0, 2, 0)
     with pytest.raises(ValueError, match="dp_rank=2, dp_size=2"):
         ShardedBatches(train, 8, 2, 2, 2, 0)
+
+
+def test_a_split_too_small_for_one_sample_is_refused(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("a b c d e f g h i j k l m n o p q\n\nsecond doc with words\n\nthird doc\n")
+    build([src], tmp_path / "d")
+    job = load(None, [f"data.path={tmp_path / 'd'}", "train.eval_interval=2", "model.seq_length=8"])
+    with pytest.raises(DataError, match=r"the valid split of .*d is 0 of 3 documents, 0 tokens"):
+        build_splits(job, None, tmp_path / "cache")
+    # Without evaluation the valid share is never built, so the same data trains.
+    job = load(None, [f"data.path={tmp_path / 'd'}", "model.seq_length=8"])
+    train, valid = build_splits(job, None, tmp_path / "cache")
+    assert valid is None and len(train) > 0
