@@ -52,6 +52,7 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from e
     # Refuse bad config before any process group starts.
     job = config_mod.validate(job, world, "nccl" if device == "cuda" else "gloo")
+    _check_data(job)
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if launched else world
     check_machine(job, device, ranks_here=here, started=launched)
     run_dir = Path(args.run_dir or _default_run_dir())
@@ -85,6 +86,20 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _check_data(job) -> None:
+    """Refuse unusable datasets (missing, truncated, another tokenizer, ids >= model.vocab_size)
+    before any rank starts; the built-in corpus is checked by the ranks that build it."""
+    if job.data.path is None and job.data.blend is None:
+        return
+    from megascale.data.dataset import check_data
+    from megascale.data.indexed import DataError
+
+    try:
+        check_data(job, None, scan=True)
+    except DataError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _positive_int(text: str) -> int:
@@ -177,10 +192,17 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _data_build(args: argparse.Namespace) -> int:
-    from megascale.data import build
+def _data(args: argparse.Namespace) -> int:
+    """``megascale data build|convert``: 0, or 1 with a one-line error naming the file/option."""
+    from megascale.data import build, convert
+    from megascale.data.indexed import DataError
 
-    return build.run(args)
+    try:
+        {"build": build.run, "convert": convert.run}[args.data_command](args)
+    except (OSError, DataError) as e:
+        print(f"megascale data {args.data_command}: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,13 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
     dashboards.add_arguments(dashboards_p)
     dashboards_p.set_defaults(func=_dashboards)
 
-    data = sub.add_parser("data", help="token files")
+    data = sub.add_parser("data", help="datasets in Megatron-LM's indexed format")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    build_p = data_sub.add_parser("build", help="build a token file from text files")
-    from megascale.data import build
+    build_p = data_sub.add_parser(
+        "build", help="tokenize text/JSONL files (byte or Hugging Face tokenizer) into a dataset"
+    )
+    from megascale.data import build, convert
 
     build.add_arguments(build_p)
-    build_p.set_defaults(func=_data_build)
+    build_p.set_defaults(func=_data)
+    convert_p = data_sub.add_parser(
+        "convert", help="rewrite an old megascale MSTOKEN token file in Megatron's format"
+    )
+    convert.add_arguments(convert_p)
+    convert_p.set_defaults(func=_data)
 
     export_p = sub.add_parser("export", help="a trained run to a Hugging Face transformers model")
     from megascale import export

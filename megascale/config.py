@@ -167,13 +167,30 @@ class TrainConfig:
     """"cpu", "cuda", or "auto" (CUDA when available)."""
     log_interval: int = 1
     """Steps between progress lines."""
+    eval_interval: int = 0
+    """Steps between validation-loss evaluations on the valid split (``data.split``); 0: none.
+    The last step is evaluated too. ``val_loss`` appears in metrics.jsonl and the progress line."""
+    eval_steps: int = 2
+    """Global batches per evaluation: the same first ``eval_steps * global_batch_size`` samples of
+    the valid split every time."""
 
 
 @dataclass
 class DataConfig:
     path: str | None = None
-    """Token file prefix (``PREFIX.bin``/``PREFIX.idx``) made by ``megascale data build``; None uses
-    the corpus that ships with the package."""
+    """Prefix of a Megatron-LM indexed dataset (``PREFIX.bin``/``PREFIX.idx``, from Megatron's
+    ``preprocess_data.py`` or ``megascale data build``); None (and no blend) uses the corpus that
+    ships with the package."""
+    blend: list[str] | None = None
+    """Megatron-style blend instead of ``path``: ``["0.7", "PREFIX_A", "0.3", "PREFIX_B"]`` (weight
+    then prefix), ``["PREFIX_A", "PREFIX_B"]`` (weighted by size), or a TOML table
+    ``{PREFIX_A = 0.7, PREFIX_B = 0.3}``."""
+    split: str = "98,1,1"
+    """Train, valid and test shares of every dataset's documents (Megatron's ``--split``)."""
+    cache_dir: str | None = None
+    """Where megatron-core's sample/shuffle/blend index files are cached (built once by rank 0,
+    memory-mapped by every rank); None: ``RUN_DIR/data/index-cache``. Must be visible to all
+    ranks."""
 
 
 @dataclass
@@ -463,6 +480,7 @@ _EXPECTED = {
     int: "an integer",
     float: "a number",
     str: "a string",
+    list[str]: "a list of strings and numbers, or a table {name = number}",
 }
 
 
@@ -478,6 +496,10 @@ def _check_type(name: str, value: Any, hint: Any, source: str = "") -> Any:
         value = float(value) if ok else value
     elif base is str:
         ok = isinstance(value, str)
+    elif base == list[str]:
+        strings = _string_list(value)
+        ok = strings is not None
+        value = strings if ok else value
     else:
         raise TypeError(f"unsupported config annotation {hint} on {name}")
     if ok or (value is None and nullable):
@@ -488,6 +510,18 @@ def _check_type(name: str, value: Any, hint: Any, source: str = "") -> Any:
     what = "none" if value is None else f"{value!r} ({type(value).__name__})"
     origin = f", from {source}" if source else ""
     raise ConfigError(f"{name} = {what}{origin}: expected {expected}")
+
+
+def _string_list(value: Any) -> list[str] | None:
+    """A list of strings and numbers as strings; a table ``{name = number}`` as the flat list
+    ``["number", "name", ...]`` (how ``data.blend`` is written either way); None otherwise."""
+    if isinstance(value, dict):
+        value = [x for name, number in value.items() for x in (number, name)]
+    if not isinstance(value, list) or not all(
+        isinstance(x, str | int | float) and not isinstance(x, bool) for x in value
+    ):
+        return None
+    return [str(x) for x in value]
 
 
 def check_types(cfg: JobConfig) -> None:

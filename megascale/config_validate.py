@@ -105,6 +105,7 @@ def _ranges(cfg: JobConfig) -> list[str]:
         ("train.global_batch_size", t.global_batch_size),
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.log_interval", t.log_interval),
+        ("train.eval_steps", t.eval_steps),
         ("checkpoint.keep", c.keep),
         ("diagnostics.flush_interval_steps", cfg.diagnostics.flush_interval_steps),
     ]:
@@ -125,6 +126,7 @@ def _ranges(cfg: JobConfig) -> list[str]:
         ("optim.weight_decay", o.weight_decay),
         ("optim.clip_grad", o.clip_grad),
         ("train.seed", t.seed),
+        ("train.eval_interval", t.eval_interval),
         ("checkpoint.interval", c.interval),
     ]:
         at_least(name, value, 0)
@@ -163,6 +165,9 @@ def _ranges(cfg: JobConfig) -> list[str]:
     one_of("model.spec", m.spec, SPECS)
     one_of("model.params_dtype", m.params_dtype, DTYPES)
     one_of("train.device", t.device, DEVICES)
+    from megascale.data.blend import check_data_config
+
+    problems += check_data_config(cfg.data, t.eval_interval)
     ft = cfg.fault_tolerance
     problems += fault_tolerance_problems(
         ft.policy, ft.max_restarts, ft.restart_window_s, ft.node_wait_timeout_s, "fault_tolerance."

@@ -7,9 +7,9 @@ redistributed freely. The text is regular enough that a tiny GPT's loss falls vi
 ln(256) ~ 5.5 within a few dozen steps, and structured enough (sums that are right, lists in order)
 that lower loss means the model learned something.
 
-``default_token_file(cache_dir)`` builds the token file for it once per cache directory and returns
-its prefix; concurrent callers (one per rank) are safe because the write is atomic and the content
-is identical for every caller.
+``default_token_file(cache_dir)`` builds it once per cache directory as a Megatron indexed dataset
+(byte tokenizer) and returns its prefix; concurrent callers (one per rank) are safe because the
+write is atomic and the content is identical for every caller.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from megascale.data.build import build
 
 logger = logging.getLogger(__name__)
 
-CORPUS_VERSION = 1
-"""Bump when the generator's output changes; it is part of the cache file name."""
+CORPUS_VERSION = 2
+"""Bump when the generator's output or the file format changes; it is part of the cache file name
+(2: Megatron's indexed format)."""
 CORPUS_SEED = 20240226
 CORPUS_TARGET_BYTES = 300_000
 """The generator stops at the first paragraph boundary at or past this many bytes."""
@@ -137,21 +138,22 @@ def corpus_sha256() -> str:
 def default_token_file(cache_dir: str | os.PathLike) -> Path:
     """Build the built-in corpus's token file in ``cache_dir`` once; return its prefix.
 
-    The prefix is ``cache_dir/megascale-corpus-v{CORPUS_VERSION}`` (vocab_size 256, one document
-    per paragraph). If ``PREFIX.idx`` exists the file is reused. Safe to call from every rank at
+    The prefix is ``cache_dir/megascale-corpus-v{CORPUS_VERSION}`` (byte tokenizer, one document
+    per paragraph, Megatron's format). If ``PREFIX.json`` (written last) exists the dataset is
+    reused. Safe to call from every rank at
     once: each caller that finds no file writes the (identical) text and token file under
     temporary names and renames them into place.
     """
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     prefix = cache / f"megascale-corpus-v{CORPUS_VERSION}"
-    if Path(f"{prefix}.idx").is_file():
+    if Path(f"{prefix}.json").is_file():
         return prefix
     text_path = cache / f"megascale-corpus-v{CORPUS_VERSION}.txt"
     fd, tmp_text = tempfile.mkstemp(prefix=f".{text_path.name}.", suffix=".tmp", dir=cache)
     with os.fdopen(fd, "w", encoding="ascii") as f:
         f.write(generate_corpus())
     os.replace(tmp_text, text_path)
-    build([text_path], prefix, 256, split="paragraph")
+    build([text_path], prefix, "byte", split="paragraph")
     logger.info("megascale::data::corpus built the default corpus at %s", prefix)
     return prefix

@@ -1,100 +1,200 @@
-"""GPT samples from a token file, in a seeded global order, sharded over data-parallel ranks.
+"""GPT samples from Megatron indexed datasets: blends, train/valid/test splits, DP-sharded batches.
 
-Sampling (``GPTDataset``): the token file's documents, each ending with the EOD id, form one
-stream. Sample ``i`` is the ``seq_length + 1`` tokens starting at ``i * seq_length`` (consecutive
-samples share one token, so every token except the first is a label exactly once per epoch);
-``tokens = sample[:-1]`` and ``labels = sample[1:]``. Samples cross document boundaries; the EOD
-token tells the model where one ends. ``loss_mask`` is all ones and ``position_ids`` are
-``0..seq_length-1`` for every sample (no per-document position or attention reset).
+Datasets (``build_splits``): megatron-core's ``BlendedMegatronDatasetBuilder`` builds ``GPTDataset``
+splits of the blend (``data.blend``, or the one prefix ``data.path``, or the built-in corpus) with
+``data.split`` (``"98,1,1"``: train/valid/test shares of each dataset's documents) and, for a
+weighted blend, a ``BlendedDataset`` drawing from each corpus in proportion to its weight. Sample
+``i`` of a split is ``seq_length + 1`` tokens (``tokens``/``labels`` shifted by one, ``loss_mask``
+ones, ``position_ids`` 0..seq-1); samples cross document boundaries, the end-of-document id tells
+the model where one ends. Samples are shuffled by megatron-core, seeded with ``train.seed``.
 
-Order (``epoch_order``): epoch ``e`` visits all samples once, in the permutation drawn by
-``numpy.random.default_rng((seed, e))``. Global sample ``g`` of the run is sample
-``epoch_order(n, seed, g // n)[g % n]``, where ``n = len(dataset)``. The order depends on
-nothing but ``seed`` and the dataset, never on the parallel layout or batch sizes.
+Memory: the shuffle, sample and blend indices are ``.npy`` files in the cache directory
+(``data.cache_dir``, else ``RUN_DIR/data/index-cache``), memory-mapped by every rank; the tokens are
+memory-mapped too, so a rank's memory does not grow with the dataset. Global rank 0 builds the
+index files (megatron-core's rule; the cache directory must be visible to every rank, as the run
+directory is) while the other ranks wait on a barrier; later runs reuse them.
+
+Order: the train split is built for ``train.steps * train.global_batch_size`` samples (more epochs
+when the data is smaller); global sample ``g`` of the run is sample ``g`` of it (modulo its length
+when a run is extended past that). The order depends on the seed, the data, ``data.split``,
+``model.seq_length`` and that sample count, never on the parallel layout.
 
 Sharding (``ShardedBatches``): optimizer step ``k`` consumes global samples
 ``consumed .. consumed + global_batch_size - 1``. Data-parallel rank ``r`` of ``dp_size`` takes
 the *contiguous* block ``r * per_rank .. (r + 1) * per_rank - 1`` of them
 (``per_rank = global_batch_size // dp_size``) and cuts it into micro-batches of
 ``micro_batch_size`` in order. Concatenating the ranks' micro-batches rank by rank therefore gives
-exactly the samples, in the same order, of a 1-process run with the same global batch size; this is
-what the distributed-vs-1-process equivalence tests rely on.
+exactly the samples, in the same order, of a 1-process run with the same global batch size.
+
+Validation (``eval_batches``): every evaluation reads the same first ``train.eval_steps`` global
+batches of the valid split, sharded the same way, so values at different steps compare.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
-from functools import lru_cache
+from pathlib import Path
 
-import numpy as np
 import torch
 
-from megascale.data.token_file import TokenFile, TokenFileError
+from megascale.config import JobConfig
+from megascale.data.blend import parse_blend, parse_split
+from megascale.data.indexed import DataError, DatasetInfo, check_prefix, max_token, open_indexed
 
 logger = logging.getLogger(__name__)
 
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
-class GPTDataset:
-    """Fixed-length samples of ``seq_length + 1`` tokens cut from a token file's stream.
 
-    ``len(ds)`` is ``(num_tokens - 1) // seq_length``; the tail that does not fill a sample is
-    never used. ``ds[i]`` returns an int64 array of ``seq_length + 1`` token ids.
+def data_sources(
+    job: JobConfig, default_prefix: Path | None
+) -> tuple[list[str], list[float] | None]:
+    """The prefixes and weights a job trains on: ``data.blend``, else ``data.path``, else the
+    built-in corpus at ``default_prefix``."""
+    if job.data.blend is not None:
+        return parse_blend(job.data.blend)
+    if job.data.path is not None:
+        return [job.data.path], None
+    if default_prefix is None:
+        raise DataError("no data: set data.path or data.blend, or build the built-in corpus")
+    return [os.fspath(default_prefix)], None
+
+
+def check_data(job: JobConfig, default_prefix: Path | None, *, scan: bool) -> DatasetInfo | None:
+    """Check every dataset of the job before training: readable, consistent files, one tokenizer,
+    vocabulary and largest token id within ``model.vocab_size``. DataError names the file or field.
+
+    ``scan``: find the largest id of a dataset without a ``PREFIX.json`` by reading its ``.bin``
+    (chunked); without it such datasets are trusted. Returns the common sidecar (None if none).
     """
-
-    def __init__(self, token_file: TokenFile, seq_length: int):
-        if seq_length < 1:
-            raise ValueError(f"seq_length={seq_length}; accepted: >= 1")
-        self.token_file = token_file
-        self.seq_length = seq_length
-        self._num_samples = (token_file.num_tokens - 1) // seq_length
-        if self._num_samples < 1:
-            raise TokenFileError(
-                f"{token_file.prefix}: {token_file.num_tokens} tokens, need at least "
-                f"{seq_length + 1} for one sample of seq_length={seq_length}"
+    prefixes, _ = data_sources(job, default_prefix)
+    parse_split(job.data.split)
+    field = "data.blend" if job.data.blend is not None else "data.path"
+    vocab = job.model.vocab_size
+    infos: dict[str, DatasetInfo] = {}
+    for prefix in prefixes:
+        check_prefix(prefix, field)
+        info = DatasetInfo.read(prefix)
+        if info is not None:
+            infos[prefix] = info
+            if info.vocab_size > vocab:
+                raise DataError(
+                    f"{prefix}: built with a tokenizer of vocabulary {info.vocab_size}, larger "
+                    f"than model.vocab_size = {vocab}; raise model.vocab_size to >= "
+                    f"{info.vocab_size}"
+                )
+        top = info.max_token if info is not None else (max_token(prefix) if scan else -1)
+        if top >= vocab:
+            raise DataError(
+                f"{prefix}: token id {top} >= model.vocab_size = {vocab}; accepted ids "
+                f"0..{vocab - 1}"
             )
+    _check_split_tokens(job, prefixes, built_splits(job))
+    kinds = {(i.tokenizer, i.vocab_size, i.eod) for i in infos.values()}
+    if len(kinds) > 1:
+        raise DataError(
+            f"{field}: datasets built with different tokenizers "
+            f"({', '.join(f'{p}: {i.tokenizer}/vocab {i.vocab_size}' for p, i in infos.items())})"
+        )
+    return next(iter(infos.values()), None)
 
-    def __len__(self) -> int:
-        return self._num_samples
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        if not 0 <= i < self._num_samples:
-            raise IndexError(f"sample {i} out of range (dataset has {self._num_samples})")
-        start = i * self.seq_length
-        return np.asarray(self.token_file.tokens[start : start + self.seq_length + 1], np.int64)
+class _TokenizerInfo:
+    """What megatron-core's GPTDataset needs of a tokenizer: its vocabulary size and EOD id."""
+
+    def __init__(self, vocab_size: int, eod: int) -> None:
+        self.vocab_size, self.eod = vocab_size, eod
+        # Part of megatron-core's cache key (MegatronDataset.unique_description).
+        self.unique_identifiers = {"vocab_size": vocab_size, "eod": eod}
 
 
-@lru_cache(maxsize=4)
-def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """The permutation of ``range(num_samples)`` for ``epoch``; a pure function of its arguments.
+def split_sizes(job: JobConfig) -> list[int]:
+    """Samples to build per split: the whole run for train, one evaluation's for valid."""
+    t = job.train
+    valid = t.eval_steps * t.global_batch_size if t.eval_interval else 0
+    return [t.steps * t.global_batch_size, valid, 0]
 
-    Seeded with ``numpy.random.default_rng((seed, epoch))``. Read-only result (it is cached).
+
+def built_splits(job: JobConfig) -> list[tuple[float, float] | None]:
+    """megatron-core's split matrix for ``data.split`` (bounds of each share in [0, 1]), with the
+    shares never read set to None: the test share always, the valid share without evaluation.
+    The train and valid bounds are those of the full split."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_split(job.data.split))
+    sizes = split_sizes(job)
+    return [b if i == 0 or (i == 1 and sizes[1]) else None for i, b in enumerate(matrix)]
+
+
+def build_splits(job: JobConfig, default_prefix: Path | None, cache_dir: Path):
+    """(train, valid) datasets of the job (valid None when ``data.split`` gives it no share).
+
+    Collective when torch.distributed is initialised (every rank calls it; rank 0 builds the
+    index cache first). Raises DataError before any building for a bad dataset or setting.
     """
-    perm = np.random.default_rng((seed, epoch)).permutation(num_samples)
-    perm.flags.writeable = False
-    return perm
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    info = check_data(job, default_prefix, scan=False)
+    prefixes, weights = data_sources(job, default_prefix)
+    shares = parse_split(job.data.split)
+    eod = info.eod if info is not None else 0
+    config = GPTDatasetConfig(
+        random_seed=job.train.seed,
+        sequence_length=job.model.seq_length,
+        blend=(prefixes, weights),
+        split=",".join(f"{s:.6f}" for s in shares),
+        path_to_cache=os.fspath(cache_dir),
+        tokenizer=_TokenizerInfo(job.model.vocab_size, eod),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    config.split_matrix = built_splits(job)
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, split_sizes(job), lambda: True, config)
+    builder.build()  # rank 0 builds the missing index files and holds them in memory: dropped
+    train, valid, _test = builder.build()  # every rank now memory-maps them from the cache
+    if train is None or len(train) == 0:
+        raise DataError(f"data.split = {job.data.split!r}: the train split has no samples")
+    return train, valid
 
 
-def global_sample_index(dataset_len: int, seed: int, g: int) -> int:
-    """The dataset index of global sample ``g`` (across epochs) of a run seeded with ``seed``."""
-    epoch, pos = divmod(g, dataset_len)
-    return int(epoch_order(dataset_len, seed, epoch)[pos])
+def _check_split_tokens(job: JobConfig, prefixes: list[str], split_matrix: list) -> None:
+    """DataError unless every split that is built holds one sample's tokens in every dataset
+    (megatron-core would loop forever on an empty one). Documents are split as megatron-core
+    does: split ``[b, e)`` of ``n`` is documents ``round(b * n) .. round(e * n) - 1``."""
+    need = job.model.seq_length + 1
+    for prefix in prefixes:
+        dataset = open_indexed(prefix)  # keeps the memory map that ``lengths`` views open
+        lengths = dataset.sequence_lengths
+        n = len(lengths)
+        for name, bounds in zip(("train", "valid"), split_matrix, strict=False):
+            if bounds is None:
+                continue
+            beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
+            tokens = int(lengths[beg:end].sum())
+            if tokens < need:
+                raise DataError(
+                    f"data.split = {job.data.split!r}: the {name} split of {prefix} is "
+                    f"{end - beg} of {n} documents, {tokens} tokens; it needs at least "
+                    f"model.seq_length + 1 = {need} (more data, or a larger {name} share)"
+                )
 
 
-def collate(samples: list[np.ndarray]) -> dict[str, torch.Tensor]:
-    """One micro-batch dict from samples of ``seq_length + 1`` tokens (CPU tensors).
+def collate(samples: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One micro-batch dict from megatron-core samples (CPU tensors).
 
-    Keys: ``tokens`` and ``labels`` (int64 [mbs, seq]), ``loss_mask`` (float32 [mbs, seq], ones),
-    ``position_ids`` (int64 [mbs, seq], 0..seq-1 in every row).
+    Keys: ``tokens`` and ``labels`` (int64 [mbs, seq]), ``loss_mask`` (float32 [mbs, seq]),
+    ``position_ids`` (int64 [mbs, seq]).
     """
-    stacked = torch.from_numpy(np.stack(samples))
-    mbs, seq = stacked.shape[0], stacked.shape[1] - 1
-    return {
-        "tokens": stacked[:, :-1].contiguous(),
-        "labels": stacked[:, 1:].contiguous(),
-        "loss_mask": torch.ones(mbs, seq, dtype=torch.float32),
-        "position_ids": torch.arange(seq, dtype=torch.int64).expand(mbs, seq).contiguous(),
-    }
+    return {key: torch.stack([s[key] for s in samples]) for key in _BATCH_KEYS}
 
 
 class ShardedBatches:
@@ -109,7 +209,7 @@ class ShardedBatches:
 
     def __init__(
         self,
-        dataset: GPTDataset,
+        dataset,
         global_batch_size: int,
         micro_batch_size: int,
         dp_rank: int,
@@ -143,7 +243,7 @@ class ShardedBatches:
         per_rank = self.global_batch_size // self.dp_size
         first = step_start + self.dp_rank * per_rank
         n = len(self.dataset)
-        return [global_sample_index(n, self.seed, g) for g in range(first, first + per_rank)]
+        return [g % n for g in range(first, first + per_rank)]
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches for the next optimizer step; advances the state."""
@@ -162,18 +262,27 @@ class ShardedBatches:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Continue from ``state``. ``consumed_samples`` decides the next sample, so resuming with
-        another dp layout or global batch size stays on the same global order. The saved seed
-        wins over the constructor's (a resumed run keeps its order); a difference is logged."""
+        another dp layout stays on the same global order. The order itself was fixed when the
+        dataset was built (from the config's seed); a different saved seed is logged."""
         for key in ("step", "consumed_samples", "seed"):
             if key not in state:
                 raise KeyError(f"data loader state has no {key!r} (got keys {sorted(state)})")
         if int(state["seed"]) != self.seed:
             logger.warning(
-                "data loader state has seed %d, constructed with %d: using %d",
+                "data loader state has seed %d, the dataset was built with train.seed = %d: the "
+                "sample order follows the config",
                 state["seed"],
                 self.seed,
-                state["seed"],
             )
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
-        self.seed = int(state["seed"])
+
+
+def eval_batches(
+    valid, job: JobConfig, dp_rank: int, dp_size: int
+) -> list[list[dict[str, torch.Tensor]]]:
+    """This rank's micro-batches for one evaluation: ``train.eval_steps`` lists of them, from the
+    first ``eval_steps * global_batch_size`` samples of ``valid`` (the same at every evaluation)."""
+    t = job.train
+    batches = ShardedBatches(valid, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, 0)
+    return [batches.next_step() for _ in range(t.eval_steps)]

@@ -17,6 +17,7 @@ megascale_compute_time_seconds              gauge      node, rank               
 megascale_comm_time_seconds                 gauge      node, rank, group           agent
 megascale_tokens_per_second                 gauge      node                        agent
 megascale_mfu_ratio                         gauge      node                        agent
+megascale_validation_loss                   gauge      node                        agent
 megascale_checkpoint_stall_seconds          histogram  node                        agent
 megascale_checkpoint_stall_last_seconds     gauge      node                        agent
 megascale_heartbeats_sent_total             counter    node                        agent
@@ -116,6 +117,12 @@ METRICS: dict[str, MetricSpec] = {
             "megascale_mfu_ratio",
             Gauge,
             "Model FLOPs utilisation (0-1) as reported by this node's ranks.",
+            ("node",),
+        ),
+        MetricSpec(
+            "megascale_validation_loss",
+            Gauge,
+            "The last validation loss (train.eval_interval) this node's ranks computed.",
             ("node",),
         ),
         MetricSpec(
@@ -265,6 +272,11 @@ class AgentMetrics(_Exporter):
             if mfu is not None:
                 self._metric("megascale_mfu_ratio", node=self.node).set(mfu)
 
+    def set_validation_loss(self, loss: float) -> None:
+        """The last validation loss (``train.eval_interval``) this node's ranks computed."""
+        with self._lock:
+            self._metric("megascale_validation_loss", node=self.node).set(loss)
+
     def observe_checkpoint_stall(self, seconds: float) -> None:
         """One checkpoint save blocked training for ``seconds``."""
         with self._lock:
@@ -275,12 +287,14 @@ class AgentMetrics(_Exporter):
         """Export what a heartbeat carries; call once per heartbeat the agent sends.
 
         ``payload`` is the agent's HEARTBEAT (``robustness/keys.py``); fields read when present:
-        ``tokens_per_s``, ``mfu``, ``checkpoint_stall_s`` (a save that finished since the last
+        ``tokens_per_s``, ``mfu``, ``val_loss``, ``checkpoint_stall_s`` (a save that finished since the last
         heartbeat), and ``ranks``: ``{"<rank>": {"step", "step_time_s", "compute_time_s",
         "comm_time_s": float | {"dp"|"pp"|"tp": float}}}``. Missing fields are left unchanged.
         """
         self._metric("megascale_heartbeats_sent_total", node=self.node).inc()
         self.set_throughput(_num(payload.get("tokens_per_s")), _num(payload.get("mfu")))
+        if _num(payload.get("val_loss")) is not None:
+            self.set_validation_loss(float(payload["val_loss"]))
         if payload.get("checkpoint_stall_s") is not None:
             self.observe_checkpoint_stall(float(payload["checkpoint_stall_s"]))
         for rank, info in (payload.get("ranks") or {}).items():

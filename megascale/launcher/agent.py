@@ -308,6 +308,7 @@ class Agent:
         ranks: {"<rank>": {"step", "step_time_s", "compute_time_s"}}  (current workers')
         compute_time_s: the slowest rank's compute time of its last full step period (None:
         not known yet); the controller's straggler scores compare nodes by it
+        val_loss: the last validation loss its ranks computed (None: no evaluation yet)
         """
         # Exits before output: a worker seen exited here has written all of its output, so the
         # scan reads all of it (a peer's failure included) before its exit is reported.
@@ -341,6 +342,9 @@ class Agent:
             "compute_time_s": max(
                 (p["compute_time_s"] for p in progress.values() if p.get("compute_time_s")),
                 default=None,
+            ),
+            "val_loss": next(
+                (p["val_loss"] for p in progress.values() if p.get("val_loss") is not None), None
             ),
             "workers": workers,
             "flight": self._flight(),

@@ -6,7 +6,9 @@ or the new content, never a torn one; no fsync) when a section starts and after 
   {"version": 1, "rank": 3, "pid": 4242, "section": "step", "section_started": <wall>,
    "section_started_mono": <monotonic>, "step": 120, "step_time_s": 0.41, "tokens_per_s": 9987.0,
    "heartbeat": <wall>, "heartbeat_mono": <monotonic>, "durations": {"init": 12.5, "step": 0.41},
-   "compute_time_s": 0.30}
+   "compute_time_s": 0.30, "val_loss": 2.31}
+
+``val_loss`` (absent or None until the first evaluation) is the last validation loss.
 
 ``compute_time_s`` (absent or None until known) is the *previous* step's period (its start to
 this step's start) minus the time the rank was blocked in communication (the flight recorder's
@@ -70,6 +72,7 @@ class ProgressFile:
             "heartbeat_mono": 0.0,
             "durations": {},
             "compute_time_s": None,
+            "val_loss": None,
         }
 
     def enter(self, section: str) -> None:
@@ -83,10 +86,14 @@ class ProgressFile:
         state["section_started"] = time.time()
         self._write()
 
-    def step(self, step: int, step_time_s: float, tokens_per_s: float) -> None:
-        """After step ``step``: its time and throughput."""
+    def step(
+        self, step: int, step_time_s: float, tokens_per_s: float, val_loss: float | None = None
+    ) -> None:
+        """After step ``step``: its time and throughput (and validation loss if it evaluated)."""
         state = self._state
         state["step"], state["step_time_s"], state["tokens_per_s"] = step, step_time_s, tokens_per_s
+        if val_loss is not None:
+            state["val_loss"] = val_loss
         state["durations"]["step"] = step_time_s
         self._write()
 
@@ -116,7 +123,9 @@ class NullProgressFile:
     def enter(self, section: str) -> None:
         pass
 
-    def step(self, step: int, step_time_s: float, tokens_per_s: float) -> None:
+    def step(
+        self, step: int, step_time_s: float, tokens_per_s: float, val_loss: float | None = None
+    ) -> None:
         pass
 
     def compute_time(self, seconds: float) -> None:
@@ -145,6 +154,7 @@ class ProgressState:
     heartbeat_mono: float
     durations: dict[str, float] = field(default_factory=dict)
     compute_time_s: float | None = None
+    val_loss: float | None = None
 
 
 def read_progress(path: Path | str) -> ProgressState:
@@ -167,6 +177,7 @@ def read_progress(path: Path | str) -> ProgressState:
             heartbeat_mono=float(data["heartbeat_mono"]),
             durations={str(k): float(v) for k, v in data["durations"].items()},
             compute_time_s=data.get("compute_time_s"),
+            val_loss=data.get("val_loss"),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a megascale progress file ({e!r})") from None
@@ -230,8 +241,10 @@ class WorkerSignals:
         self.recorder.set_step(step)
 
     def step_done(self, metrics) -> None:
-        """``metrics``: the trainer's ``StepMetrics`` (step, step_time_s, tokens_per_s)."""
-        self.progress.step(metrics.step, metrics.step_time_s, metrics.tokens_per_s)
+        """``metrics``: the trainer's ``StepMetrics`` (step, step_time_s, tokens_per_s, val_loss)."""
+        self.progress.step(
+            metrics.step, metrics.step_time_s, metrics.tokens_per_s, metrics.val_loss
+        )
 
     def close(self) -> None:
         self.progress.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -17,8 +18,9 @@ from pathlib import Path
 import torch
 
 from megascale.config import JobConfig, to_toml
+from megascale.data.blend import parse_blend
 from megascale.data.corpus import default_token_file
-from megascale.data.token_file import bin_path, idx_path
+from megascale.data.indexed import bin_path, idx_path, tokenizer_copy_path
 from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
 from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
@@ -43,8 +45,9 @@ class Progress:
 
     def update(self, m: StepMetrics) -> None:
         mfu = f" mfu {m.mfu:.1%}" if m.mfu is not None else ""
+        val = f" val_loss {m.val_loss:.4f}" if m.val_loss is not None else ""
         text = (
-            f"step {m.step}/{self.total} loss {m.loss:.4f} grad_norm {m.grad_norm:.3f} "
+            f"step {m.step}/{self.total} loss {m.loss:.4f}{val} grad_norm {m.grad_norm:.3f} "
             f"lr {m.lr:.2e} {m.step_time_s * 1e3:.0f} ms {m.tokens_per_s:,.0f} tok/s{mfu}"
         )
         if self.tty:
@@ -53,7 +56,7 @@ class Progress:
             end = "\n" if m.step == self.total else ""
             self.stream.write(f"\r[{bar}] {text}\x1b[K{end}")
             self.stream.flush()
-        elif m.step % self.interval == 0 or m.step == self.total:
+        elif m.step % self.interval == 0 or m.step == self.total or m.val_loss is not None:
             self.stream.write(text + "\n")
             self.stream.flush()
 
@@ -117,10 +120,11 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
     groups = build_groups(job.parallel)
     seed_everything(job.train.seed, groups.tp_rank, device)
     data_dir = run_dir / "data"
-    if job.data.path is None:
-        if rank == 0:
+    if rank == 0:
+        if job.data.path is None and job.data.blend is None:
             default_token_file(data_dir)  # once, before the other ranks open it
-        torch.distributed.barrier()
+        copy_tokenizer(job, run_dir)
+    torch.distributed.barrier()
     trainer = Trainer(
         job,
         groups,
@@ -188,6 +192,8 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
             signals.step_started(trainer.step_num + 1)
             faults.before_step(trainer.step_num + 1)  # kill-worker / hang-worker fire here, once
             metrics = trainer.step()
+            if is_eval_step(job, trainer.step_num):
+                metrics.val_loss = trainer.evaluate()  # collective: every rank evaluates
             faults.after_step(metrics.step_time_s)  # slow-rank sleeps here
             signals.step_done(metrics)
             history.append(metrics)
@@ -210,6 +216,23 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
         signals.close()
     destroy_groups()
     return history
+
+
+def is_eval_step(job: JobConfig, step: int) -> bool:
+    """Every ``train.eval_interval`` steps and at the last step; never when the interval is 0."""
+    interval = job.train.eval_interval
+    return bool(interval) and (step % interval == 0 or step == job.train.steps)
+
+
+def copy_tokenizer(job: JobConfig, run_dir: Path) -> None:
+    """``RUN_DIR/tokenizer/tokenizer.json``: the Hugging Face tokenizer the data was built with
+    (``PREFIX.tokenizer.json`` of the first dataset that has one); nothing for byte-level data."""
+    for prefix in [job.data.path] if job.data.blend is None else parse_blend(job.data.blend)[0]:
+        source = tokenizer_copy_path(prefix) if prefix is not None else None
+        if source is not None and source.is_file():
+            (run_dir / "tokenizer").mkdir(exist_ok=True)
+            shutil.copyfile(source, run_dir / "tokenizer" / "tokenizer.json")
+            return
 
 
 def seed_everything(seed: int, tp_rank: int, device: str) -> None:

@@ -2,7 +2,8 @@
 
 Construction order (each a function you can grep): ``transformer_config`` -> ``parallelize``
 (build_gpt per virtual stage, init by global name, DDP) -> ``build_optimizer`` -> ``build_scheduler``
--> ``ShardedBatches`` over the token file. Checkpoint save/load lives in ``megascale.train.checkpoint``.
+-> ``build_splits`` (megatron-core datasets of the blend) -> ``ShardedBatches``. ``Trainer.evaluate``
+is the validation loss. Checkpoint save/load lives in ``megascale.train.checkpoint``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch.distributed as dist
 
 from megascale.config import JobConfig
 from megascale.data.corpus import default_token_file
-from megascale.data.dataset import GPTDataset, ShardedBatches
-from megascale.data.token_file import TokenFile
+from megascale.data.dataset import ShardedBatches, build_splits, eval_batches
+from megascale.data.indexed import DataError
 from megascale.diagnostics.flops import flops_per_token
 from megascale.diagnostics.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.model.gpt import transformer_config, use_te_spec
@@ -43,9 +44,15 @@ class StepMetrics:
     tokens_per_s: float
     mfu: float | None
     """Model FLOPs utilisation against ``peak_tflops``; None when no peak is known (CPU)."""
+    val_loss: float | None = None
+    """Validation loss after this step (``Trainer.evaluate``); None on steps without evaluation."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The metrics.jsonl record; ``val_loss`` only on steps that evaluated."""
+        out = asdict(self)
+        if out["val_loss"] is None:
+            del out["val_loss"]
+        return out
 
 
 class Trainer:
@@ -74,8 +81,11 @@ class Trainer:
             bf16=job.model.params_dtype == "bf16",
         )
         self.scheduler = build_scheduler(job.optim, self.optimizer, job.train.steps)
+        train_data, self.valid_data = build_splits(
+            job, _default_prefix(job, data_cache_dir), _index_cache_dir(job, data_cache_dir)
+        )
         self.data = ShardedBatches(
-            GPTDataset(TokenFile(_token_file_prefix(job, data_cache_dir)), job.model.seq_length),
+            train_data,
             job.train.global_batch_size,
             job.train.micro_batch_size,
             dp_rank=groups.dp_rank,
@@ -106,17 +116,7 @@ class Trainer:
         self.param_prefetch.start()
         with self.timeline.span("megascale::data::load"):
             micro_batches = self.data.next_step()
-        # Every virtual stage walks the same micro-batches; the schedule interleaves them.
-        iterators = [iter(micro_batches) for _ in self.model]
-        losses = self.forward_backward(
-            forward_step_func=self._forward_step,
-            data_iterator=iterators if len(self.model) > 1 else iterators[0],
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=len(micro_batches),
-            seq_length=self.job.model.seq_length,
-            micro_batch_size=self.job.train.micro_batch_size,
-            forward_only=False,
-        )
+        losses = self._schedule(micro_batches, forward_only=False)
         # finalize_model_grads (registered by apply_ddp) has synced grads over DP, SP and the tied
         # embedding; step() clips by the global norm and updates (all-gathering params if sharded).
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step runs at
@@ -142,6 +142,46 @@ class Trainer:
             step_time_s=elapsed,
             tokens_per_s=tokens_per_s,
             mfu=mfu,
+        )
+
+    def evaluate(self) -> float:
+        """Mean loss over ``train.eval_steps`` global batches of the valid split (the same ones
+        every time), with the training forward path and no gradients. Collective; every rank
+        returns the same value. Raises DataError when ``data.split`` gives no valid share."""
+        if self.valid_data is None:
+            raise DataError(f"data.split = {self.job.data.split!r}: no valid split to evaluate")
+        hooked = [c for c in self.model if getattr(c, "use_forward_hook", False)]
+        for chunk in hooked:  # gathers the updated params once, as megatron-core's evaluate does
+            chunk.disable_forward_pre_hook(param_sync=True)
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            losses = []
+            layout = self.groups.layout
+            with torch.no_grad():
+                for micro_batches in eval_batches(
+                    self.valid_data, self.job, self.groups.dp_rank, layout.dp
+                ):
+                    losses.append(self._mean_loss(self._schedule(micro_batches, True)))
+        finally:
+            for chunk in self.model:
+                chunk.train()
+            for chunk in hooked:
+                chunk.enable_forward_pre_hook()
+        return sum(losses) / len(losses)
+
+    def _schedule(self, micro_batches: list[dict], forward_only: bool) -> list[dict]:
+        """megatron-core's schedule (1F1B / interleaved / none) over these micro-batches."""
+        # Every virtual stage walks the same micro-batches; the schedule interleaves them.
+        iterators = [iter(micro_batches) for _ in self.model]
+        return self.forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=iterators if len(self.model) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(micro_batches),
+            seq_length=self.job.model.seq_length,
+            micro_batch_size=self.job.train.micro_batch_size,
+            forward_only=forward_only,
         )
 
     def _forward_step(self, data_iterator, model):
@@ -176,8 +216,14 @@ class Trainer:
         return value
 
 
-def _token_file_prefix(job: JobConfig, cache_dir: Path) -> Path:
-    if job.data.path:
-        return Path(job.data.path)
+def _default_prefix(job: JobConfig, cache_dir: Path) -> Path | None:
+    """The built-in corpus when the job names no data (built here if absent)."""
+    if job.data.path is not None or job.data.blend is not None:
+        return None
     # Each rank may build the default corpus at once; default_token_file renames atomically.
     return default_token_file(cache_dir)
+
+
+def _index_cache_dir(job: JobConfig, data_dir: Path) -> Path:
+    """megatron-core's index cache: ``data.cache_dir``, else ``RUN_DIR/data/index-cache``."""
+    return Path(job.data.cache_dir) if job.data.cache_dir else Path(data_dir) / "index-cache"

@@ -18,11 +18,11 @@ from megascale.config import JobConfig, validate
 from megascale.launcher.local import run_local
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.train.run import seed_everything
+from megascale.train.run import is_eval_step, seed_everything
 from megascale.train.trainer import Trainer
 
 
-def _rank_steps(job: JobConfig, data_dir: Path, steps: int) -> list[tuple[float, float]]:
+def _rank_trainer(job: JobConfig, data_dir: Path) -> Trainer:
     device = "cuda" if job.train.device == "cuda" else "cpu"
     init_distributed(device)  # cuda: this rank's GPU is LOCAL_RANK
     if device == "cpu":
@@ -30,11 +30,20 @@ def _rank_steps(job: JobConfig, data_dir: Path, steps: int) -> list[tuple[float,
         cpu_backend.activate()
     groups = build_groups(job.parallel)
     seed_everything(job.train.seed, groups.tp_rank, device)
-    trainer = Trainer(job, groups, device, data_cache_dir=data_dir)
+    return Trainer(job, groups, device, data_cache_dir=data_dir)
+
+
+def _rank_steps(
+    job: JobConfig, data_dir: Path, steps: int, evaluate: bool = False
+) -> list[tuple[float, ...]]:
+    trainer = _rank_trainer(job, data_dir)
     out = []
     for _ in range(steps):
         m = trainer.step()
-        out.append((m.loss, m.grad_norm))
+        if evaluate:  # the run loop's rule (megascale.train.run.is_eval_step)
+            out.append((m.loss, trainer.evaluate() if is_eval_step(job, m.step) else None))
+        else:
+            out.append((m.loss, m.grad_norm))
     destroy_groups()
     return out
 
@@ -45,6 +54,15 @@ def train_steps(
     """(loss, grad_norm) per step as rank 0 sees them (every rank agrees on both)."""
     job = validate(job, world, "nccl" if job.train.device == "cuda" else "gloo")
     return run_local(_rank_steps, world, (job, data_dir, steps), timeout_s=300)[0]
+
+
+def train_and_evaluate(
+    job: JobConfig, world: int, data_dir: Path, steps: int = 3
+) -> list[tuple[float, float | None]]:
+    """(loss, validation loss or None) per step as rank 0 sees them, evaluating on the steps
+    ``train.eval_interval`` picks, exactly as ``megascale train`` does."""
+    job = validate(job, world, "gloo")
+    return run_local(_rank_steps, world, (job, data_dir, steps, True), timeout_s=300)[0]
 
 
 def with_changes(job: JobConfig, **sections: dict) -> JobConfig:

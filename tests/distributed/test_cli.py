@@ -3,7 +3,9 @@
 A training run costs ~10 s (one torch + megatron-core import, then the steps), so there are few:
 the default preset once (a module-scoped fixture that several tests read the run directory of),
 two ranks with tensor parallelism, and one under a pseudo-terminal for the progress bar. Config
-errors, ``mfu`` and ``data build`` never import megatron-core and take ~2 s each.
+errors and ``mfu`` never import megatron-core and take ~2 s each; ``data build`` writes with
+megatron-core's builder (~8 s). A Hugging Face tokenizer trained in the test feeds ``data build``
+and a short run with validation on the result.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from pathlib import Path
 import pytest
 
 from megascale import config
-from megascale.data.token_file import TokenFile
 from megascale.data.tokenizer import EOD
 
 pytestmark = pytest.mark.slow
@@ -272,14 +273,66 @@ def test_mfu_of_the_megascale_175b_run():
     assert abs(mfu - 55.2) < 1.5, out  # the paper: 55.2% (we count 54.5% with the 512 window)
 
 
-def test_data_build_writes_a_token_file(tmp_path):
+def test_data_build_writes_megatron_indexed_data(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     text = tmp_path / "in.txt"
     text.write_text("hello world\n\nsecond paragraph\nline two\n")
     prefix = tmp_path / "out" / "tokens"
     proc, _ = megascale("data", "build", str(text), "--output", str(prefix))
     assert proc.returncode == 0, _failed(proc)
-    tokens = TokenFile(prefix)
-    assert tokens.num_documents == 2 and tokens.vocab_size == 256
-    expected = [*b"hello world", EOD, *b"second paragraph\nline two", EOD]
-    assert tokens.tokens.tolist() == expected
-    assert tokens.offsets.tolist() == [0, 12, len(expected)]
+    ds = IndexedDataset(str(prefix))
+    assert [ds[i].tolist() for i in range(len(ds))] == [
+        [*b"hello world", EOD],
+        [*b"second paragraph\nline two", EOD],
+    ]
+    assert json.loads(Path(f"{prefix}.json").read_text())["vocab_size"] == 256
+
+
+def test_hf_tokenizer_data_build_and_training_with_validation(tmp_path):
+    """A BPE tokenizer trained here; ``data build`` with it; megatron-core reads what the tokenizer
+    encodes; a run on it whose loss falls, with val_loss at the configured steps."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from tokenizers import Tokenizer
+
+    from megascale.data.corpus import generate_corpus
+    from megascale.data.tokenizer import train_bpe
+
+    vocab = 400
+    tok_path = train_bpe(generate_corpus().split("\n\n"), vocab, tmp_path / "tokenizer.json")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(generate_corpus())
+    prefix = tmp_path / "bpe"
+    proc, _ = megascale(
+        "data", "build", str(corpus), "--tokenizer", str(tok_path), "--output", str(prefix)
+    )
+    assert proc.returncode == 0, _failed(proc)
+    assert "tokens/s" in proc.stderr
+    tok = Tokenizer.from_file(str(tok_path))
+    eod = tok.token_to_id("<|endoftext|>")
+    ds = IndexedDataset(str(prefix))
+    paragraphs = generate_corpus().strip("\n").split("\n\n")
+    assert len(ds) == len(paragraphs)
+    for i in (0, 1, len(ds) - 1):
+        assert ds[i].tolist() == tok.encode(paragraphs[i], add_special_tokens=False).ids + [eod]
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"data.path={prefix}",
+        f"model.vocab_size={vocab}",
+        "train.steps=12",
+        "train.eval_interval=4",
+        "train.log_interval=100",
+    ]
+    proc, _ = megascale("train", *_sets(overrides), "--run-dir", str(run_dir))
+    assert proc.returncode == 0, _failed(proc)
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics if "val_loss" in m] == [4, 8, 12]
+    losses = [m["loss"] for m in metrics]
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+    vals = [m["val_loss"] for m in metrics if "val_loss" in m]
+    assert vals[-1] < vals[0], vals
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in progress] == ["4/12", "8/12", "12/12"], progress
+    assert all(" val_loss " in line for line in progress)
+    assert (run_dir / "tokenizer" / "tokenizer.json").read_bytes() == tok_path.read_bytes()

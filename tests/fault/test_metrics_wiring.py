@@ -1,6 +1,6 @@
 """The Prometheus exporters and the live straggler detection, wired into ``megascale launch``:
 a 2 node x 1 rank CPU run with rank 1 three times slow (``slow-rank``) serves ``megascale_``
-metrics from the controller and the agents while it runs, and the controller records a
+metrics (the validation loss too) from the controller and the agents while it runs, and the controller records a
 ``straggler`` event naming node-1 (and no fault)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ ARGS = [
     "--nodes", "2", "--nproc-per-node", "1", "--heartbeat-interval", "0.5",
     "--selfcheck", "builtin", "--timeout", "120",
     "--set", "train.steps=24", "--set", "checkpoint.interval=12", "--set", "train.log_interval=4",
+    "--set", "train.eval_interval=4",
     "--inject", "slow-rank:rank=1,factor=3",
 ]  # fmt: skip
 
@@ -57,7 +58,10 @@ def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
             _value(text, "megascale_productive_seconds{") > 0
             and _value(text, "megascale_effective_training_time_ratio{") > 0
         ),
-        "node-1": lambda text: "megascale_heartbeats_sent_total{" in text,
+        "node-1": lambda text: (  # the validation loss of the ranks' evaluations too
+            "megascale_heartbeats_sent_total{" in text
+            and _value(text, "megascale_validation_loss{") > 0
+        ),
     }
     seen: dict[str, str] = {}
     try:

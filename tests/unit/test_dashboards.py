@@ -179,6 +179,7 @@ def test_agent_exports_a_heartbeat_and_forgets_a_departed_rank():
             "step": 7,
             "tokens_per_s": 5000.0,
             "mfu": 0.42,
+            "val_loss": 2.5,
             "checkpoint_stall_s": 2.0,
             "ranks": {
                 "0": {"step": 7, "step_time_s": 1.5, "compute_time_s": 1.2, "comm_time_s": 0.2},
@@ -193,6 +194,7 @@ def test_agent_exports_a_heartbeat_and_forgets_a_departed_rank():
     comm = frozenset({job, node, ("rank", "1"), ("group", "tp")})
     assert s[("megascale_comm_time_seconds", comm)] == 0.3
     assert s[("megascale_mfu_ratio", frozenset({job, node}))] == 0.42
+    assert s[("megascale_validation_loss", frozenset({job, node}))] == 2.5
     assert s[("megascale_checkpoint_stall_seconds_count", frozenset({job, node}))] == 1
     assert s[("megascale_heartbeats_sent_total", frozenset({job, node}))] == 1
     agent.remove_rank(1)

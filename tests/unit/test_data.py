@@ -1,16 +1,18 @@
-"""megascale.data: token file format, build tool, built-in corpus, sampling order, DP sharding."""
+"""megascale.data: Megatron's indexed format both ways, tokenizers, the build and convert tools, the
+built-in corpus, and the one-line errors for bad data before any rank trains."""
 
 from __future__ import annotations
 
-import argparse
+import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-from megascale.data import build as build_mod
+from megascale import cli
 from megascale.data.build import build, split_documents
 from megascale.data.corpus import (
     CORPUS_VERSION,
@@ -18,167 +20,270 @@ from megascale.data.corpus import (
     default_token_file,
     generate_corpus,
 )
-from megascale.data.dataset import GPTDataset, ShardedBatches, epoch_order
-from megascale.data.token_file import (
-    HEADER_SIZE,
-    MAGIC,
-    TokenFile,
-    TokenFileError,
+from megascale.data.indexed import (
+    LEGACY_MAGIC,
+    DataError,
+    DatasetInfo,
     bin_path,
+    check_prefix,
     idx_path,
-    write_token_file,
+    open_indexed,
+    write_indexed,
 )
-from megascale.data.tokenizer import EOD, ByteTokenizer
+from megascale.data.tokenizer import EOD, ByteTokenizer, HFTokenizer, load_tokenizer
+from megascale.data.tokenizer import train_bpe as train_bpe_tokenizer
 
-# ---------------------------------------------------------------------------------------------
-# format
-
-
-@pytest.mark.parametrize(
-    ("vocab_size", "dtype"),
-    [(256, "uint16"), (65535, "uint16"), (65536, "uint32"), (200_000, "uint32")],
-)
-def test_round_trip(tmp_path, vocab_size, dtype):
-    docs = [[1, 2, 3], [], [vocab_size - 1, 0], [7]]
-    stats = write_token_file(tmp_path / "t.v1", docs, vocab_size)
-    assert (stats.num_documents, stats.num_tokens, stats.dtype) == (4, 6, dtype)
-    tf = TokenFile(tmp_path / "t.v1")  # a dot in the prefix is kept, not taken as a suffix
-    assert (tf.vocab_size, tf.num_documents, tf.num_tokens, tf.dtype.name) == (
-        vocab_size,
-        4,
-        6,
-        dtype,
-    )
-    assert [tf.document(i).tolist() for i in range(4)] == docs
-    assert bin_path(tmp_path / "t.v1").stat().st_size == 6 * tf.dtype.itemsize
-    assert isinstance(tf.tokens, np.memmap)
+BPE_VOCAB = 400
 
 
-def test_header_layout_is_as_documented(tmp_path):
-    write_token_file(tmp_path / "t", [[5, 6], [7]], 256)
-    raw = idx_path(tmp_path / "t").read_bytes()
-    assert raw[:8] == b"MSTOKEN\x00" == MAGIC
-    assert struct.unpack_from("<IIQQ", raw, 8) == (1, 1, 256, 2)
-    assert np.frombuffer(raw, "<i8", offset=32).tolist() == [0, 2, 3]
-    assert bin_path(tmp_path / "t").read_bytes() == bytes([5, 0, 6, 0, 7, 0])  # uint16 LE
+def train_bpe(path: Path, special: str | None = "<|endoftext|>", vocab: int = BPE_VOCAB) -> Path:
+    """A tiny byte-level BPE tokenizer trained on the built-in corpus, saved as ``path``."""
+    return train_bpe_tokenizer(generate_corpus().split("\n\n"), vocab, path, special)
 
 
-def test_write_refuses_out_of_vocab_ids(tmp_path):
-    with pytest.raises(ValueError, match=r"document 1 has token id 256; accepted: 0\.\.255"):
-        write_token_file(tmp_path / "t", [[1], [256]], 256)
-    assert list(tmp_path.iterdir()) == []  # no partial files or temporaries left behind
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Path:
+    return train_bpe(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
-def _corrupt_idx(tmp_path, mutate):
-    prefix = tmp_path / "t"
-    write_token_file(prefix, [[1, 2, 3], [4]], 256)
-    raw = bytearray(idx_path(prefix).read_bytes())
-    idx_path(prefix).write_bytes(bytes(mutate(raw)))
-    return prefix
-
-
-def test_bad_magic(tmp_path):
-    prefix = _corrupt_idx(tmp_path, lambda r: b"NOTATOKN" + r[8:])
-    with pytest.raises(TokenFileError, match=r"t\.idx: bad magic b'NOTATOKN', expected b'MSTOKEN"):
-        TokenFile(prefix)
-
-
-def test_bad_version(tmp_path):
-    prefix = _corrupt_idx(tmp_path, lambda r: r[:8] + struct.pack("<I", 9) + r[12:])
-    with pytest.raises(TokenFileError, match=r"t\.idx: unsupported version 9, expected 1"):
-        TokenFile(prefix)
-
-
-def test_bad_dtype_code(tmp_path):
-    prefix = _corrupt_idx(tmp_path, lambda r: r[:12] + struct.pack("<I", 7) + r[16:])
-    with pytest.raises(TokenFileError, match=r"t\.idx: unknown dtype code 7"):
-        TokenFile(prefix)
-
-
-def test_truncated_header(tmp_path):
-    prefix = _corrupt_idx(tmp_path, lambda r: r[:20])
-    with pytest.raises(TokenFileError, match=r"t\.idx: truncated header: 20 bytes, expected at"):
-        TokenFile(prefix)
-
-
-def test_truncated_offsets(tmp_path):
-    prefix = _corrupt_idx(tmp_path, lambda r: r[:-8])
-    expected = HEADER_SIZE + 8 * 3
-    with pytest.raises(TokenFileError, match=rf"t\.idx: {expected - 8} bytes, expected {expected}"):
-        TokenFile(prefix)
-
-
-def test_truncated_bin(tmp_path):
-    prefix = tmp_path / "t"
-    write_token_file(prefix, [[1, 2, 3], [4]], 256)
-    bin_path(prefix).write_bytes(bin_path(prefix).read_bytes()[:-2])
-    with pytest.raises(TokenFileError, match=r"t\.bin: 6 bytes, expected 8 \(4 tokens of uint16"):
-        TokenFile(prefix)
-
-
-def test_missing_file(tmp_path):
-    with pytest.raises(TokenFileError, match=r"nope\.idx: no such file.*megascale data build"):
-        TokenFile(tmp_path / "nope")
+def _tokens(prefix) -> list[list[int]]:
+    ds = IndexedDataset(str(prefix))
+    return [ds[i].tolist() for i in range(len(ds))]
 
 
 # ---------------------------------------------------------------------------------------------
-# tokenizer and build tool
+# format: ours read by megatron-core, megatron-core's read by us
 
 
-def test_tokenizer_round_trip_and_nul():
+@pytest.mark.parametrize(("vocab_size", "dtype"), [(256, np.uint16), (100_000, np.int32)])
+def test_write_indexed_is_read_by_megatron_core(tmp_path, vocab_size, dtype):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in rng.integers(1, 40, 25)]
+    stats = write_indexed(tmp_path / "p", docs, vocab_size)
+    assert (stats.documents, stats.tokens) == (25, sum(map(len, docs)))
+    ds = IndexedDataset(str(tmp_path / "p"))
+    assert ds.index.dtype == dtype
+    assert _tokens(tmp_path / "p") == docs
+    assert idx_path(tmp_path / "p").read_bytes()[:9] == b"MMIDIDX\x00\x00"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_megatron_core_builder_output_is_read_by_megascale(tmp_path):
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 256, size=int(n)) for n in rng.integers(1, 30, 12)]
+    builder = IndexedDatasetBuilder(str(bin_path(tmp_path / "m")), dtype=np.int32)
+    for d in docs:
+        builder.add_document(d, [d.size])
+    builder.finalize(str(idx_path(tmp_path / "m")))
+    check_prefix(tmp_path / "m")  # no complaint
+    ds = open_indexed(tmp_path / "m")
+    assert [ds[i].tolist() for i in range(len(ds))] == [d.tolist() for d in docs]
+
+
+def test_write_refuses_out_of_vocab_ids_and_empty(tmp_path):
+    with pytest.raises(DataError, match=r"document 1: token id 300; accepted 0\.\.255"):
+        write_indexed(tmp_path / "p", [[1, 2], [300]], 256)
+    with pytest.raises(DataError, match="no documents"):
+        write_indexed(tmp_path / "p", [], 256)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_old_mstoken_file_points_at_convert_and_converts(tmp_path):
+    old = tmp_path / "old"
+    docs = [[5, 6, EOD], [7, EOD], [8, 9, 10, EOD]]
+    offsets = np.cumsum([0] + [len(d) for d in docs]).astype("<i8")
+    header = struct.pack("<8sIIQQ", LEGACY_MAGIC, 1, 1, 256, len(docs))
+    idx_path(old).write_bytes(header + offsets.tobytes())
+    bin_path(old).write_bytes(np.array(sum(docs, []), "<u2").tobytes())
+    with pytest.raises(DataError) as e:
+        check_prefix(old)
+    msg = str(e.value)
+    assert "MSTOKEN" in msg and f"megascale data convert {old} --output NEW_PREFIX" in msg
+    assert "\n" not in msg
+    assert cli.main(["data", "convert", str(old), "--output", str(tmp_path / "new")]) == 0
+    assert _tokens(tmp_path / "new") == docs
+    assert DatasetInfo.read(tmp_path / "new").tokenizer == "byte"
+    assert idx_path(old).read_bytes()[:8] == LEGACY_MAGIC  # the old files stay
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizers and the build tool
+
+
+def test_byte_tokenizer_round_trip_and_nul():
     tok = ByteTokenizer()
     text = "héllo, wörld 1 + 2 = 3"
     assert tok.decode(tok.encode(text)) == text
     assert tok.encode("AB") == [65, 66]
-    with pytest.raises(ValueError, match="offset 1.*0x00"):
+    with pytest.raises(DataError, match="offset 1.*0x00"):
         tok.encode("a\x00b")
 
 
 def test_split_documents():
-    data = b"  \nfirst line\nsecond\n\n \t\r\nthird\r\n\n\n"
-    assert split_documents(data) == [b"first line\nsecond", b"third\r"]
-    assert split_documents(data, "file") == [data]
-    assert split_documents(b"\n\n") == []
+    text = "  \nfirst line\nsecond\n\n \t\r\nthird\r\n\n\n"
+    assert split_documents(text) == ["first line\nsecond", "third\r"]
+    assert split_documents(text, "file") == [text]
+    assert split_documents("\n\n") == []
 
 
-def test_build_tool_on_temp_text(tmp_path):
-    a = tmp_path / "a.txt"
-    b = tmp_path / "b.txt"
+def test_build_byte_text(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("hello world\nsecond line\n\nnext paragraph\n")
     b.write_text("other file\n")
-    stats = build([a, b], tmp_path / "out" / "corpus", 256)
-    tf = TokenFile(tmp_path / "out" / "corpus")
-    docs = [ByteTokenizer().decode(tf.document(i)[:-1]) for i in range(tf.num_documents)]
-    assert docs == ["hello world\nsecond line", "next paragraph", "other file"]
-    assert all(tf.document(i)[-1] == EOD for i in range(tf.num_documents))
-    assert stats.num_tokens == sum(len(d) + 1 for d in docs)
+    info = build([a, b], tmp_path / "out" / "corpus")
+    docs = _tokens(tmp_path / "out" / "corpus")
+    assert [ByteTokenizer().decode(d[:-1]) for d in docs] == [
+        "hello world\nsecond line",
+        "next paragraph",
+        "other file",
+    ]
+    assert all(d[-1] == EOD for d in docs)
+    assert (info.tokenizer, info.vocab_size, info.eod, info.documents) == ("byte", 256, EOD, 3)
+    assert info.tokens == sum(map(len, docs)) and info.max_token == max(map(max, docs))
 
-    stats = build([a, b], tmp_path / "per_file", 50_000, split="file")
-    assert (stats.num_documents, stats.vocab_size) == (2, 50_000)
+
+def test_hf_tokenizer_eod(tmp_path, bpe):
+    tok = load_tokenizer(bpe)
+    assert isinstance(tok, HFTokenizer)
+    assert tok.vocab_size == BPE_VOCAB and tok.eod == tok._tok.token_to_id("<|endoftext|>")
+    text = "the cat sees the dog. 3 + 4 = 7."
+    assert tok.decode(tok.encode(text)) == text
+    assert load_tokenizer(bpe.parent).json_path == bpe  # a directory holding tokenizer.json
+    no_eod = train_bpe(tmp_path / "t.json", special=None, vocab=300)
+    with pytest.raises(DataError, match=r"no end-of-document token .*--eod-token"):
+        load_tokenizer(no_eod)
+    with_eod = load_tokenizer(no_eod, eod_token="the")
+    assert with_eod.eod == with_eod._tok.token_to_id("the")
+    with pytest.raises(DataError, match="--eod-token 'nope': not in the vocabulary"):
+        load_tokenizer(bpe, "nope")
 
 
-def test_build_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
-        build([tmp_path / "missing.txt"], tmp_path / "o", 256)
-    with pytest.raises(ValueError, match="vocab_size=100: the byte tokenizer needs"):
-        build([], tmp_path / "o", 100)
+def test_build_jsonl_with_hf_tokenizer(tmp_path, bpe, caplog):
+    src = tmp_path / "in.jsonl"
+    records = [{"body": "the red fox sees the dog.", "id": 1}, {"body": "1 + 2 = 3."}, {"body": ""}]
+    src.write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
+    caplog.set_level("INFO")
+    info = build([src], tmp_path / "j", bpe, json_key="body")
+    tok = load_tokenizer(bpe)
+    assert _tokens(tmp_path / "j") == [
+        tok.encode(records[0]["body"]) + [tok.eod],
+        tok.encode(records[1]["body"]) + [tok.eod],
+    ]
+    assert (info.tokenizer, info.vocab_size, info.documents) == ("hf", BPE_VOCAB, 2)
+    assert Path(f"{tmp_path / 'j'}.tokenizer.json").read_bytes() == bpe.read_bytes()
+    assert "tokens/s" in caplog.text
+    with pytest.raises(DataError, match=r"in\.jsonl line 1: no string under --json-key 'text'"):
+        build([src], tmp_path / "k", bpe)
+
+
+def test_build_refuses_missing_input_and_nul_bytes(tmp_path):
+    with pytest.raises(DataError, match=r"input .*missing\.txt: no such file"):
+        build([tmp_path / "missing.txt"], tmp_path / "o")
     nul = tmp_path / "nul.txt"
     nul.write_bytes(b"ab\x00c")
-    with pytest.raises(ValueError, match=r"nul\.txt: byte 0x00 at offset 2"):
-        build([nul], tmp_path / "o", 256)
+    with pytest.raises(DataError, match=r"nul\.txt: byte 0x00 at offset 2"):
+        build([nul], tmp_path / "o")
 
 
-def test_build_cli(tmp_path, caplog):
+def test_check_prefix_refuses_another_format(tmp_path):
+    idx_path(tmp_path / "x").write_bytes(b"NOTMEGATRON" + bytes(40))
+    bin_path(tmp_path / "x").write_bytes(b"")
+    with pytest.raises(DataError, match=r"x\.idx: not a Megatron indexed dataset \(header"):
+        check_prefix(tmp_path / "x")
+
+
+def test_build_refuses_empty_input_keeping_existing_data(tmp_path):
+    good, empty = tmp_path / "good.txt", tmp_path / "empty.txt"
+    good.write_text("keep me\n")
+    empty.write_text("\n \n")
+    build([good], tmp_path / "p")
+    before = bin_path(tmp_path / "p").read_bytes()
+    with pytest.raises(DataError, match=r"inputs .*empty\.txt: no documents"):
+        build([empty], tmp_path / "p")
+    assert bin_path(tmp_path / "p").read_bytes() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: one line naming the file or field, before any rank starts (megascale train)
+
+
+def _train_error(capsys, tmp_path, *overrides: str, one_line: bool = True) -> str:
+    args = ["train", "--run-dir", str(tmp_path / "run")]
+    for item in overrides:
+        args += ["--set", item]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    if one_line:  # config validation lists every broken rule, one per line
+        assert err.count("\n") == 0, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    return err
+
+
+@pytest.fixture
+def byte_data(tmp_path) -> Path:
     src = tmp_path / "in.txt"
-    src.write_text("one\n\ntwo\n")
-    parser = argparse.ArgumentParser()
-    build_mod.add_arguments(parser)
-    args = parser.parse_args([str(src), "--output", str(tmp_path / "p")])
-    assert build_mod.run(args) == 0
-    assert TokenFile(tmp_path / "p").num_documents == 2
-    args = parser.parse_args([str(tmp_path / "absent.txt"), "-o", str(tmp_path / "q")])
-    assert build_mod.run(args) == 1
-    assert "absent.txt: no such file" in caplog.text
+    src.write_text("one paragraph\n\nanother one\n")
+    build([src], tmp_path / "d")
+    return tmp_path / "d"
+
+
+def test_train_refuses_truncated_bin(capsys, tmp_path, byte_data):
+    data = bin_path(byte_data).read_bytes()
+    bin_path(byte_data).write_bytes(data[:-4])
+    err = _train_error(capsys, tmp_path, f"data.path={byte_data}")
+    assert f"{byte_data}.bin: {len(data) - 4} bytes, expected {len(data)}" in err
+    assert "truncated" in err
+
+
+def test_train_refuses_idx_of_another_dtype(capsys, tmp_path, byte_data):
+    raw = bytearray(idx_path(byte_data).read_bytes())
+    raw[17] = 4  # the dtype code: uint16 (8) -> int32 (4)
+    idx_path(byte_data).write_bytes(bytes(raw))
+    err = _train_error(capsys, tmp_path, f"data.path={byte_data}")
+    assert f"{byte_data}.bin" in err and "int32" in err and "another dtype" in err
+
+
+def test_train_refuses_missing_prefix(capsys, tmp_path):
+    err = _train_error(capsys, tmp_path, f"data.path={tmp_path / 'absent'}")
+    assert f"data.path='{tmp_path / 'absent'}'" in err and "absent.idx does not exist" in err
+
+
+def test_train_refuses_vocab_larger_than_model(capsys, tmp_path, bpe):
+    src = tmp_path / "in.txt"
+    src.write_text("the cat\n")
+    build([src], tmp_path / "h", bpe)
+    err = _train_error(capsys, tmp_path, f"data.path={tmp_path / 'h'}", "model.vocab_size=256")
+    assert f"vocabulary {BPE_VOCAB}" in err and "model.vocab_size = 256" in err
+
+
+def test_train_refuses_token_id_beyond_vocab(capsys, tmp_path):
+    # A dataset made elsewhere (no PREFIX.json): the .bin is scanned.
+    builder = IndexedDatasetBuilder(str(bin_path(tmp_path / "m")), dtype=np.uint16)
+    builder.add_document(np.array([1, 2, 300, 0]), [4])
+    builder.finalize(str(idx_path(tmp_path / "m")))
+    err = _train_error(capsys, tmp_path, f"data.path={tmp_path / 'm'}")
+    assert f"{tmp_path / 'm'}: token id 300 >= model.vocab_size = 256" in err
+
+
+def test_train_refuses_blend_weights_that_do_not_parse(capsys, tmp_path, byte_data):
+    blend = f'data.blend=["0.7", "{byte_data}", "x", "{byte_data}"]'
+    err = _train_error(capsys, tmp_path, blend, one_line=False)
+    assert "data.blend[2] = 'x': not a positive number" in err
+
+
+def test_bad_tokenizer_file_and_empty_build_input_via_cli(capsys, tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{not json")
+    src = tmp_path / "in.txt"
+    src.write_text("text\n")
+    rc = cli.main(["data", "build", str(src), "--tokenizer", str(bad), "-o", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err.count("\n") == 0
+    assert f"--tokenizer {bad}: not a Hugging Face tokenizer.json" in err
+    src.write_text("")
+    assert cli.main(["data", "build", str(src), "-o", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"inputs {src}: no documents" in err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,15 +306,12 @@ def test_default_corpus_is_pinned():
     assert generate_corpus(seed=1) != text
 
 
-def test_default_corpus_builds_once(tmp_path):
+def test_default_corpus_builds_once_in_megatron_format(tmp_path):
     prefix = default_token_file(tmp_path / "cache")
     assert prefix.name == f"megascale-corpus-v{CORPUS_VERSION}"
-    tf = TokenFile(prefix)
-    assert (tf.num_documents, tf.num_tokens, tf.vocab_size) == (
-        CORPUS_DOCUMENTS,
-        CORPUS_TOKENS,
-        256,
-    )
+    ds = IndexedDataset(str(prefix))
+    assert (len(ds), int(ds.sequence_lengths.sum())) == (CORPUS_DOCUMENTS, CORPUS_TOKENS)
+    assert DatasetInfo.read(prefix).vocab_size == 256
     mtime = idx_path(prefix).stat().st_mtime_ns
     assert default_token_file(tmp_path / "cache") == prefix
     assert idx_path(prefix).stat().st_mtime_ns == mtime  # reused, not rebuilt
@@ -217,123 +319,18 @@ def test_default_corpus_builds_once(tmp_path):
     assert leftovers == []
 
 
-# ---------------------------------------------------------------------------------------------
-# sampling, order, sharding
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("data") / "t"
-    rng = np.random.default_rng(0)
-    write_token_file(
-        prefix, [rng.integers(1, 256, size=int(n)) for n in rng.integers(5, 50, 40)], 256
-    )
-    return GPTDataset(TokenFile(prefix), seq_length=8)
-
-
-def test_samples_are_shifted_windows(dataset):
-    stream = np.asarray(dataset.token_file.tokens, np.int64)
-    assert len(dataset) == (len(stream) - 1) // 8
-    for i in (0, 1, len(dataset) - 1):
-        assert dataset[i].tolist() == stream[i * 8 : i * 8 + 9].tolist()
-    sb = ShardedBatches(dataset, 4, 2, 0, 1, seed=3)
-    mb = sb.next_step()[0]
-    assert torch.equal(mb["tokens"][:, 1:], mb["labels"][:, :-1])
-    assert mb["tokens"].dtype == mb["labels"].dtype == mb["position_ids"].dtype == torch.int64
-    assert mb["loss_mask"].dtype == torch.float32 and bool((mb["loss_mask"] == 1).all())
-    assert mb["position_ids"].tolist() == [list(range(8))] * 2
-
-
-def test_too_short_for_one_sample(tmp_path):
-    write_token_file(tmp_path / "s", [[1, 2, 3]], 256)
-    with pytest.raises(TokenFileError, match="3 tokens, need at least 9 for one sample"):
-        GPTDataset(TokenFile(tmp_path / "s"), 8)
-
-
-def test_epoch_order_is_a_seeded_permutation():
-    a = epoch_order(100, 7, 0)
-    assert sorted(a.tolist()) == list(range(100))
-    assert np.array_equal(a, np.random.default_rng((7, 0)).permutation(100))
-    assert not np.array_equal(a, epoch_order(100, 7, 1))
-    assert not np.array_equal(a, epoch_order(100, 8, 0))
-
-
-def _run(dataset, steps, gbs=8, mbs=2, rank=0, dp=1, seed=11, state=None):
-    sb = ShardedBatches(dataset, gbs, mbs, rank, dp, seed)
-    if state is not None:
-        sb.load_state_dict(state)
-    return [sb.next_step() for _ in range(steps)], sb
-
-
-def _tokens(step_batches):
-    return torch.cat([mb["tokens"] for mb in step_batches])
-
-
-def test_deterministic_and_seed_dependent(dataset):
-    a, _ = _run(dataset, 3)
-    b, _ = _run(dataset, 3)
-    c, _ = _run(dataset, 3, seed=12)
-    assert all(torch.equal(_tokens(x), _tokens(y)) for x, y in zip(a, b, strict=True))
-    assert not torch.equal(_tokens(a[0]), _tokens(c[0]))
-
-
-def test_runs_across_epochs(dataset):
-    steps = 2 * len(dataset) // 8 + 2  # more than two epochs
-    batches, _ = _run(dataset, steps)
-    seen = torch.cat([_tokens(s) for s in batches])
-    first_epoch = seen[: len(dataset)]
-    expected = torch.stack([torch.from_numpy(dataset[i][:-1]) for i in range(len(dataset))])
-    assert sorted(map(tuple, first_epoch.tolist())) == sorted(map(tuple, expected.tolist()))
-
-
-def test_resume_equals_uninterrupted(dataset):
-    full, _ = _run(dataset, 7)
-    _, sb = _run(dataset, 4)
-    state = sb.state_dict()
-    assert state == {"step": 4, "consumed_samples": 32, "seed": 11}
-    assert all(type(v) is int for v in state.values())
-    rest, _ = _run(dataset, 3, seed=999, state=dict(state))  # the saved seed wins
-    for x, y in zip(full[4:], rest, strict=True):
-        for mx, my in zip(x, y, strict=True):
-            assert all(torch.equal(mx[k], my[k]) for k in mx)
-
-
-@pytest.mark.parametrize(("dp", "mbs"), [(2, 2), (4, 1), (2, 1), (8, 1)])
-def test_dp_union_equals_one_process_reference(dataset, dp, mbs):
-    reference, _ = _run(dataset, 3, gbs=8, mbs=2)
-    ranks = [_run(dataset, 3, gbs=8, mbs=mbs, rank=r, dp=dp)[0] for r in range(dp)]
-    for step in range(3):
-        assert all(len(ranks[r][step]) == 8 // (dp * mbs) for r in range(dp))
-        union = torch.cat([_tokens(ranks[r][step]) for r in range(dp)])
-        assert torch.equal(union, _tokens(reference[step]))
-
-
-def test_resume_with_another_dp_layout(dataset):
-    full, _ = _run(dataset, 5)
-    _, sb = _run(dataset, 2, rank=1, dp=2)
-    state = sb.state_dict()
-    ranks = [_run(dataset, 3, mbs=1, rank=r, dp=4, state=state)[0] for r in range(4)]
-    for k in range(3):
-        assert torch.equal(
-            torch.cat([_tokens(ranks[r][k]) for r in range(4)]), _tokens(full[2 + k])
-        )
-
-
-def test_bad_batch_sizes(dataset):
-    with pytest.raises(
-        ValueError,
-        match=r"global_batch_size=6 must be a positive multiple of "
-        r"dp_size \* micro_batch_size = 2 \* 2",
-    ):
-        ShardedBatches(dataset, 6, 2, 0, 2, 0)
-    with pytest.raises(ValueError, match="dp_rank=2, dp_size=2"):
-        ShardedBatches(dataset, 8, 2, 2, 2, 0)
-
-
 def test_default_corpus_concurrent_builders(tmp_path):
     # Every rank may call default_token_file at once: all must get a complete, identical file.
     with ThreadPoolExecutor(4) as pool:
         prefixes = list(pool.map(lambda _: default_token_file(tmp_path), range(4)))
     assert len(set(prefixes)) == 1
-    assert TokenFile(prefixes[0]).num_tokens == CORPUS_TOKENS
+    ds = IndexedDataset(str(prefixes[0]))  # its memory map must outlive the lengths' view
+    assert int(ds.sequence_lengths.sum()) == CORPUS_TOKENS
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_check_prefix_refuses_a_truncated_index(tmp_path, byte_data):
+    raw = idx_path(byte_data).read_bytes()
+    idx_path(byte_data).write_bytes(raw[:-3])
+    with pytest.raises(DataError, match=r"d\.idx: truncated index"):
+        check_prefix(byte_data)

@@ -328,6 +328,10 @@ def test_progress_file_sections_and_steps(tmp_path):
         1000.0,
     )
     assert "init" in state.durations and state.heartbeat >= first.heartbeat
+    assert state.val_loss is None  # no evaluation yet
+    progress.step(2, 0.25, 1000.0, val_loss=2.5)
+    progress.step(3, 0.25, 1000.0)
+    assert read_progress(progress.path).val_loss == 2.5  # the last evaluation's, kept
     progress.close()
     assert read_progress(progress.path).section == "done"
     assert list(tmp_path.joinpath("progress").iterdir()) == [progress.path]  # no temp file left
