@@ -1,20 +1,26 @@
-"""Checkpoint stall and restart read time, each compared side by side in one run.
+"""Checkpoint stall, time until durable, and restart load time, compared side by side in one run.
 
-1. Training stall. One rank trains a model whose checkpoint is ~100 MB (``--set`` to change it);
-   rounds alternate a synchronous save (``checkpoint.async_save = false``: write, fsync, manifest
-   before training continues) and a two-stage save (copy to host buffers, write in the background)
-   of the same trainer. Training goes on while the background write runs; the table shows the
-   stall of each, their ratio (target <= 10%), how long the background write took, and the step
-   time during it vs without it.
-2. Restart read time. 4 ranks (DP4) restart from one checkpoint: dp_rank 0 reads the DP-shared
-   file and broadcasts it (read-once-and-broadcast) vs every rank reading it, for the distributed
-   optimizer (optimizer shards stay per rank) and for a replicated optimizer (plain DDP: all of the
-   state is DP-shared). Storage: (a) the local temp dir with the files' page cache dropped before
-   each load, (b) a shared store modelled as one pipe of ``--storage-mbps`` MB/s for all readers
-   together (what thousands of readers of one HDFS/NFS namespace see); time = the slowest rank.
+1. Training stall and time until durable. ``--nproc`` ranks (DP, distributed optimizer) train a
+   model whose checkpoint is ~120 MB (``--set`` to change it). Each round saves the same trainer
+   once with each method, in an order that rotates from round to round:
+
+   - megascale two-stage: copy the pieces to host buffers, write them (per-rank DCP files,
+     merged metadata, manifest last) in a background thread;
+   - megascale synchronous: the same files written before training continues;
+   - ``torch.distributed.checkpoint.async_save`` of the same pieces (ShardedTensors), staged to
+     CPU by DCP, written with its collective plan on a gloo group of its own;
+   - megatron-core ``dist_checkpointing.save(..., async_sharded_save=True)`` of the model's and the
+     distributed optimizer's sharded state dicts (``dp_reshardable``, the format megatron-core 0.16
+     can write), scheduled on its ``AsyncCallsQueue``.
+
+   Stall: the time until training may go on (slowest rank). Durable: from the save's start until
+   the checkpoint is complete on storage (ours: the manifest; DCP: its future; megatron-core: its
+   finalization). Training steps run while a background write is in flight.
+2. Restart load time: the same checkpoint loaded at the layout that saved it (DP) and resharded
+   to TP (same number of ranks), alternating; slowest rank, page cache warm.
 
     python benchmarks/checkpoint.py
-    python benchmarks/checkpoint.py --rounds 3 --storage-mbps 500 --set model.hidden_size=256
+    python benchmarks/checkpoint.py --rounds 3 --nproc 2 --set model.hidden_size=256
     python benchmarks/checkpoint.py --device cuda --stall-only   # the state in GPU memory
 """
 
@@ -22,20 +28,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import os
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import fsspec
 import megatron.core  # noqa: F401  (import once, before forking the ranks)
 import torch
 import torch.distributed as dist
-from fsspec.implementations.local import LocalFileSystem
+import torch.distributed.checkpoint as dcp
 
 from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
@@ -44,7 +49,8 @@ from megascale.logs import quiet_expected_noise
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.train import checkpoint
-from megascale.train.checkpoint_io import Storage, step_name
+from megascale.train.checkpoint_io import Storage
+from megascale.train.checkpoint_shards import to_dcp, training_entries
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 
@@ -58,30 +64,9 @@ DEFAULT_SETS = [
     "train.micro_batch_size=2",
     "train.steps=100000",
     "optim.warmup_steps=0",
+    "parallel.distributed_optimizer=true",
 ]
-
-
-class ThrottledFileSystem(LocalFileSystem):
-    """Local files read through one shared pipe of ``MBPS`` MB/s: readers in all processes take
-    turns on an flock, each 8 MB chunk holding it for chunk / bandwidth seconds."""
-
-    protocol = ("throttled",)
-    MBPS = 200.0
-    LOCK = "/tmp/megascale-bench-storage.lock"
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        return super()._strip_protocol(str(path).removeprefix("throttled://"))
-
-    def cat_file(self, path, start=None, end=None, **kwargs):
-        chunks = []
-        with open(self._strip_protocol(path), "rb") as f, open(self.LOCK, "a") as lock:
-            while chunk := f.read(8 << 20):
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                time.sleep(len(chunk) / (self.MBPS * 1e6))
-                fcntl.flock(lock, fcntl.LOCK_UN)
-                chunks.append(chunk)
-        return b"".join(chunks)
+METHODS = ("megascale two-stage", "megascale synchronous", "DCP async_save", "megatron-core async")
 
 
 def _trainer(job, data_dir: Path) -> Trainer:
@@ -103,72 +88,146 @@ def _saver(job, trainer: Trainer, url: str, async_save: bool) -> checkpoint.Chec
     return checkpoint.Checkpointer(cfg, Path(url), trainer)
 
 
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+class _Ours:
+    def __init__(self, job, trainer: Trainer, root: Path, async_save: bool) -> None:
+        self.saver = _saver(job, trainer, str(root), async_save)
+
+    def start(self, trainer: Trainer, _round: int) -> None:
+        self.saver.save(trainer)
+
+    def in_flight(self) -> bool:
+        return self.saver.in_flight
+
+    def finish(self) -> None:
+        self.saver.wait()
+
+
+class _DCPAsync:
+    """DCP's own asynchronous save of the same pieces, its collectives on a gloo group."""
+
+    def __init__(self, trainer: Trainer, root: Path) -> None:
+        self.root, self.group, self.future = root, dist.new_group(backend="gloo"), None
+        self.world, self.rank = trainer.groups.layout.world_size, trainer.groups.rank
+
+    def start(self, trainer: Trainer, r: int) -> None:
+        state = to_dcp([e for e in training_entries(trainer) if e.main], self.rank, self.world)
+        path = self.root / f"round_{r}"
+        writer = dcp.FileSystemWriter(str(path), sync_files=True)
+        self.future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+
+    def in_flight(self) -> bool:
+        return not self.future.done()
+
+    def finish(self) -> None:
+        self.future.result()
+
+
+class _MCoreAsync:
+    """megatron-core's asynchronous dist_checkpointing save (model + distributed optimizer)."""
+
+    def __init__(self, root: Path) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.root, self.queue = root, AsyncCallsQueue(persistent=False)
+
+    def start(self, trainer: Trainer, r: int) -> None:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            TorchDistSaveShardedStrategy,
+        )
+
+        model = {}
+        for chunk in trainer.model:
+            model.update(chunk.sharded_state_dict())
+        optim = trainer.optimizer.sharded_state_dict(
+            model, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+        )
+        path = self.root / f"round_{r}"
+        if trainer.groups.rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        request = dist_checkpointing.save(
+            {"model": model, "optimizer": optim},
+            str(path),
+            sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
+            async_sharded_save=True,
+            validate_access_integrity=r == 0,
+        )
+        self.queue.schedule_async_request(request)
+
+    def in_flight(self) -> bool:
+        return bool(self.queue.get_num_unfinalized_calls())
+
+    def finish(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=True)
+
+
 def stall_rank(job, data_dir: Path, root: Path, rounds: int) -> dict:
     trainer = _trainer(job, data_dir)
-    savers = {
-        "synchronous": _saver(job, trainer, str(root / "sync"), async_save=False),
-        "two-stage": _saver(job, trainer, str(root / "two-stage"), async_save=True),
+    methods = {
+        METHODS[0]: _Ours(job, trainer, root / "two-stage", async_save=True),
+        METHODS[1]: _Ours(job, trainer, root / "sync", async_save=False),
+        METHODS[2]: _DCPAsync(trainer, root / "dcp"),
+        METHODS[3]: _MCoreAsync(root / "mcore"),
     }
-    out: dict = {name: [] for name in savers} | {"write_s": [], "busy": [], "idle": [], "first": 0}
-    for r in range(rounds + 1):  # round 0 warms up (first writes to a fresh directory)
-        order = list(savers) if r % 2 else list(reversed(savers))
+    out: dict = {name: {"stall": [], "durable": []} for name in methods}
+    out |= {"busy": [], "idle": []}
+    for r in range(rounds + 1):  # round 0 warms up (first writes, cached plans, host buffers)
+        order = list(methods)[r % len(methods) :] + list(methods)[: r % len(methods)]
         for name in order:
+            method = methods[name]
             out["idle"] += [trainer.step().step_time_s for _ in range(2)] if r else []
-            stall = savers[name].save(trainer)
-            while savers[name].in_flight:  # training goes on during the background write
+            dist.barrier()
+            start = time.perf_counter()
+            method.start(trainer, r)
+            stall = time.perf_counter() - start
+            while method.in_flight():  # training goes on during the background write
                 step_s = trainer.step().step_time_s
                 out["busy"] += [step_s] if r else []
-            savers[name].wait()
-            if not r:
-                out["first"] = stall if name == "two-stage" else out["first"]
-                continue
-            out[name].append(stall)
-            if name == "two-stage":
-                out["write_s"].append(savers[name].last_write_s)
-    for saver in savers.values():
-        saver.finalize()
-    # keep = 1: the synchronous saver's root holds exactly one checkpoint now.
-    out["bytes"] = sum(p.stat().st_size for p in (root / "sync").glob("step_*/*.pt"))
+            method.finish()
+            durable = time.perf_counter() - start
+            stall, durable = _slowest(stall), _slowest(durable)
+            if r:
+                out[name]["stall"].append(stall)
+                out[name]["durable"].append(durable)
+        if trainer.groups.rank == 0:  # keep the disk from filling up
+            for name in ("dcp", "mcore"):
+                shutil.rmtree(root / name / f"round_{r}", ignore_errors=True)
+    for method in methods.values():
+        if isinstance(method, _Ours):
+            method.saver.finalize()
+    steps = Storage(root / "sync").complete_steps()
+    out["bytes"] = sum(
+        p.stat().st_size for p in (root / "sync").glob(f"step_{steps[-1]:08d}/**/*") if p.is_file()
+    )
     destroy_groups()
     return out
 
 
-def _drop_page_cache(directory: Path) -> None:
-    for path in directory.glob("*.pt"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def recovery_rank(job, data_dir: Path, root: Path, rounds: int, mbps: float) -> dict:
-    ThrottledFileSystem.MBPS = mbps
-    fsspec.register_implementation("throttled", ThrottledFileSystem, clobber=True)
+def save_once(job, data_dir: Path, root: Path) -> int:
     trainer = _trainer(job, data_dir)
     saver = _saver(job, trainer, str(root), async_save=False)
     saver.save(trainer)
     saver.finalize()
-    dist.barrier()
-    stores = {"local disk": str(root), f"shared {mbps:g} MB/s": f"throttled://{root}"}
-    times: dict = {}
-    for r in range(rounds):
-        for label, url in stores.items():
-            for broadcast in (True, False) if r % 2 else (False, True):
-                if trainer.groups.rank == 0:
-                    _drop_page_cache(root / step_name(trainer.step_num))
-                dist.barrier()
-                storage = Storage(url)
-                start = time.perf_counter()
-                checkpoint.load_latest(trainer, storage, broadcast=broadcast)
-                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                nbytes = sum(
-                    (root / rel).stat().st_size for rel in storage.reads if rel.endswith(".pt")
-                )
-                total = torch.tensor([nbytes], dtype=torch.float64)
-                dist.all_reduce(total)
-                times.setdefault((label, broadcast), []).append((float(took), float(total)))
+    step = trainer.step_num
+    destroy_groups()
+    return step
+
+
+def load_rank(job, data_dir: Path, root: Path, rounds: int) -> list[float]:
+    trainer = _trainer(job, data_dir)
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        checkpoint.load_latest(trainer, Storage(root))
+        times.append(_slowest(time.perf_counter() - start))
     destroy_groups()
     return times
 
@@ -183,9 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per comparison")
-    parser.add_argument("--nproc", type=int, default=4, help="ranks (all DP) for the restart part")
-    parser.add_argument("--storage-mbps", type=float, default=200.0)
+    parser.add_argument("--rounds", type=int, default=4, help="measured rounds per comparison")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks")
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -194,77 +252,73 @@ def main(argv: list[str] | None = None) -> int:
         "memory into pinned host buffers)",
     )
     parser.add_argument(
-        "--stall-only", action="store_true", help="measure the training stall only (part 1)"
+        "--stall-only", action="store_true", help="measure the stall and durability only (part 1)"
     )
     args = parser.parse_args(argv)
     quiet_expected_noise()  # before forking: the ranks inherit the filters
     command = "python " + shlex.join(["benchmarks/checkpoint.py", *(argv or sys.argv[1:])])
+    backend = "nccl" if args.device == "cuda" else "gloo"
 
     with tempfile.TemporaryDirectory(prefix="megascale-ckpt-bench-") as tmp:
         tmp_path = Path(tmp)
         data_dir = tmp_path / "data"
         default_token_file(data_dir)
-        base = load(args.config, DEFAULT_SETS + args.overrides)
-
-        on = load(args.config, [*DEFAULT_SETS, *args.overrides, f"train.device={args.device}"])
-        one = validate(on, 1, "nccl" if args.device == "cuda" else "gloo")
-        stall = run_local(stall_rank, 1, (one, data_dir, tmp_path / "stall", args.rounds))[0]
-
-        recovery = {}
-        comparisons = [] if args.stall_only else [("sharded", True), ("replicated", False)]
-        for optimizer, distributed in comparisons:
-            job = dataclasses.replace(
-                base, parallel=dataclasses.replace(base.parallel, distributed_optimizer=distributed)
+        sets = [*DEFAULT_SETS, *args.overrides, f"train.device={args.device}"]
+        job = validate(load(args.config, sets), args.nproc, backend)
+        stall = run_local(stall_rank, args.nproc, (job, data_dir, tmp_path / "stall", args.rounds))[
+            0
+        ]
+        loads = {}
+        if not args.stall_only:
+            root = tmp_path / "load"
+            run_local(save_once, args.nproc, (job, data_dir, root))
+            tp = validate(
+                load(args.config, [*sets, f"parallel.tp={args.nproc}"]), args.nproc, backend
             )
-            job = validate(job, args.nproc, "gloo")
-            root = tmp_path / f"recovery-{optimizer}"
-            recovery[optimizer] = run_local(
-                recovery_rank, args.nproc, (job, data_dir, root, args.rounds, args.storage_mbps)
-            )[0]
+            for r in range(args.rounds):
+                for label, layout in (
+                    (("same layout", job), ("resharded", tp))
+                    if r % 2
+                    else (("resharded", tp), ("same layout", job))
+                ):
+                    loads.setdefault(label, []).extend(
+                        run_local(load_rank, args.nproc, (layout, data_dir, root, 1))[0]
+                    )
 
-    sync_s, two_s = _median(stall["synchronous"]), _median(stall["two-stage"])
+    sync = _median(stall[METHODS[1]]["stall"])
     print(f"# checkpoint benchmark, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs")
     print(f"# {command}")
     print(f"# model: {' '.join(DEFAULT_SETS + args.overrides)}")
     print()
     where = "GPU memory" if args.device == "cuda" else "CPU memory"
     print(
-        f"## 1. training stall per save (1 rank, {stall['bytes'] / 1e6:.0f} MB of state in {where},"
+        f"## 1. per save: {args.nproc} ranks (DP{args.nproc}, distributed optimizer), "
+        f"{stall['bytes'] / 1e6:.0f} MB checkpoint from {where}, slowest rank, median of "
+        f"{args.rounds} rotating rounds"
     )
-    print(f"##    median of {args.rounds} alternating rounds, temp dir on local disk)")
     print()
-    print("| save | stall (s) | vs synchronous |")
-    print("|---|---|---|")
-    print(f"| synchronous (write + fsync + manifest) | {sync_s:.3f} | 1.00 |")
-    print(f"| two-stage (host copy; write in background) | {two_s:.3f} | {two_s / sync_s:.3f} |")
+    print("| save | training stall (s) | stall vs synchronous | until durable (s) |")
+    print("|---|---|---|---|")
+    for name in METHODS:
+        s, d = _median(stall[name]["stall"]), _median(stall[name]["durable"])
+        print(f"| {name} | {s:.3f} | {s / sync:.1%} | {d:.3f} |")
     print()
     print(
-        f"two-stage: stall/synchronous = {two_s / sync_s:.1%} (target <= 10%); first save "
-        f"{stall['first']:.3f} s (host buffers reserved up front); background write "
-        f"{_median(stall['write_s']):.3f} s; step time during it "
-        f"{_median(stall['busy']) * 1e3:.0f} ms vs {_median(stall['idle']) * 1e3:.0f} ms without "
-        f"({len(stall['busy'])} steps)"
+        f"step time while a background write runs {_median(stall['busy']) * 1e3:.0f} ms vs "
+        f"{_median(stall['idle']) * 1e3:.0f} ms without ({len(stall['busy'])} steps)"
     )
     if args.stall_only:
         return 0
+    same, resharded = _median(loads["same layout"]), _median(loads["resharded"])
     print()
-    print(f"## 2. restart read time, {args.nproc} ranks (DP{args.nproc}), slowest rank, median")
+    print(f"## 2. restart load, {args.nproc} ranks, slowest rank, median of {args.rounds}")
     print()
+    print("| load | seconds | vs same layout |")
+    print("|---|---|---|")
+    print(f"| DP{args.nproc} checkpoint at DP{args.nproc} | {same:.3f} | 1.00 |")
     print(
-        "| optimizer state | storage | every rank reads (s) | read once + broadcast (s) | ratio | MB read (every / once) |"
+        f"| DP{args.nproc} checkpoint resharded to TP{args.nproc} | {resharded:.3f} | {resharded / same:.2f} |"
     )
-    print("|---|---|---|---|---|---|")
-    for optimizer, times in recovery.items():
-        labels = dict.fromkeys(label for label, _ in times)
-        for label in labels:
-            every = times[(label, False)]
-            once = times[(label, True)]
-            t_every, t_once = _median([t for t, _ in every]), _median([t for t, _ in once])
-            mb_every, mb_once = every[0][1] / 1e6, once[0][1] / 1e6
-            print(
-                f"| {optimizer} | {label} | {t_every:.3f} | {t_once:.3f} | "
-                f"{t_once / t_every:.2f} | {mb_every:.0f} / {mb_once:.0f} |"
-            )
     return 0
 
 

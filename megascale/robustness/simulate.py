@@ -76,7 +76,14 @@ class SimPool:
             return {}
         return {str(r): {"alive": True, "exit_code": None, "pid": 0} for r in self.ranks}
 
-    def selfcheck(self, nproc: int, full: bool = False) -> tuple[bool, str]:
+    def selfcheck(
+        self,
+        nproc: int,
+        full: bool = False,
+        timeout_s: float = 120.0,
+        thresholds: str | None = None,
+    ) -> tuple[bool, str]:
+        """``WorkerPool.selfcheck``'s signature: every simulated node is fit."""
         return True, "simulated"
 
 

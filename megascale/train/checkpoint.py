@@ -65,6 +65,8 @@ from megascale.train.checkpoint_io import (
     check_config,
     load_state_bytes,
     location,
+    rng_state,
+    set_rng_state,
     sha256_hex,
     step_name,
 )
@@ -134,24 +136,6 @@ def _describe(layout: dict | None) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def _rng_state() -> dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    torch.set_rng_state(state["cpu"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def _common_state(trainer: Trainer) -> dict:
     """The job's scalars; equal on every rank, saved by rank 0."""
     return {
@@ -179,7 +163,7 @@ def snapshot(trainer: Trainer) -> tuple[list[Entry], dict]:
     and its small state (RNG; rank 0 also the common state). Collective (``sync_params``)."""
     sync_params(trainer.model)
     entries = [e for e in training_entries(trainer) if e.main]
-    small = {"rng": _rng_state()}
+    small = {"rng": rng_state()}
     if trainer.groups.rank == 0:
         small["common"] = _common_state(trainer)
     return entries, small
@@ -601,10 +585,10 @@ def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) ->
     for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
         if hasattr(inner, "_copy_main_params_to_model_params"):
             inner._copy_main_params_to_model_params()  # bf16 model params from the fp32 ones
-    _apply_common(trainer, load_state_bytes(storage.read_bytes(f"{sdir}/{COMMON}") or b""))
+    _apply_common(trainer, load_state_bytes(_read_file(storage, sdir, COMMON) or b""))
     if manifest.get("layout") == _layout(groups, trainer):
         rng = f"{rank_dir(groups.rank)}/rng.pt"
-        _set_rng_state(load_state_bytes(storage.read_bytes(f"{sdir}/{rng}") or b""))
+        set_rng_state(load_state_bytes(_read_file(storage, sdir, rng) or b""))
     else:
         logger.info(
             "checkpoint %s resharded from %s to %s",

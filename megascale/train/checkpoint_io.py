@@ -245,6 +245,25 @@ class Storage:
         return [s for s in self.steps() if self.exists(f"{step_name(s)}/{MANIFEST}")]
 
 
+def rng_state() -> dict:
+    """This rank's RNG states: CPU, megatron's model-parallel tracker, CUDA where present."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -20,6 +20,7 @@ from megascale.train.checkpoint_io import (
     Storage,
     broadcast_tree,
     load_state_bytes,
+    set_rng_state,
     sha256_hex,
     step_name,
     tree_bytes,
@@ -52,24 +53,6 @@ def _main_params(optimizer) -> list[torch.Tensor]:
     return [p for group in groups for p in group]
 
 
-def _rng_state() -> dict:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    torch.set_rng_state(state["cpu"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 @torch.no_grad()
 def load_trainer_state(trainer: Trainer, state: dict) -> None:
     for chunk, chunk_state in zip(trainer.model, state["model"], strict=True):
@@ -83,7 +66,7 @@ def load_trainer_state(trainer: Trainer, state: dict) -> None:
     trainer.scheduler.num_steps = 0
     trainer.scheduler.load_state_dict(state["scheduler"])
     trainer.data.load_state_dict(state["data"])
-    _set_rng_state(state["rng"])
+    set_rng_state(state["rng"])
     trainer.step_num = state["step"]
 
 

@@ -47,7 +47,7 @@ def refused(*args: str, env: dict[str, str] | None = None) -> str:
         ("model.init_method_std=inf", ["model.init_method_std = inf", "finite"]),
         ("optim.eps=inf", ["optim.eps = inf", "finite"]),
         ("data.path=", ["data.path = ''", "token file prefix"]),
-        ("data.path=/nonexistent/tokens", ["data.path = '/nonexistent/tokens'", ".bin"]),
+        ("data.path=/nonexistent/tokens", ["data.path='/nonexistent/tokens'", ".idx"]),
         ("checkpoint.url=s3://bucket/run", ["checkpoint.url = 's3://bucket/run'", "package"]),
     ],
 )
