@@ -94,6 +94,13 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
+def _anyone(flag: bool) -> bool:
+    """Whether any rank's flag is set (the ranks step together or not at all)."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t)
+
+
 class _Ours:
     def __init__(self, job, trainer: Trainer, root: Path, async_save: bool) -> None:
         self.saver = _saver(job, trainer, str(root), async_save)
@@ -187,7 +194,7 @@ def stall_rank(job, data_dir: Path, root: Path, rounds: int) -> dict:
             start = time.perf_counter()
             method.start(trainer, r)
             stall = time.perf_counter() - start
-            while method.in_flight():  # training goes on during the background write
+            while _anyone(method.in_flight()):  # training goes on during the background write
                 step_s = trainer.step().step_time_s
                 out["busy"] += [step_s] if r else []
             method.finish()

@@ -65,6 +65,7 @@ from megascale.train.checkpoint_io import (
     check_config,
     load_state_bytes,
     location,
+    os_cause,
     rng_state,
     set_rng_state,
     sha256_hex,
@@ -203,6 +204,13 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.last_stall_s = self.last_wait_s = self.total_stall_s = self.last_write_s = 0.0
         self.saves = 0
+        if cfg.interval > 0:
+            try:
+                self.storage.check_writable()  # now, not at the first save hours from now
+            except OSError as e:
+                raise CheckpointError(
+                    f"checkpoint location {self.storage.url} is not writable: {os_cause(e) or e}"
+                ) from e
         if cfg.async_save and cfg.interval > 0:
             self._copier.reserve(_tree(*snapshot(trainer)))  # the first save then stalls no longer
         if self.groups.rank == 0:
@@ -256,7 +264,7 @@ class Checkpointer:
             thread.join()
         if self._error is not None:
             error, self._error = self._error, None
-            raise CheckpointError(f"checkpoint write failed: {error}") from error
+            raise CheckpointError(f"checkpoint write failed: {os_cause(error) or error}") from error
 
     def finalize(self) -> None:
         """End of training: wait for the last save. Idempotent."""
@@ -276,7 +284,9 @@ class Checkpointer:
             self._write(step, tree)
             self.last_write_s = time.perf_counter() - start
         except BaseException as e:  # reported by the next save/wait on the training thread
-            logger.error("checkpoint step %d: write failed: %s", step, e)
+            mine = f"{step_name(step)}/{rank_dir(self.groups.rank)}"
+            self.storage.remove(mine, recursive=True)  # no partial files left (a full disk)
+            logger.error("checkpoint step %d: write failed: %s", step, os_cause(e) or e)
             self._error = e
 
     def _write(self, step: int, tree: dict) -> None:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import io
 import json
@@ -170,19 +171,37 @@ class Storage:
         final = self.path(rel)
         tmp = f"{final}.{tmp_suffix}.tmp"
         self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
-        if self.local:
-            with open(tmp, "wb") as f:
-                stream = _HashingWriter(f)
-                fill(stream)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)  # atomic within a directory
-        else:
-            with self.fs.open(tmp, "wb") as f:
-                stream = _HashingWriter(f)
-                fill(stream)
-            self.fs.mv(tmp, final)
+        try:
+            if self.local:
+                with open(tmp, "wb") as f:
+                    stream = _HashingWriter(f)
+                    fill(stream)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, final)  # atomic within a directory
+            else:
+                with self.fs.open(tmp, "wb") as f:
+                    stream = _HashingWriter(f)
+                    fill(stream)
+                self.fs.mv(tmp, final)
+        except BaseException:
+            self._discard(tmp)  # a failed write (a full disk) leaves nothing behind
+            raise
         return stream.sha256.hexdigest(), stream.bytes
+
+    def _discard(self, path: str) -> None:
+        try:
+            if self.fs.exists(path):
+                self.fs.rm(path)
+        except (OSError, ValueError) as e:
+            logger.warning("could not remove the partial file %s: %s", path, e)
+
+    def check_writable(self) -> None:
+        """Raise OSError (with its errno) unless a file can be written, synced and removed at the
+        root: checked before training starts, not at the first save."""
+        probe = f".write-probe-{os.getpid()}"
+        self._write(probe, "probe", lambda stream: stream.write(b"megascale"))
+        self.fs.rm(self.path(probe))
 
     def write_state(self, rel: str, state: dict, tmp_suffix: str) -> tuple[str, int]:
         """``torch.save`` a state tree to ``rel``; returns (sha256, bytes) of what was written."""
@@ -262,6 +281,20 @@ def set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def os_cause(error: BaseException) -> str:
+    """The operating-system cause in an exception's chain, in one line (``No space left on device
+    (ENOSPC): /ckpt/step_00000010/...``); '' when none is an OSError with an errno."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno:
+            name = errno.errorcode.get(error.errno, str(error.errno))
+            where = f": {error.filename}" if error.filename else ""
+            return f"{os.strerror(error.errno)} ({name}){where}"
+        error = error.__cause__ or error.__context__
+    return ""
 
 
 def sha256_hex(data: bytes) -> str:
