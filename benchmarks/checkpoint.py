@@ -123,7 +123,8 @@ class _DCPAsync:
         self.world, self.rank = trainer.groups.layout.world_size, trainer.groups.rank
 
     def start(self, trainer: Trainer, r: int) -> None:
-        state = to_dcp([e for e in training_entries(trainer) if e.main], self.rank, self.world)
+        entries = training_entries(trainer, saving=True)
+        state = to_dcp([e for e in entries if e.main], self.rank, self.world)
         path = self.root / f"round_{r}"
         writer = dcp.FileSystemWriter(str(path), sync_files=True)
         self.future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
@@ -169,6 +170,9 @@ class _MCoreAsync:
         self.queue.schedule_async_request(request)
 
     def in_flight(self) -> bool:
+        # Collective (every rank polls together): finalizes once every rank's write is done.
+        if self.queue.get_num_unfinalized_calls():
+            self.queue.maybe_finalize_async_calls(blocking=False)
         return bool(self.queue.get_num_unfinalized_calls())
 
     def finish(self) -> None:

@@ -21,7 +21,7 @@ rank holds and DCP reads the overlapping parts of the saved ones. The data posit
 sample count, so the resumed run reads the samples the uninterrupted run would have read.
 
 Save (``Checkpointer.save``, every rank at the same steps). Stage 1 is the training stall: wait for
-this rank's previous save (one in flight per rank), ``sync_params``, copy the pieces into host
+this rank's previous save (one in flight per rank), copy the pieces it saves into host
 buffers (reused from one save to the next; pinned on a GPU), return. Stage 2 runs in a background
 thread and needs no communication: write this rank's DCP files and RNG, hash them, write the done
 marker. Rank 0's thread then waits until every rank's marker is there, merges the ranks' DCP
@@ -54,7 +54,6 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import CheckpointConfig
-from megascale.overlap.dp import sync_params
 from megascale.train import checkpoint_format as fmt
 from megascale.train import checkpoint_legacy as legacy
 from megascale.train.checkpoint_io import (
@@ -161,9 +160,10 @@ def _apply_common(trainer: Trainer, common: dict) -> None:
 
 def snapshot(trainer: Trainer) -> tuple[list[Entry], dict]:
     """This rank's part of a checkpoint, live (not copies): the entries it saves (main replicas)
-    and its small state (RNG; rank 0 also the common state). Collective (``sync_params``)."""
-    sync_params(trainer.model)
-    entries = [e for e in training_entries(trainer) if e.main]
+    and its small state (RNG; rank 0 also the common state). No communication: a parameter the
+    distributed optimizer shards is taken from each DP rank's own updated range, so the parameter
+    all-gather still in flight (overlapped with the next forward) is not waited for."""
+    entries = [e for e in training_entries(trainer, saving=True) if e.main]
     small = {"rng": rng_state()}
     if trainer.groups.rank == 0:
         small["common"] = _common_state(trainer)
@@ -227,8 +227,7 @@ class Checkpointer:
     def save(self, trainer: Trainer) -> float:
         """Checkpoint the trainer's current step; return the training stall in seconds.
 
-        Collective only through ``sync_params`` (the DP param all-gather, when overlapped); there is
-        no barrier: ranks coordinate the manifest through storage, in the background.
+        No communication: ranks coordinate the manifest through storage, in the background.
         """
         start = time.perf_counter()
         self.wait()  # one save in flight per rank; its host buffers are about to be reused

@@ -184,29 +184,43 @@ def _box_entry(sh, key: str, tensor: torch.Tensor, boxes, main: bool) -> Entry:
     return entry
 
 
-def training_entries(trainer: Trainer) -> list[Entry]:
+def training_entries(trainer: Trainer, *, saving: bool = False) -> list[Entry]:
     """The model parameters and the optimizer state of this rank, as live views (the optimizer
-    state is allocated first if no step has been taken)."""
+    state is allocated first if no step has been taken).
+
+    Loading (``saving=False``): every model parameter whole, as every rank needs it. Saving: a
+    parameter the distributed optimizer shards is saved by each DP rank for the range it updates
+    (its part of the parameter buffer is current right after ``optimizer.step()``), so a save needs
+    no parameter all-gather and no DP rank writes more than its share."""
     ensure_optimizer_state(trainer)
-    params = {}
-    entries = []
+    inners = list(getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]))
+    optimizer = [(inner, *item) for inner in inners for item in _optimizer_states(inner)]
+    sharded = {id(p): r for inner, p, r, _ in optimizer if saving and hasattr(inner, "gbuf_ranges")}
+    by_range = saving and any(hasattr(inner, "gbuf_ranges") for inner in inners)
+    params, entries = {}, []
     for sh in _model_tensors(trainer):
-        whole = [((0,) * len(sh.local_shape), tuple(sh.local_shape))]
-        entries.append(_box_entry(sh, sh.key, sh.data.detach(), whole, _is_main(sh.replica_id)))
         params[sh.data] = sh
-    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
-        for param, (start, end), states in _optimizer_states(inner):
-            sh = params.get(param)
-            if sh is None:
-                raise LayoutError(
-                    f"an optimizer parameter of shape {tuple(param.shape)} is not "
-                    "in the model's sharded state dict"
-                )
-            boxes = flat_range_boxes(tuple(sh.local_shape), start, end)
-            main = _is_main(tuple(sh.replica_id)[:2])  # DP ranks hold different ranges
-            for name, tensor in states.items():
-                key = f"optimizer.state.{name}.{sh.key}"
-                entries.append(_box_entry(sh, key, tensor.detach(), boxes, main))
+        local = tuple(sh.local_shape)
+        if by_range:  # no range of this parameter here: other DP ranks save it
+            start, end = sharded.get(id(sh.data), (0, 0))
+            view = sh.data.detach().view(-1)[start:end]
+            main = _is_main(tuple(sh.replica_id)[:2])
+            entries.append(_box_entry(sh, sh.key, view, flat_range_boxes(local, start, end), main))
+            continue
+        whole = [((0,) * len(local), local)]
+        entries.append(_box_entry(sh, sh.key, sh.data.detach(), whole, _is_main(sh.replica_id)))
+    for _inner, param, (start, end), states in optimizer:
+        sh = params.get(param)
+        if sh is None:
+            raise LayoutError(
+                f"an optimizer parameter of shape {tuple(param.shape)} is not "
+                "in the model's sharded state dict"
+            )
+        boxes = flat_range_boxes(tuple(sh.local_shape), start, end)
+        main = _is_main(tuple(sh.replica_id)[:2])  # DP ranks hold different ranges
+        for name, tensor in states.items():
+            key = f"optimizer.state.{name}.{sh.key}"
+            entries.append(_box_entry(sh, key, tensor.detach(), boxes, main))
     return _merge(entries)
 
 

@@ -15,6 +15,7 @@ from harness import with_changes
 
 from megascale.config import CheckpointConfig, ConfigError, load, validate
 from megascale.launcher.local import RankFailed, run_local
+from megascale.overlap.dp import sync_params
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.train import checkpoint
@@ -141,6 +142,7 @@ def _save_then_load(job, data_dir: Path, run_dir: Path) -> dict:
     saver = checkpoint.Checkpointer(job.checkpoint, run_dir, saved)
     saver.save(saved)
     saver.finalize()
+    sync_params(saved.model)  # the checkpoint holds the params the pending all-gather completes
     out = {"saved": _digest(saved), "stall_s": saver.last_stall_s}
     fresh = Trainer(job, saved.groups, "cpu", data_cache_dir=data_dir)
     storage = Storage(run_dir / "checkpoints")
