@@ -16,7 +16,9 @@ would, and nothing is left orphaned.
 Output: each worker's stdout and stderr go to ``RUN_DIR/logs/<node>/rank_NNNNN.out`` (appended,
 one header line per generation). ``LogScanner`` reads the new bytes of those files and picks out
 error keywords (``ERROR_PATTERNS``: CUDA error, NCCL error, segfault, OOM, Python traceback) and
-notices (``NOTICE_PATTERNS``: a checkpoint that failed verification). A line saying that a *peer*
+notices (``NOTICE_PATTERNS``: a checkpoint that failed verification). Keywords are looked for only
+where an error can be (``error_text``): not in the job's own INFO/WARNING log lines, not inside a
+path or a name (a run directory ``repro-OOM-fix`` is no fault). A line saying that a *peer*
 went away (``PEER_PATTERNS``: gloo's "Connection closed by peer", NCCL's remote errors) marks the
 worker's errors and exit as secondary: a symptom of another rank's fault, not a cause.
 """
@@ -48,16 +50,26 @@ logger = logging.getLogger(__name__)
 PRELOAD = ("megascale.cli", "megascale.train.run")
 """Modules the zygote imports once so that forked workers start without importing them."""
 
+_B, _E = r"(?<![\w.-])", r"(?![\w-]|\.\w)"
+"""Keyword boundaries: not inside an identifier, a dotted name or a hyphenated name
+(``repro-OOM-fix``, ``OOM_set``, ``data.OOM.bin``)."""
 ERROR_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (name, re.compile(pattern))
     for name, pattern in (
-        ("cuda_error", r"CUDA error|CUBLAS_STATUS_|CUDNN_STATUS_|cudaError"),
-        ("nccl_error", r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError"),
-        ("segfault", r"Segmentation fault|SIGSEGV|Fatal Python error"),
-        ("oom", r"[Oo]ut of memory|OutOfMemoryError|\bOOM\b"),
+        (
+            "cuda_error",
+            rf"{_B}CUDA error{_E}|{_B}(CUBLAS|CUDNN)_STATUS_[A-Z_]+{_E}|{_B}cudaError\w*{_E}",
+        ),
+        (
+            "nccl_error",
+            rf"{_B}(NCCL error|nccl(Internal|System|UnhandledCuda|Remote|InvalidUsage)Error){_E}",
+        ),
+        ("segfault", rf"{_B}(Segmentation fault|SIGSEGV|Fatal Python error){_E}"),
+        ("oom", rf"{_B}([Oo]ut of memory|OOM){_E}|(?<![\w-])OutOfMemoryError{_E}"),
         ("traceback", r"Traceback \(most recent call last\)"),
     )
 )
+"""Scanned only in lines that can carry an error (``error_text``), paths taken out first."""
 PEER_PATTERNS = re.compile(
     r"Connection closed by peer|Connection reset by peer|remote worker crash|"
     r"remote process exited|NCCL communicator was aborted|Broken pipe"
@@ -69,6 +81,34 @@ NOTICE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
 EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 """The line that ends a Python traceback (``RuntimeError: ...``), torch's ``[rankN]:`` prefix
 allowed."""
+OWN_LINE = re.compile(r"^\[rank \d+\] \S+ \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+"""megascale's own log line (``megascale.logs``): ``[rank N] date time LEVEL name: message``."""
+_PATH = re.compile(r"\S*/\S*")
+
+
+def error_text(line: str, paths: tuple[str, ...] = ()) -> str | None:
+    """The part of a worker's output line that may carry an error, None when it cannot: the
+    job's own DEBUG/INFO/WARNING log lines never do (they name the run directory, the data,
+    the config). Other lines (ERROR/CRITICAL log lines, tracebacks, exception lines, what the
+    runtime prints) come back without ``paths`` (the run directory...) and without any
+    path-like token, so that a keyword inside a path cannot match."""
+    own = OWN_LINE.match(line)
+    if own and own.group(1) in ("DEBUG", "INFO", "WARNING"):
+        return None
+    for path in paths:
+        if path:
+            line = line.replace(path, " ")
+    return _PATH.sub(" ", line)
+
+
+def error_kind(line: str, paths: tuple[str, ...] = ()) -> str | None:
+    """The ``ERROR_PATTERNS`` name a worker's output line matches (see ``error_text``)."""
+    text = error_text(line, paths)
+    return None if text is None else _first_kind(text)
+
+
+def _first_kind(text: str) -> str | None:
+    return next((kind for kind, pattern in ERROR_PATTERNS if pattern.search(text)), None)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -299,8 +339,10 @@ class LogMatch:
 class LogScanner:
     """Reads what a worker appended to its output file since the last ``scan``."""
 
-    def __init__(self, path: Path, max_bytes: int = 1 << 20) -> None:
+    def __init__(self, path: Path, max_bytes: int = 1 << 20, paths: tuple[str, ...] = ()) -> None:
+        """``paths``: the job's own paths (its run directory), never read as keywords."""
         self.path, self.max_bytes = path, max_bytes
+        self.paths = tuple(sorted(set(paths), key=len, reverse=True))
         self.offset = path.stat().st_size if path.exists() else 0
         self.partial = ""
         self.peer_failure = False
@@ -327,14 +369,14 @@ class LogScanner:
     def _match(self, lines: list[str]) -> list[LogMatch]:
         matches = []
         for i, line in enumerate(lines):
-            if PEER_PATTERNS.search(line):
+            text = error_text(line, self.paths)
+            if text is not None and PEER_PATTERNS.search(text):
                 self.peer_failure = True
-            for kind, pattern in ERROR_PATTERNS:
-                if pattern.search(line):
-                    if kind == "traceback":  # say which exception, if it is in this chunk
-                        line = next((x for x in lines[i + 1 :] if EXCEPTION.match(x)), line)
-                    matches.append(LogMatch(kind, line.strip()[:500]))
-                    break
+            kind = None if text is None else _first_kind(text)
+            if kind is not None:
+                if kind == "traceback":  # say which exception, if it is in this chunk
+                    line = next((x for x in lines[i + 1 :] if EXCEPTION.match(x)), line)
+                matches.append(LogMatch(kind, line.strip()[:500]))
             for kind, pattern in NOTICE_PATTERNS:
                 if pattern.search(line):
                     matches.append(LogMatch(kind, line.strip()[:500], notice=True))
@@ -375,6 +417,8 @@ class WorkerPool:
         self, zygote: Zygote, run_dir: Path, node: str, on_change: Callable[[], None]
     ) -> None:
         self.zygote, self.run_dir, self.node = zygote, Path(run_dir), node
+        self.own_paths = (str(run_dir), str(self.run_dir), str(self.run_dir.resolve()))
+        """Paths of this job that worker output names: never read as error keywords."""
         self.on_change = on_change
         self.workers: dict[int, Worker] = {}  # global rank -> worker (current generation)
         self._by_pid: dict[int, Worker] = {}
@@ -406,7 +450,7 @@ class WorkerPool:
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "a") as f:
                 f.write(f"==== megascale generation {generation} rank {rank} {time.ctime()}\n")
-            scanner = LogScanner(log)
+            scanner = LogScanner(log, paths=self.own_paths)
             worker_env = {
                 **env,
                 "RANK": str(rank),
