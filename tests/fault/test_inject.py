@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megascale.launcher.workers import LogScanner, error_kind
+from megascale.launcher.logscan import LogScanner, error_kind
 from megascale.robustness import inject
 
 
