@@ -9,7 +9,8 @@ What it does, in its threads:
   workers), ``selfcheck`` (the node self-check; its result is the ack), ``start`` (generation G
   with rank assignment R) -- and acks each under ``acks/<node>``. A command is run only if
   ``keys.is_current`` (this job, not an older generation) and at most once (by its id);
-* the zygote's reader: worker exits (``megascale.launcher.workers``).
+* the zygote's reader: worker exits, and the zygote's own death (its workers' exits and a
+  ``zygote_died`` error, reported at once: this node's fault) (``megascale.launcher.workers``).
 
 etcd unreachable: the workers keep running and the agent keeps trying (each store call gives up
 after ``retry_s`` and is retried at the next beat); acks are retried until written. If the lease

@@ -11,14 +11,13 @@ rank assignment; it is exactly what ``python -m megascale.cli train CONFIG`` run
 Process tree and lifetimes: agent -> zygote -> workers. The zygote dies with the agent
 (``PR_SET_PDEATHSIG``) and kills its workers when its pipe to the agent closes; each worker dies
 with the zygote. So a SIGKILLed agent (a lost node) takes its workers with it, as a lost machine
-would, and nothing is left orphaned.
+would, and nothing is left orphaned. A zygote killed on its own (the OOM killer) takes the workers
+with it too: the pool reports their exits (SIGKILL) and a ``zygote_died`` error, this node's fault
+and not a peer's, and later forks (the self-check) fail naming it.
 
 Output: each worker's stdout and stderr go to ``RUN_DIR/logs/<node>/rank_NNNNN.out`` (appended,
-one header line per generation). ``LogScanner`` reads the new bytes of those files and picks out
-error keywords (``ERROR_PATTERNS``: CUDA error, NCCL error, segfault, OOM, Python traceback) and
-notices (``NOTICE_PATTERNS``: a checkpoint that failed verification). A line saying that a *peer*
-went away (``PEER_PATTERNS``: gloo's "Connection closed by peer", NCCL's remote errors) marks the
-worker's errors and exit as secondary: a symptom of another rank's fault, not a cause.
+one header line per generation). A ``LogScanner`` (``megascale.launcher.logscan``) reads the new
+bytes of those files for error keywords, a peer's failure and notices.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import importlib
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -42,33 +40,12 @@ from typing import Any
 
 from megascale.launcher import gpus
 from megascale.launcher.lifetime import die_with_parent
+from megascale.launcher.logscan import LogMatch, LogScanner
 
 logger = logging.getLogger(__name__)
 
 PRELOAD = ("megascale.cli", "megascale.train.run")
 """Modules the zygote imports once so that forked workers start without importing them."""
-
-ERROR_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
-    (name, re.compile(pattern))
-    for name, pattern in (
-        ("cuda_error", r"CUDA error|CUBLAS_STATUS_|CUDNN_STATUS_|cudaError"),
-        ("nccl_error", r"NCCL error|ncclInternalError|ncclSystemError|ncclUnhandledCudaError"),
-        ("segfault", r"Segmentation fault|SIGSEGV|Fatal Python error"),
-        ("oom", r"[Oo]ut of memory|OutOfMemoryError|\bOOM\b"),
-        ("traceback", r"Traceback \(most recent call last\)"),
-    )
-)
-PEER_PATTERNS = re.compile(
-    r"Connection closed by peer|Connection reset by peer|remote worker crash|"
-    r"remote process exited|NCCL communicator was aborted|Broken pipe"
-)
-NOTICE_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("checkpoint_fallback", re.compile(r"skipping checkpoint")),
-    ("resumed", re.compile(r"resumed from ")),  # the agent reports rank 0's only
-)
-EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
-"""The line that ends a Python traceback (``RuntimeError: ...``), torch's ``[rankN]:`` prefix
-allowed."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -129,15 +106,18 @@ TARGETS: dict[str, Callable[..., int]] = {
 # -- the zygote --------------------------------------------------------------------------------
 
 
-def _child(conn: Connection, target: str, kwargs: dict, env: dict, log: str, nice: int) -> None:
-    """In a freshly forked child of the zygote: set up, run ``target``, exit (never returns)."""
+def _child(
+    conn: Connection, zygote: int, target: str, kwargs: dict, env: dict, log: str, nice: int
+) -> None:
+    """In a freshly forked child of the zygote (pid ``zygote``): set up, run ``target``, exit
+    (never returns). A zygote that died while forking takes the child with it all the same."""
     code: Any = 1
     try:
+        die_with_parent(parent=zygote)
         conn.close()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent stops workers; Ctrl-C is its
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        die_with_parent()
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
@@ -185,9 +165,9 @@ def _zygote_main(conn: Connection, preload: tuple[str, ...]) -> None:
                     break
                 if op == "spawn":
                     token, target, kwargs, env, log, nice = args
-                    pid = os.fork()
+                    zygote, pid = os.getpid(), os.fork()
                     if pid == 0:
-                        _child(conn, target, kwargs, env, log, nice)
+                        _child(conn, zygote, target, kwargs, env, log, nice)
                     children.add(pid)
                     conn.send(("spawned", token, pid))
             while children:
@@ -212,7 +192,9 @@ class Zygote:
 
     Create it before the agent starts any thread (it forks). ``spawn`` returns the new child's
     pid; ``on_exit(pid, code)`` is called from a reader thread when a child ends (``code`` as
-    ``Popen.returncode``: negative for a signal).
+    ``Popen.returncode``: negative for a signal). ``on_death(detail)`` is called from that thread
+    when the zygote itself dies unasked (killed: its children died with it); ``spawn`` then
+    raises ``RuntimeError`` naming it.
     """
 
     def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
@@ -224,6 +206,10 @@ class Zygote:
         child.close()
         self.pid, self.conn = pid, parent
         self.on_exit: Callable[[int, int], None] = lambda pid, code: None
+        self.on_death: Callable[[str], None] = lambda detail: None
+        self.died: str | None = None
+        """Why the zygote is gone, when it died unasked; None while it lives."""
+        self._closing = False
         self._send_lock = threading.Lock()
         self._replies: dict[int, int] = {}
         self._cond = threading.Condition()
@@ -242,13 +228,22 @@ class Zygote:
     ) -> int:
         """Fork a child running ``TARGETS[target](**kwargs)``; returns its pid."""
         with self._cond:
+            if self.died is not None:
+                raise RuntimeError(self.died)
             self._token += 1
             token = self._token
-        with self._send_lock:
-            self.conn.send(("spawn", token, target, dict(kwargs), dict(env), str(log), nice))
+        try:
+            with self._send_lock:
+                self.conn.send(("spawn", token, target, dict(kwargs), dict(env), str(log), nice))
+        except OSError as e:
+            raise RuntimeError(self.died or f"the zygote (pid {self.pid}) is gone: {e}") from e
         with self._cond:
-            if not self._cond.wait_for(lambda: token in self._replies, timeout_s):
+            if not self._cond.wait_for(
+                lambda: token in self._replies or self.died is not None, timeout_s
+            ):
                 raise RuntimeError(f"the zygote (pid {self.pid}) did not fork in {timeout_s} s")
+            if token not in self._replies:
+                raise RuntimeError(self.died)
             return self._replies.pop(token)
 
     def _read(self) -> None:
@@ -256,6 +251,8 @@ class Zygote:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
+                if not self._closing:
+                    self._died()
                 return
             if message[0] == "spawned":
                 with self._cond:
@@ -266,9 +263,28 @@ class Zygote:
             elif message[0] == "log":
                 logger.warning("zygote: %s", message[1])
 
+    def _died(self) -> None:
+        """The pipe closed unasked: the zygote died (its children with it, ``PR_SET_PDEATHSIG``)."""
+        code: int | str = "unknown"
+        try:
+            for _ in range(50):  # it has closed its end: it is exiting
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    code = os.waitstatus_to_exitcode(status)
+                    break
+                time.sleep(0.02)
+        except ChildProcessError:
+            pass
+        with self._cond:
+            self.died = f"the zygote (pid {self.pid}) died (exit code {code}), its workers with it"
+            self._cond.notify_all()
+        logger.error("%s", self.died)
+        self.on_death(self.died)
+
     def close(self, timeout_s: float = 5.0) -> None:
         """End the zygote (it kills its children). A message, not just closing the pipe: the
         reader thread blocked in ``recv`` keeps the socket open."""
+        self._closing = True
         try:
             with self._send_lock:
                 self.conn.send(("quit",))
@@ -284,61 +300,6 @@ class Zygote:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
             pass
-
-
-# -- output scanning ----------------------------------------------------------------------------
-
-
-@dataclass
-class LogMatch:
-    kind: str  # an ERROR_PATTERNS or NOTICE_PATTERNS name
-    text: str
-    notice: bool = False
-
-
-class LogScanner:
-    """Reads what a worker appended to its output file since the last ``scan``."""
-
-    def __init__(self, path: Path, max_bytes: int = 1 << 20) -> None:
-        self.path, self.max_bytes = path, max_bytes
-        self.offset = path.stat().st_size if path.exists() else 0
-        self.partial = ""
-        self.peer_failure = False
-        """Whether the worker said a peer went away (its errors are then secondary)."""
-
-    def scan(self) -> list[LogMatch]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read(self.max_bytes)
-        except OSError:
-            return []
-        self.offset += len(data)
-        lines = (self.partial + data.decode(errors="replace")).split("\n")
-        self.partial = lines.pop()[-4096:]
-        return self._match(lines)
-
-    def flush(self) -> list[LogMatch]:
-        """``scan`` plus the last line even if it has no newline (the worker has exited)."""
-        matches = self.scan()
-        last, self.partial = self.partial, ""
-        return matches + self._match([last] if last else [])
-
-    def _match(self, lines: list[str]) -> list[LogMatch]:
-        matches = []
-        for i, line in enumerate(lines):
-            if PEER_PATTERNS.search(line):
-                self.peer_failure = True
-            for kind, pattern in ERROR_PATTERNS:
-                if pattern.search(line):
-                    if kind == "traceback":  # say which exception, if it is in this chunk
-                        line = next((x for x in lines[i + 1 :] if EXCEPTION.match(x)), line)
-                    matches.append(LogMatch(kind, line.strip()[:500]))
-                    break
-            for kind, pattern in NOTICE_PATTERNS:
-                if pattern.search(line):
-                    matches.append(LogMatch(kind, line.strip()[:500], notice=True))
-        return matches
 
 
 # -- the pool -------------------------------------------------------------------------------------
@@ -375,6 +336,8 @@ class WorkerPool:
         self, zygote: Zygote, run_dir: Path, node: str, on_change: Callable[[], None]
     ) -> None:
         self.zygote, self.run_dir, self.node = zygote, Path(run_dir), node
+        self.own_paths = (str(run_dir), str(self.run_dir), str(self.run_dir.resolve()))
+        """Paths of this job that worker output names: never read as error keywords."""
         self.on_change = on_change
         self.workers: dict[int, Worker] = {}  # global rank -> worker (current generation)
         self._by_pid: dict[int, Worker] = {}
@@ -382,7 +345,9 @@ class WorkerPool:
         self._unclaimed: dict[int, int] = {}  # exits reported before spawn() returned the pid
         self._lock = threading.Lock()
         self._exited = threading.Condition(self._lock)
+        self._lost: list[tuple[Worker, LogMatch]] = []  # reported by the next scan
         zygote.on_exit = self._on_exit
+        zygote.on_death = self._on_zygote_death
 
     def log_path(self, rank: int) -> Path:
         return self.run_dir / "logs" / self.node / f"rank_{rank:05d}.out"
@@ -406,7 +371,7 @@ class WorkerPool:
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "a") as f:
                 f.write(f"==== megascale generation {generation} rank {rank} {time.ctime()}\n")
-            scanner = LogScanner(log)
+            scanner = LogScanner(log, paths=self.own_paths)
             worker_env = {
                 **env,
                 "RANK": str(rank),
@@ -448,6 +413,22 @@ class WorkerPool:
         if worker is not None:
             level = logging.INFO if code == 0 else logging.WARNING
             logger.log(level, "rank %d (pid %d) exited with code %d", worker.rank, pid, code)
+            self.on_change()
+
+    def _on_zygote_death(self, detail: str) -> None:
+        """The zygote died: every worker and self-check process it had forked was SIGKILLed
+        with it. Their exits, and one ``zygote_died`` error per worker, are this node's."""
+        with self._lock:
+            lost = list(self._by_pid.values())
+            self._by_pid.clear()
+            for worker in lost:
+                worker.exit_code = -signal.SIGKILL
+                self._lost.append((worker, LogMatch("zygote_died", detail)))
+            for pid, code in self._checks.items():
+                if code is None:
+                    self._checks[pid] = -signal.SIGKILL
+            self._exited.notify_all()
+        if lost:
             self.on_change()
 
     def wait_exited(self, pids: list[int], timeout_s: float) -> bool:
@@ -527,8 +508,10 @@ class WorkerPool:
         return {str(r): w.status() for r, w in workers if w.generation == generation}
 
     def scan(self) -> list[tuple[Worker, LogMatch]]:
-        """New error keywords and notices in the current workers' output."""
-        found = []
+        """New error keywords and notices in the current workers' output (and the workers lost
+        with the zygote)."""
+        with self._lock:
+            found, self._lost = self._lost, []
         for worker in list(self.workers.values()):
             if worker.scanner is None:
                 continue

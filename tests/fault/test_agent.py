@@ -7,12 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from megascale import cli
+from megascale.launcher import workers
 from megascale.launcher.etcd import EmbeddedEtcd
 from megascale.robustness.keys import JobKeys, make_command
 from megascale.robustness.store import Store, StoreConfig
@@ -114,3 +116,41 @@ def test_agent_runs_current_commands_only_and_survives_losing_etcd(tmp_path):
         assert store.get(keys.node(node)) is None  # deregistered on the way out
         assert "etcd unreachable" in err and "registering again" in err, err[-3000:]
         store.close()
+
+
+def _sleeping_rank(argv: list[str]) -> int:
+    time.sleep(600)
+    return 0
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"
+    except (OSError, IndexError):
+        return True
+
+
+def test_a_killed_zygote_is_reported_as_this_nodes_fault(monkeypatch, tmp_path):
+    """The zygote killed under running workers: they die with it, the pool reports their exits
+    (SIGKILL, not a peer's failure) and a ``zygote_died`` error at once, and a later fork (the
+    self-check before a restart) fails naming the zygote instead of waiting."""
+    monkeypatch.setitem(workers.TARGETS, "train", _sleeping_rank)  # forked: the zygote has it
+    zygote = workers.Zygote(preload=())
+    changed = threading.Event()
+    pool = workers.WorkerPool(zygote, tmp_path, "node-0", on_change=changed.set)
+    try:
+        [worker] = pool.start(1, [0], {}, [])
+        os.kill(zygote.pid, signal.SIGKILL)
+        assert changed.wait(30)
+        status = pool.status(1)["0"]
+        assert (status["alive"], status["exit_code"], status["peer"]) == (False, -9, False)
+        [(lost, error)] = pool.scan()
+        assert lost is worker and error.kind == "zygote_died" and not error.notice
+        assert f"zygote (pid {zygote.pid}) died" in error.text
+        _wait("the worker to die with its zygote", lambda: _dead(worker.pid))
+        with pytest.raises(RuntimeError, match=f"zygote \\(pid {zygote.pid}\\) died"):
+            pool.selfcheck(1, timeout_s=30)
+        assert pool.scan() == [] and pool.running() == []
+    finally:
+        pool.stop(0.5)
+        zygote.close()

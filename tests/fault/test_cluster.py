@@ -86,7 +86,9 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Run:
-    return Run(tmp_path_factory.mktemp("reference"))
+    """The fault-free run, in a run directory whose name holds error keywords: the workers' own
+    lines that name it are no fault."""
+    return Run(tmp_path_factory.mktemp("repro-OOM-NCCL-error-Segmentation-fault"))
 
 
 def test_fault_free_run_finishes_and_clean_exits_are_not_faults(reference):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megascale.launcher.workers import LogScanner
+from megascale.launcher.logscan import LogScanner, error_kind
 from megascale.robustness import inject
 
 
@@ -70,3 +70,48 @@ def test_log_scanner_finds_errors_and_tells_symptoms_from_causes(tmp_path):
     assert [m.kind for m in matches] == ["traceback", "checkpoint_fallback"]
     assert "Connection closed by peer" in matches[0].text  # the exception line, not the header
     assert matches[1].notice and symptom.peer_failure
+
+
+RUN_DIR = "/tmp/repro-OOM-fix/NCCL-error-ECC"
+"""A run directory that names every kind of fault, as a user reproducing one would."""
+
+
+def test_keywords_in_the_jobs_own_lines_paths_and_names_are_no_error():
+    info = "[rank 0] 2026-11-25 09:48:01,123 INFO megascale.train.run:"
+    quiet = [
+        f"{info} run directory {RUN_DIR}/ckpt, data {RUN_DIR}/data/OOM_corpus",
+        f"{info} CUDA error rate 0, out of memory retries 0, SIGSEGV handler on",
+        "[rank 0] 2026-11-25 09:48:01,123 WARNING megascale.data: NCCL error budget 3",
+        f"> building dataset {RUN_DIR}/Segmentation-fault/cudaErrorSet.bin",
+        "[rank 3] 2026-11-25 09:48:01,123 ERROR megascale.train.checkpoint: cannot write "
+        f"{RUN_DIR}/step_8/OutOfMemoryError.pt",
+        "dataset repro-OOM-NCCL-error blend OOM_set data.OOM.bin CUBLAS_STATUS_x-y",
+        '  File "/tmp/CUDA error/OOM/train.py", line 3, in <module>',
+    ]
+    for line in quiet:
+        assert error_kind(line) is None, line
+    spaced = "/tmp/my runs/repro out of memory"  # a run directory with spaces: stripped by name
+    assert error_kind(f"RuntimeError: cannot open {spaced}/x", (spaced,)) is None
+
+    real = {
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB": "oom",
+        "[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered": "cuda_error",
+        "RuntimeError: NCCL error in: /opt/torch/c10d/NCCLUtils.hpp:219, unhandled": "nccl_error",
+        "Fatal Python error: Segmentation fault": "segfault",
+        "[rank 1] 2026-11-25 09:48:01,123 ERROR megascale.train.run: OOM at step 5": "oom",
+        f"RuntimeError: cudaErrorIllegalAddress while reading {RUN_DIR}/x": "cuda_error",
+        "Traceback (most recent call last):": "traceback",
+    }
+    for line, kind in real.items():
+        assert error_kind(line, (RUN_DIR,)) == kind, line
+
+
+def test_the_scanner_reads_past_the_run_directory_to_the_real_error(tmp_path):
+    scanner = LogScanner(tmp_path / "a.out", paths=(RUN_DIR,))
+    with open(scanner.path, "a") as f:
+        f.write(f"[rank 0] 2026-11-25 09:48:01,123 INFO megascale.cli: run dir {RUN_DIR}\n")
+        f.write(f"saving to {RUN_DIR}/Broken pipe/step_5\n")  # a peer's failure only by name
+        f.write("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    [match] = scanner.scan()
+    assert match.kind == "oom" and match.text.startswith("torch.OutOfMemoryError")
+    assert not scanner.peer_failure
