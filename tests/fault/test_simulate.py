@@ -22,7 +22,7 @@ def test_replay_issues_every_operation_against_a_real_tcpstore():
     assert 0 < sampled.ops < rdzv.default_op_count(layout, barrier=True)
 
 
-# The issue's target, 2 heartbeats + 1 s, is measured by benchmarks/scale.py (docs/scale.md). Here,
+# The detection target, 2 heartbeats + 1 s, is measured by benchmarks/scale.py (docs/scale.md). Here,
 # on a shared CI box, the bound says how detection works: the lease expires (TTL after the last
 # keep-alive, found by etcd's expiry scan every 0.5 s) and the controller hears of it at once --
 # not the heartbeat timeout (10 heartbeats), which would take 10 s. 1.5 s is left for delivery.
