@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -158,5 +159,7 @@ def read_whole(path: str, metadata: Metadata, keys: list[str]) -> dict[str, torc
     for key in keys:
         item = metadata.state_dict_metadata[key]
         state[key] = torch.empty(item.size, dtype=item.properties.dtype)
-    dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
+    with warnings.catch_warnings():  # DCP notes that it loads in one process: that is the point
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=_reader(path, metadata), no_dist=True)
     return state
