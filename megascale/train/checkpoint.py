@@ -549,6 +549,16 @@ def _read_file(storage: Storage, sdir: str, name: str) -> bytes | None:
         return None
 
 
+def _inside(storage: Storage, sdir: str, name: str) -> bool:
+    """Whether ``name`` is a regular file inside the step directory (checked, not read)."""
+    try:
+        resolve_file(storage.path(sdir), name, local=storage.local)
+        return True
+    except CheckpointPathError as e:
+        logger.warning("checkpoint %s: %s", sdir, e)
+        return False
+
+
 def _data_files_listed(metadata, files: dict) -> str:
     """'' when every data file the DCP metadata names is one the manifest lists (so verified)."""
     named = {info.relative_path for info in (metadata.storage_data or {}).values()}
@@ -628,8 +638,8 @@ def model_digest(where: str | Path | Storage) -> tuple[str | None, int | None]:
         logger.warning("no parameter digest of %s: %s", sdir, e)
         return None, steps[-1]
     named = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    if _data_files_listed(metadata, files) or any(
-        _read_file(storage, sdir, name) is None for name in named
+    if _data_files_listed(metadata, files) or not all(
+        _inside(storage, sdir, name) for name in named
     ):
         return None, steps[-1]
     keys = sorted(k for k in metadata.state_dict_metadata if not k.startswith("optimizer."))
