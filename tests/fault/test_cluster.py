@@ -234,7 +234,9 @@ def test_slow_node_is_evicted_when_configured_and_a_spare_takes_its_ranks(refere
         "--set", "diagnostics.straggler_action=evict",
     )  # fmt: skip
     run.check_recovered(reference)
-    [straggler] = run.of("straggler")
+    # The first generation's report names the slow machine (on a loaded 2-core box a later
+    # generation may report a node again, with no spare left to replace it).
+    [straggler] = [e for e in run.of("straggler") if e["generation"] == 1]
     assert straggler["node"] == "node-1" and straggler["detail"]["action"] == "evict"
     assert straggler["detail"]["score"] > straggler["detail"]["threshold"]
     [fault] = run.faults()
