@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 from megascale.config import ConfigError, JobConfig, check_types
+from megascale.overlap.tp_plan import te_overlap_active, te_userbuffers_problems
 
 BACKENDS = ("gloo", "nccl")
 OPTIMIZERS = ("adam", "lamb")
@@ -318,9 +319,11 @@ def _overlap(cfg: JobConfig) -> list[str]:
     """Overlap knobs against the layout."""
     p, m, o = cfg.parallel, cfg.model, cfg.overlap
     problems: list[str] = []
+    if m.spec == "te" and te_overlap_active(cfg):  # TE's own overlap; tp_chunks is not used
+        problems += te_userbuffers_problems(cfg)
     if o.tp_chunks < 1:
         problems.append(f"overlap.tp_chunks = {o.tp_chunks}: must be >= 1")
-    elif o.tp_active(p) and (m.seq_length // p.tp) % o.tp_chunks:
+    elif o.tp_active(p) and m.spec != "te" and (m.seq_length // p.tp) % o.tp_chunks:
         problems.append(
             f"overlap.tp_chunks = {o.tp_chunks}: the per-rank sequence "
             f"(model.seq_length / parallel.tp = {m.seq_length // p.tp}) must be divisible by it; "
