@@ -12,7 +12,6 @@ import dataclasses
 import math
 
 from megascale.config import ConfigError, JobConfig, check_types
-from megascale.overlap.tp_plan import te_overlap_active, te_userbuffers_problems
 
 BACKENDS = ("gloo", "nccl")
 OPTIMIZERS = ("adam", "lamb")
@@ -319,10 +318,9 @@ def _overlap(cfg: JobConfig) -> list[str]:
     """Overlap knobs against the layout."""
     p, m, o = cfg.parallel, cfg.model, cfg.overlap
     problems: list[str] = []
-    if m.spec == "te" and te_overlap_active(cfg):  # TE's own overlap; tp_chunks is not used
-        problems += te_userbuffers_problems(cfg)
     if o.tp_chunks < 1:
         problems.append(f"overlap.tp_chunks = {o.tp_chunks}: must be >= 1")
+    # The TE spec overlaps inside TE (megascale.overlap.tp_plan): the chunks are the local spec's.
     elif o.tp_active(p) and m.spec != "te" and (m.seq_length // p.tp) % o.tp_chunks:
         problems.append(
             f"overlap.tp_chunks = {o.tp_chunks}: the per-rank sequence "

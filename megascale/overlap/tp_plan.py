@@ -12,11 +12,16 @@ once, before the model is built (``transformer_engine.pytorch.module.base.initia
 ``plan_tp_overlap`` is the whole decision and is pure (tested on CPU without TE); ``init_te_
 userbuffers`` carries out a TE plan on a GPU (tested in ``tests/gpu``).
 
-TE's userbuffers need (refused with a ``ConfigError`` naming the field otherwise):
+Like the chunked overlap, TE's applies only where the job has something it can overlap, and is
+otherwise inactive (logged with the reason, the job runs as before):
 
 * sequence parallelism: the overlapped collectives are SP's all-gather and reduce-scatter (without
-  SP, TP is an all-reduce that neither path overlaps; ``overlap.tp`` is then simply inactive);
-* bf16 activations: the buffers are 16-bit (or FP8), never fp32;
+  SP, TP is an all-reduce that neither path overlaps);
+* bf16 activations: the userbuffers are 16-bit (or FP8); an fp32 job (a correctness run) keeps
+  TE's plain collectives.
+
+Where it applies, what it needs besides is refused with a ``ConfigError`` naming the field:
+
 * ``seq_length * micro_batch_size`` divisible by ``tp``: the buffer is that many rows, split evenly;
 * the TP group inside one node (``tp`` divides the GPUs per node): the buffers are shared over
   CUDA IPC/NVLink between the TP ranks, which megascale's layout places on consecutive local ranks;
@@ -94,6 +99,10 @@ def plan_tp_overlap(
         return TPOverlapPlan(
             CHUNKED, f"local spec: chunked overlap, {o.tp_chunks} chunks", chunks=o.tp_chunks
         )
+    if m.params_dtype != "bf16":
+        return TPOverlapPlan(
+            OFF, f"model.params_dtype = {m.params_dtype!r}: TE's userbuffers overlap is bf16-only"
+        )
     _check_te(job, te_version, gpus_per_node)
     rows = m.seq_length * job.train.micro_batch_size
     return TPOverlapPlan(
@@ -112,17 +121,11 @@ def plan_tp_overlap(
     )
 
 
-def te_userbuffers_problems(job: JobConfig, gpus_per_node: int | None = None) -> list[str]:
-    """Why TE's userbuffers cannot run ``job``'s TP overlap, one line each naming the field (empty:
-    they can, given a recent enough TE). For jobs where the TE spec's overlap is active."""
+def _check_te(job: JobConfig, te_version: str | None, gpus_per_node: int | None) -> None:
+    """ConfigError naming each field that keeps TE's userbuffers from a job they apply to."""
     p, m = job.parallel, job.model
     off = "or set overlap.tp=false"
     problems = []
-    if m.params_dtype != "bf16":
-        problems.append(
-            f"model.params_dtype = {m.params_dtype!r}: Transformer Engine's TP overlap "
-            f"(userbuffers) runs in 'bf16' only; set model.params_dtype='bf16' {off}"
-        )
     rows = m.seq_length * job.train.micro_batch_size
     if rows % p.tp:
         problems.append(
@@ -134,23 +137,12 @@ def te_userbuffers_problems(job: JobConfig, gpus_per_node: int | None = None) ->
             f"parallel.tp = {p.tp}: TE's userbuffers need each TP group inside one node, and "
             f"{gpus_per_node} GPU(s) per node are not a multiple of it; {off}"
         )
-    return problems
-
-
-def te_overlap_active(job: JobConfig) -> bool:
-    """Whether the TE spec would overlap this job's TP communication (layout allowing)."""
-    p = job.parallel
-    return job.overlap.tp and p.tp > 1 and p.sequence_parallel
-
-
-def _check_te(job: JobConfig, te_version: str | None, gpus_per_node: int | None) -> None:
-    problems = te_userbuffers_problems(job, gpus_per_node)
     minimum = _version_tuple(TE_USERBUFFERS_MIN_VERSION)
     if te_version is None or _version_tuple(te_version) < minimum:
         problems.append(
             f"overlap.tp = true: the TE spec's TP overlap needs Transformer Engine >= "
             f"{TE_USERBUFFERS_MIN_VERSION} (installed: {te_version or 'unknown'}); upgrade the "
-            f"gpu extra or set overlap.tp=false"
+            f"gpu extra {off}"
         )
     if problems:
         raise ConfigError("; ".join(problems))

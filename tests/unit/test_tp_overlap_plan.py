@@ -41,6 +41,7 @@ def test_single_gpu_preset_has_no_tp_communication():
         ([*TE_BF16, "overlap.tp_chunks=1"], True, TE_USERBUFFERS),  # chunks: local spec only
         ([*TE_BF16, "overlap.tp=false"], True, OFF),
         (["parallel.tp=2", "model.params_dtype=bf16"], True, OFF),
+        ([*TP2_SP, "model.spec=te"], True, OFF),  # fp32 (correctness runs): userbuffers are 16-bit
     ],
 )
 def test_mode_per_spec_and_layout(sets, use_te, mode):
@@ -53,7 +54,6 @@ def test_mode_per_spec_and_layout(sets, use_te, mode):
 @pytest.mark.parametrize(
     ("sets", "te_version", "gpus_per_node", "names"),
     [
-        ([*TP2_SP, "model.spec=te"], "2.8.0", 8, "model.params_dtype = 'fp32'"),
         (TE_BF16, "1.8.0", 8, "Transformer Engine >= 1.9.0 (installed: 1.8.0)"),
         (TE_BF16, None, 8, "installed: unknown"),
         (TE_BF16, "2.8.0", 3, "parallel.tp = 2: TE's userbuffers need each TP group inside one"),
@@ -77,13 +77,11 @@ def test_te_version_with_local_build_suffix_is_compared_numerically():
     assert plan.mode == TE_USERBUFFERS
 
 
-def test_validate_refuses_fp32_te_overlap_and_skips_the_chunk_rule():
-    """On nccl, an fp32 TE job with TP overlap is refused at validation; ``overlap.tp_chunks``
-    (which only the local spec uses) does not have to divide the per-rank sequence there."""
-    sets = [*TP2_SP, "model.spec=te", "train.device=cuda"]
-    with pytest.raises(ConfigError, match="model.params_dtype = 'fp32'"):
-        validate(load("tiny", sets), 2, "nccl")
-    validate(load("tiny", [*sets, "model.params_dtype=bf16", "overlap.tp_chunks=3"]), 2, "nccl")
+def test_validate_applies_the_chunk_rule_to_the_local_spec_only():
+    """``overlap.tp_chunks`` (which only the local spec uses) need not divide the per-rank
+    sequence of a TE job."""
+    sets = [*TP2_SP, "model.spec=te", "train.device=cuda", "model.params_dtype=bf16"]
+    validate(load("tiny", [*sets, "overlap.tp_chunks=3"]), 2, "nccl")
     with pytest.raises(ConfigError, match="overlap.tp_chunks = 3"):
         validate(load("tiny", [*TP2_SP, "overlap.tp_chunks=3"]), 2, "gloo")
 
