@@ -156,7 +156,7 @@ class Agent:
         self._etcd_ok = True
         self.hardware = hardware_info()
         self.selfchecks = 0
-        self.neighbour_port = neighbour_check.free_port_block(opts.addr)
+        self.neighbour_port = neighbour_check.reserve_ports(opts.addr)
         self.metrics: Any = None
         self.metrics_server: Any = None
         if opts.metrics_port >= 0:

@@ -34,6 +34,18 @@ CHANNELS = 3  # the most a ring needs (an odd ring's closing edge has the third)
 NBYTES = 4 << 20  # per all-reduce: big enough for a bandwidth figure, small for a self-check
 
 
+def reserve_ports(host: str) -> int:
+    """``free_port_block`` on ``host``, else on every interface (an address this machine cannot
+    bind, e.g. behind NAT: its neighbour tests will then fail and say so, the agent still runs)."""
+    try:
+        return free_port_block(host)
+    except OSError as e:
+        logger.warning(
+            "cannot reserve ports on %s (%s): using 0.0.0.0 for the neighbour tests", host, e
+        )
+        return free_port_block("0.0.0.0")
+
+
 def free_port_block(host: str, count: int = CHANNELS, attempts: int = 50) -> int:
     """The first of ``count`` consecutive ports free on ``host`` now; OSError if none found."""
     for _ in range(attempts):

@@ -9,8 +9,8 @@ passes ``tp_comm_overlap`` (``ub_overlap_ag``/``ub_overlap_rs``/bulk dgrad+wgrad
 buffer names ``qkv``, ``proj``, ``fc1``, ``fc2``) and the process has registered TE's userbuffers
 once, before the model is built (``transformer_engine.pytorch.module.base.initialize_ub``).
 
-``plan_tp_overlap`` is the whole decision and is pure (tested on CPU without TE); ``init_te_
-userbuffers`` carries out a TE plan on a GPU (tested in ``tests/gpu``).
+``plan_tp_overlap`` is the whole decision and is pure (tested on CPU without TE);
+``init_te_userbuffers`` carries out a TE plan on a GPU (tested in ``tests/gpu``).
 
 Like the chunked overlap, TE's applies only where the job has something it can overlap, and is
 otherwise inactive (logged with the reason, the job runs as before):
