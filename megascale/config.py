@@ -80,11 +80,13 @@ class OverlapConfig:
     """Pipeline parallel (interleaved schedule only): sends/receives decoupled in warm-up and
     cool-down, asynchronous in the steady phase."""
     tp: bool = True
-    """Tensor/sequence parallel (needs sequence_parallel, local layer spec): the serial block's FFN
+    """Tensor/sequence parallel (needs sequence_parallel). Local layer spec: the serial block's FFN
     all-gather and reduce-scatter split into chunks pipelined with the GEMMs; the parallel block
-    shares one all-gather and one reduce-scatter between attention and MLP."""
+    shares one all-gather and one reduce-scatter between attention and MLP. TE spec: Transformer
+    Engine's userbuffers overlap (bf16, TE >= 1.9; ``megascale.overlap.tp_plan``)."""
     tp_chunks: int = 4
-    """Chunks per FFN GEMM for ``tp``; the per-rank sequence length must be divisible by it."""
+    """Chunks per FFN GEMM for ``tp`` on the local spec; the per-rank sequence length must be
+    divisible by it."""
     bucket_size: int | None = None
     """Parameters per DP bucket; None uses megatron-core's default (max(40M, 1M * dp))."""
 

@@ -320,7 +320,8 @@ def _overlap(cfg: JobConfig) -> list[str]:
     problems: list[str] = []
     if o.tp_chunks < 1:
         problems.append(f"overlap.tp_chunks = {o.tp_chunks}: must be >= 1")
-    elif o.tp_active(p) and (m.seq_length // p.tp) % o.tp_chunks:
+    # The TE spec overlaps inside TE (megascale.overlap.tp_plan): the chunks are the local spec's.
+    elif o.tp_active(p) and m.spec != "te" and (m.seq_length // p.tp) % o.tp_chunks:
         problems.append(
             f"overlap.tp_chunks = {o.tp_chunks}: the per-rank sequence "
             f"(model.seq_length / parallel.tp = {m.seq_length // p.tp}) must be divisible by it; "

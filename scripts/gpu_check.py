@@ -9,7 +9,8 @@ own process with its own time limit, and keeps going when one fails:
    CUDA-event timers, the two-stage checkpoint from GPU memory, the self-check on the GPU.
 2. ``benchmarks/model_blocks.py`` on ``configs/h100-1b.toml``: serial vs parallel block, full vs
    sliding-window attention (tokens/s, MFU).
-3. ``benchmarks/overlap.py --device cuda``: each overlap off vs on over NCCL (2+ GPUs).
+3. ``benchmarks/overlap.py --device cuda``: each overlap off vs on over NCCL (2+ GPUs), and TP
+   overlap off vs on with the TE spec (Transformer Engine's userbuffers, TP2 + SP, bf16).
 4. ``benchmarks/checkpoint.py --device cuda --stall-only``: the checkpoint stall with the state in
    GPU memory (synchronous vs two-stage).
 5. ``megascale selfcheck --calibrate``: this node's self-check figures as a calibration file.
@@ -85,6 +86,30 @@ def overlap_layout(gpus: int) -> tuple[int, list[str]] | None:
     return None
 
 
+# TE's TP overlap (userbuffers): the same model on TP2 + SP with Transformer Engine's layer spec.
+TE_OVERLAP_SETS = [
+    *[s for s in OVERLAP_GPU_SETS if s != "model.spec=local"],
+    "model.spec=te",
+    "parallel.pp=1",
+    "parallel.vpp=1",
+]
+
+
+def te_overlap_step(gpus: int, python: str) -> Step:
+    """TP overlap off vs on with the TE spec on 2 GPUs (skipped below 2 GPUs or without TE)."""
+    import importlib.util
+
+    argv = [python, "benchmarks/overlap.py", "--device", "cuda", "--latency-ms", "0"]
+    argv += ["--nproc", "2", "--variants", "off,tp only"]
+    argv += [a for item in TE_OVERLAP_SETS for a in ("--set", item)]
+    skip = None
+    if gpus < 2:
+        skip = "needs 2 or more GPUs"
+    elif importlib.util.find_spec("transformer_engine") is None:
+        skip = "Transformer Engine is not installed (the gpu extra)"
+    return Step("TE spec: TP overlap off vs on (userbuffers)", argv, 1800, skip=skip, table=True)
+
+
 def plan(gpus: int, python: str, out_dir: Path) -> list[Step]:
     """The steps for a machine with ``gpus`` visible GPUs, in the order they run."""
     sets = lambda items: [a for item in items for a in ("--set", item)]  # noqa: E731
@@ -116,6 +141,7 @@ def plan(gpus: int, python: str, out_dir: Path) -> list[Step]:
             table=True,
         ),
         overlap,
+        te_overlap_step(gpus, python),
         Step(
             "checkpoint stall from GPU memory",
             [python, "benchmarks/checkpoint.py", "--device", "cuda", "--stall-only"],

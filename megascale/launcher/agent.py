@@ -37,6 +37,7 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
+from megascale.launcher import neighbour_check
 from megascale.launcher.nodeinfo import gpu_status, hardware_info, network_counters
 from megascale.launcher.workers import WorkerPool, Zygote, free_port
 from megascale.robustness import inject
@@ -89,6 +90,11 @@ class AgentOptions:
     rendezvous_timeout_s: float = 60.0
     metrics_port: int = 0
     """Port of this agent's Prometheus ``/metrics`` on 127.0.0.1 (0: a free one; -1: none)."""
+    topology: str | None = None
+    """This node's switch/rack label: the controller pairs nodes under one label for the
+    self-check's neighbour all-reduce (None: by order)."""
+    neighbour_timeout_s: float = 10.0
+    """Deadline of each neighbour all-reduce's first phase (later phases wait longer)."""
 
     @property
     def lease_ttl(self) -> int:
@@ -150,6 +156,7 @@ class Agent:
         self._etcd_ok = True
         self.hardware = hardware_info()
         self.selfchecks = 0
+        self.neighbour_port = neighbour_check.reserve_ports(opts.addr)
         self.metrics: Any = None
         self.metrics_server: Any = None
         if opts.metrics_port >= 0:
@@ -221,6 +228,8 @@ class Agent:
             "hardware": self.hardware,
             "registered_at": time.time(),
             "metrics_url": self.metrics_url,
+            "topology": self.opts.topology,
+            "neighbour_port": self.neighbour_port,
         }
 
     def _watch_commands(self) -> None:
@@ -509,7 +518,7 @@ class Agent:
                 inject.corrupt_latest_checkpoint(
                     self.opts.run_dir, self.opts.config, self.opts.overrides, spec
                 )
-        ok, detail = self._run_selfcheck()
+        ok, detail = self._run_selfcheck(self._neighbour_job(command))
         for spec in self.opts.faults:
             if spec.kind == "fail-selfcheck" and self.opts.node == f"node-{spec.get('node')}":
                 inject.claim(self.opts.run_dir, spec, node=self.opts.node)
@@ -518,7 +527,32 @@ class Agent:
         log("self-check %s: %s", "passed" if ok else "FAILED", detail)
         return ok, detail
 
-    def _run_selfcheck(self) -> tuple[bool, str]:
+    def _neighbour_job(self, command: dict[str, Any]) -> dict[str, Any] | None:
+        """``run_selfcheck_neighbours``'s arguments for the command's neighbours (None: none)."""
+        down = None
+        for spec in self.opts.faults:
+            if spec.kind == "break-net" and self.opts.node == f"node-{spec.get('node')}":
+                inject.claim(self.opts.run_dir, spec, node=self.opts.node)
+                down = f"network down (injected fault {spec.text})"
+        return neighbour_check.neighbour_job(
+            command.get("neighbours"),
+            self._registration_of,
+            host=self.opts.addr,
+            port=self.neighbour_port,
+            timeout_s=self.opts.neighbour_timeout_s,
+            down=down,
+        )
+
+    def _registration_of(self, node: str) -> dict[str, Any] | None:
+        """``nodes/<node>``'s value (None: not registered, or etcd unreachable)."""
+        try:
+            kv = self.store.get(self.keys.node(node))
+        except StoreError as e:
+            self._etcd_failed(e)
+            return None
+        return None if kv is None else kv.json()
+
+    def _run_selfcheck(self, neighbours: dict[str, Any] | None = None) -> tuple[bool, str]:
         mode = self.opts.selfcheck
         if mode == "auto":
             try:
@@ -529,7 +563,10 @@ class Agent:
                 mode = "builtin"
         thresholds = self._selfcheck_thresholds() if mode == "full" else None
         return self.pool.selfcheck(
-            self.opts.nproc_per_node, full=mode == "full", thresholds=thresholds
+            self.opts.nproc_per_node,
+            full=mode == "full",
+            thresholds=thresholds,
+            neighbours=neighbours,
         )
 
     def _selfcheck_thresholds(self) -> str | None:
@@ -609,6 +646,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--inject", action="append", default=[], metavar="SPEC", help="faults (tests, demos)"
     )
     parser.add_argument(
+        "--topology",
+        default=os.environ.get("MEGASCALE_TOPOLOGY") or None,
+        metavar="LABEL",
+        help="this node's switch/rack label for the neighbour all-reduce "
+        "(default: $MEGASCALE_TOPOLOGY; none: nodes are paired by order)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=0,
@@ -631,6 +675,7 @@ def options_from_args(args: argparse.Namespace) -> AgentOptions:
         faults=tuple(faults),
         selfcheck=args.selfcheck,
         metrics_port=args.metrics_port,
+        topology=args.topology,
     )
 
 

@@ -74,6 +74,11 @@ class LaunchOptions:
     timeout_s: float | None = None
     node_wait_timeout_s: float | None = None
     """None: the config's, else 60 s."""
+    topology_file: str | None = None
+    """``--topology FILE`` (``neighbour_check.load_topology``), read into ``topology``."""
+    topology: dict[str, str] = field(default_factory=dict)
+    """node -> switch/rack label: the self-check's neighbour all-reduce groups nodes under one
+    label; nodes not listed are grouped by order."""
     job_id: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex[:8]}")
 
 
@@ -122,6 +127,14 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
     inject.check_fits(
         opts.faults, nodes=opts.nodes + opts.spares, world_size=world, steps=job.train.steps
     )
+    if opts.topology_file is not None:
+        from megascale.launcher.neighbour_check import TopologyError, load_topology
+
+        nodes = [f"node-{i}" for i in range(opts.nodes + opts.spares)]
+        try:
+            opts.topology = load_topology(opts.topology_file, nodes)
+        except TopologyError as e:
+            raise LaunchError(str(e)) from e
     check_machine(job, _device(job), ranks_here=world)
     notes = []
     if job.checkpoint.interval == 0:
@@ -207,6 +220,7 @@ class LocalCluster:
             visible_devices=self.visible_devices(node),
             selfcheck=self.opts.selfcheck,
             metrics_port=0,
+            topology=self.opts.topology.get(node),
         )
 
     def visible_devices(self, node: str) -> str | None:
@@ -608,6 +622,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "every 'node' here shares one machine, so the full check's bandwidth thresholds would "
         "measure the others), full (+ megascale.diagnostics.selfcheck), auto (full if present)",
     )
+    parser.add_argument(
+        "--topology",
+        default=None,
+        metavar="FILE",
+        help='TOML or JSON mapping node names to switch/rack labels (node-0 = "tor-1"): the '
+        "self-check's neighbour all-reduce pairs nodes under one label (default: by order)",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="give up after (s)")
 
 
@@ -636,4 +657,5 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         node_wait_timeout_s=args.node_wait_timeout,
         selfcheck=args.selfcheck,
         timeout_s=args.timeout,
+        topology_file=args.topology,
     )

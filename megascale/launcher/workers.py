@@ -96,10 +96,18 @@ def run_selfcheck_full(node: str, run_dir: str, out: str, thresholds: str | None
     return 0 if report.ok else 1
 
 
+def run_selfcheck_neighbours(**kwargs: Any) -> int:
+    """The neighbour all-reduces (``megascale.launcher.neighbour_check``)."""
+    from megascale.launcher.neighbour_check import run_selfcheck_neighbours as run
+
+    return run(**kwargs)
+
+
 TARGETS: dict[str, Callable[..., int]] = {
     "train": run_train,
     "selfcheck": run_selfcheck,
     "selfcheck_full": run_selfcheck_full,
+    "selfcheck_neighbours": run_selfcheck_neighbours,
 }
 
 
@@ -462,10 +470,12 @@ class WorkerPool:
         full: bool = False,
         timeout_s: float = 120.0,
         thresholds: str | None = None,
+        neighbours: dict[str, Any] | None = None,
     ) -> tuple[bool, str]:
         """Run the node self-check: the built-in one (``selfcheck_rank``) as ``nproc`` processes,
-        and with ``full`` the diagnostics one (``run_selfcheck_full``, held to the ``thresholds``
-        file when given) beside them; (ok, detail)."""
+        with ``full`` the diagnostics one (``run_selfcheck_full``, held to the ``thresholds``
+        file when given), and with ``neighbours`` (``run_selfcheck_neighbours``'s arguments but
+        ``out``) the neighbour all-reduces, all beside each other; (ok, detail)."""
         port, out_dir = free_port(), self.run_dir / "selfcheck"
         out_dir.mkdir(parents=True, exist_ok=True)
         log = self.run_dir / "logs" / self.node / "selfcheck.out"
@@ -474,6 +484,8 @@ class WorkerPool:
         if full:
             full_args = {"node": self.node, "run_dir": str(self.run_dir), "thresholds": thresholds}
             jobs.append(("selfcheck_full", full_args))
+        if neighbours:
+            jobs.append(("selfcheck_neighbours", neighbours))
         outs = {}
         for i, (target, kwargs) in enumerate(jobs):
             out = out_dir / f"{self.node}_{i}.json"

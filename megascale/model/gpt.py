@@ -44,6 +44,7 @@ from megascale.overlap.tp import (
     OverlappedRowParallelLinear,
     PartialRowParallelLinear,
 )
+from megascale.overlap.tp_plan import TPOverlapPlan
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,13 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return int(math.ceil(vocab_size / step) * step)
 
 
-def transformer_config(job: JobConfig, device: str) -> TransformerConfig:
-    """megatron-core's TransformerConfig for this job (fusions off on CPU: they need CUDA kernels)."""
+def transformer_config(
+    job: JobConfig, device: str, tp_overlap: TPOverlapPlan | None = None
+) -> TransformerConfig:
+    """megatron-core's TransformerConfig for this job (fusions off on CPU: they need CUDA kernels).
+
+    ``tp_overlap`` (``megascale.overlap.tp_plan``): a TE userbuffers plan adds megatron-core's
+    ``tp_comm_overlap`` fields, which its TE linears turn into TE's ``ub_*`` arguments."""
     m, p = job.model, job.parallel
     on_cuda = device == "cuda"
     dtype = _DTYPES[m.params_dtype]
@@ -141,6 +147,7 @@ def transformer_config(job: JobConfig, device: str) -> TransformerConfig:
         apply_rope_fusion=False,
         deterministic_mode=not on_cuda,
         cuda_graph_scope=[],  # the dataclass default "full" is deprecated and warns
+        **(tp_overlap.megatron_flags if tp_overlap is not None else {}),
     )
 
 
@@ -230,12 +237,9 @@ def _fused_parallel_spec(spec: ModuleSpec) -> ModuleSpec:
 def _block_spec(
     job: JobConfig, config: TransformerConfig, use_te: bool, vp_stage: int | None
 ) -> ModuleSpec:
-    tp_chunks = job.overlap.tp_chunks if job.overlap.tp_active(job.parallel) else 1
-    if use_te and tp_chunks > 1:
-        logger.info(
-            "overlap.tp: the TE spec keeps TE's own linears; chunked TP overlap not applied"
-        )
-        tp_chunks = 1
+    # The TE spec's linears overlap inside TE (config.tp_comm_overlap, megascale.overlap.tp_plan):
+    # our chunked linears replace megatron-core's local ones only.
+    tp_chunks = job.overlap.tp_chunks if job.overlap.tp_active(job.parallel) and not use_te else 1
     layer = layer_spec(job.model, use_te, tp_chunks)
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm

@@ -79,6 +79,7 @@ from megascale.robustness.controller_types import (
     stall_suspects,
 )
 from megascale.robustness.fatal import EXIT_JOB_FATAL
+from megascale.robustness.neighbours import NeighbourTest, plan_neighbour_tests
 
 S, E = State, Event
 
@@ -117,6 +118,11 @@ class ControllerFSM:
             policy.stall_min_samples,
         )
         self._commands = 0
+        self.topology: dict[str, str | None] = {}  # node -> its switch/rack label, if any
+        # node -> its neighbour all-reduces in the self-check being awaited (not in the snapshot:
+        # a successor re-sends pending self-checks without them rather than with a plan whose
+        # partners may already have answered).
+        self._neighbours: dict[str, list[NeighbourTest]] = {}
         self._reset_generation_tracking()
 
     @property
@@ -240,6 +246,13 @@ class ControllerFSM:
 
     def _send(self, nodes: Iterable[str], kind: str, generation: int) -> list[Action]:
         actions: list[Action] = []
+        nodes = list(nodes)
+        self._neighbours = {}
+        if kind == "selfcheck" and len(nodes) > 1:
+            # MegaScale's neighbour all-reduce: each node with two neighbours under its switch.
+            self._neighbours = plan_neighbour_tests(nodes, self.topology)
+            plan = {n: [t.node for t in tests] for n, tests in self._neighbours.items()}
+            actions.append(self._record("neighbours", plan=plan, topology=dict(self.topology)))
         self.awaiting, self.awaiting_kind = {}, kind
         assignment = self.assignment
         for node in nodes:
@@ -259,7 +272,8 @@ class ControllerFSM:
                 "world_size": self.world_size,
                 "master_node": self.order[0],
             }
-        return SendCommand(node, kind, generation, command_id, ranks)
+        neighbours = tuple(self._neighbours.get(node, ())) if kind == "selfcheck" else ()
+        return SendCommand(node, kind, generation, command_id, ranks, neighbours)
 
     def pending_commands(self) -> list[Action]:
         """The commands still awaited, as sent (same ids): a controller taking over sends them
@@ -294,9 +308,12 @@ class ControllerFSM:
             ]
         return actions + started
 
-    def on_node_registered(self, node: str, now: float | None = None) -> list[Action]:
-        """``nodes/<node>`` appeared (an agent registered)."""
+    def on_node_registered(
+        self, node: str, now: float | None = None, topology: str | None = None
+    ) -> list[Action]:
+        """``nodes/<node>`` appeared (an agent registered), under switch/rack label ``topology``."""
         self._begin(E.NODE_REGISTERED, now)
+        self.topology[node] = topology
         if node in self.blocklist:
             return [self._record("node_rejected", node, reason=self.blocklist[node])]
         if node in self.registered:

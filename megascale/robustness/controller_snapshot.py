@@ -51,6 +51,7 @@ def snapshot(fsm: ControllerFSM) -> dict[str, Any]:
         "culprits": dict(fsm.culprits),
         "samples": {k: list(v) for k, v in fsm.timeouts.samples.items()},
         "commands": fsm._commands,
+        "topology": {n: label for n, label in fsm.topology.items() if label},
     }
 
 
@@ -67,6 +68,7 @@ def restore(fsm: ControllerFSM, snapshot: Mapping[str, Any], now: float) -> None
     fsm.budget.restore(snapshot.get("restart_ages_s", ()), now)
     fsm.failure = snapshot.get("failure")
     fsm._commands = int(snapshot["commands"])
+    fsm.topology = dict(snapshot.get("topology") or {})
     for section, samples in snapshot["samples"].items():
         fsm.timeouts.samples[section].extend(samples)
     if snapshot.get("fault"):

@@ -18,6 +18,7 @@ from typing import Any
 from megascale.config_validate import fault_tolerance_problems
 from megascale.parallel.layout import Layout
 from megascale.robustness.keys import make_command
+from megascale.robustness.neighbours import NeighbourTest
 
 
 class State(enum.Enum):
@@ -113,10 +114,15 @@ class SendCommand:
     generation: int
     id: str
     rank_assignment: Mapping[str, Any] | None = None
+    neighbours: tuple[NeighbourTest, ...] = ()
+    """``selfcheck``: the neighbour all-reduces the node runs (``robustness.neighbours``)."""
 
     def message(self, job_id: str) -> dict[str, Any]:
         """The JSON value for ``commands/<node>`` (see ``keys.make_command``)."""
-        return make_command(job_id, self.generation, self.kind, self.id, self.rank_assignment)
+        neighbours = [n.to_json() for n in self.neighbours]
+        return make_command(
+            job_id, self.generation, self.kind, self.id, self.rank_assignment, neighbours
+        )
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,12 @@ A spec is ``KIND:KEY=VALUE,KEY=VALUE`` (``corrupt-checkpoint:latest`` takes a ba
     corrupt-checkpoint:latest[,rank=R] the newest complete checkpoint is corrupted after the
                                       workers of a fault were stopped, before the restart reads it
     fail-selfcheck:node=N             node N's agent fails every self-check (it is evicted)
+    break-net:node=N                  node N's network is down for the self-check's neighbour
+                                      all-reduce: it fails with every neighbour, they name it
 
 Who fires what (``FaultSpec.side``): worker faults are carried to the workers in the environment
 variable ``MEGASCALE_INJECT`` and fired by ``WorkerFaults``, called from ``run_rank``'s loop; agent
-faults (``fail-selfcheck``, ``corrupt-checkpoint``) by the agent when it runs a self-check, so the
+faults (``fail-selfcheck``, ``break-net``, ``corrupt-checkpoint``) by the agent when it runs a self-check, so the
 corruption is on disk before any node acks and the next generation starts; launcher faults by
 ``megascale.launcher.cluster`` when the job reaches the step.
 
@@ -67,6 +69,7 @@ KINDS: dict[str, Kind] = {
     "kill-controller": Kind(("step",), (), "launcher", "SIGKILL the active controller"),
     "corrupt-checkpoint": Kind(("latest",), ("rank",), "agent", "corrupt the newest checkpoint"),
     "fail-selfcheck": Kind(("node",), (), "agent", "a node fails its self-checks"),
+    "break-net": Kind(("node",), (), "agent", "a node's neighbour all-reduces fail"),
 }
 _INT_KEYS = ("rank", "step", "node")
 _FLOAT_KEYS = {"factor": 1.0, "downtime": 0.0}  # key -> smallest value accepted
@@ -147,6 +150,7 @@ def _example(kind_name: str) -> str:
         "kill-controller": "step=12",
         "corrupt-checkpoint": "latest,rank=0",
         "fail-selfcheck": "node=1",
+        "break-net": "node=1",
     }[kind_name]
 
 

@@ -53,7 +53,7 @@ the workers of ``generation``), ``"selfcheck"`` (run the node self-check, ack wi
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,8 +167,12 @@ def make_command(
     kind: str,
     command_id: str,
     rank_assignment: Mapping[str, Any] | None = None,
+    neighbours: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """The JSON value of ``commands/<node>``.
+
+    ``neighbours`` (``selfcheck`` only, may be absent): ``[{"node": N, "channel": C}, ...]``, the
+    nodes to all-reduce with and on which port offset (``megascale.robustness.neighbours``).
 
     ``rank_assignment`` (``start`` only): ``{"ranks": [global rank of local rank 0, 1, ...],
     "world_size": W, "master_node": node of rank 0}`` (each node gets only its own ranks, so
@@ -186,6 +190,8 @@ def make_command(
     }
     if rank_assignment is not None:
         command["rank_assignment"] = dict(rank_assignment)
+    if neighbours:
+        command["neighbours"] = [dict(n) for n in neighbours]
     return command
 
 

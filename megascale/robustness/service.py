@@ -260,8 +260,9 @@ class ControllerService:
         for node in list(self.fsm.registered):
             if node not in present_set:
                 self._act(self.fsm.on_node_lost(node, "not registered at takeover", now))
+        labels = {self.keys.name_of(kv.key): _topology(kv) for kv in listed}
         for node in present:
-            self._act(self.fsm.on_node_registered(node, now))
+            self._act(self.fsm.on_node_registered(node, now, labels.get(node)))
 
     def _loop(self) -> State | None:
         assert self.fsm is not None
@@ -299,7 +300,7 @@ class ControllerService:
         node = self.keys.name_of(event.key)
         if what == "node":
             if event.kind == "put":
-                self._act(self.fsm.on_node_registered(node, now))
+                self._act(self.fsm.on_node_registered(node, now, _topology(event)))
             else:
                 self._act(self.fsm.on_node_lost(node, "lease expired", now))
         elif what == "hb" and event.kind == "put":
@@ -608,3 +609,12 @@ class ControllerService:
         self.events.append(
             "etcd_recovered", generation=self.fsm.generation, detail={"down_s": round(down, 3)}
         )
+
+
+def _topology(kv: Any) -> str | None:
+    """The switch/rack label in a ``nodes/<node>`` registration (None: none, or unreadable)."""
+    try:
+        label = kv.json().get("topology")
+    except (ValueError, AttributeError):
+        return None
+    return str(label) if label else None

@@ -82,6 +82,7 @@ class SimPool:
         full: bool = False,
         timeout_s: float = 120.0,
         thresholds: str | None = None,
+        neighbours: dict[str, Any] | None = None,
     ) -> tuple[bool, str]:
         """``WorkerPool.selfcheck``'s signature: every simulated node is fit."""
         return True, "simulated"

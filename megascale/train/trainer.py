@@ -25,6 +25,7 @@ from megascale.diagnostics.flops import flops_per_token
 from megascale.diagnostics.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.model.gpt import transformer_config, use_te_spec
 from megascale.overlap.dp import ParamGatherPrefetch
+from megascale.overlap.tp_plan import init_te_userbuffers, plan_for_this_rank
 from megascale.parallel.groups import Groups
 from megascale.parallel.parallelize import forward_backward_func, parallelize
 from megascale.train.optimizer import build_optimizer, build_scheduler
@@ -70,10 +71,11 @@ class Trainer:
         timeline: Timeline | NullTimeline = NULL_TIMELINE,
     ) -> None:
         self.job, self.groups, self.device = job, groups, device
-        self.config = transformer_config(job, device)
-        self.model = parallelize(
-            job, self.config, groups, use_te=use_te_spec(job.model, device), device=device
-        )
+        use_te = use_te_spec(job.model, device)
+        self.tp_overlap = plan_for_this_rank(job, use_te)
+        self.config = transformer_config(job, device, self.tp_overlap)
+        init_te_userbuffers(self.tp_overlap, self.config.params_dtype)  # before the TE modules
+        self.model = parallelize(job, self.config, groups, use_te=use_te, device=device)
         self.optimizer = build_optimizer(
             job.optim,
             self.model,

@@ -126,13 +126,33 @@ def test_kill_worker_detected_named_recovered(reference, tmp_path):
 
 
 def test_hang_worker_stall_names_culprit_failed_node_evicted(reference, tmp_path):
+    topology = tmp_path / "topology.toml"
+    topology.write_text('node-0 = "tor-a"\nnode-1 = "tor-a"\nnode-2 = "tor-b"\n')
     run = Run(
-        tmp_path,
+        tmp_path / "run",
         "--spares", "1",
+        "--topology", str(topology),
         "--inject", "hang-worker:rank=1,step=12",
         "--inject", "fail-selfcheck:node=1",
+        "--inject", "break-net:node=1",
     )  # fmt: skip
     run.check_recovered(reference)
+    # The neighbour all-reduce: labels reached the controller through the registrations; tor-b's
+    # lone node joined tor-a's ring, so each node tested with both others. node-1's network is
+    # down: it failed with every neighbour, and each of them passed naming node-1.
+    [plan] = run.of("neighbours")
+    assert plan["detail"]["topology"] == {"node-0": "tor-a", "node-1": "tor-a", "node-2": "tor-b"}
+    assert {n: sorted(p) for n, p in plan["detail"]["plan"].items()} == {
+        "node-0": ["node-1", "node-2"],
+        "node-1": ["node-0", "node-2"],
+        "node-2": ["node-0", "node-1"],
+    }
+    checks = {e["node"]: e["detail"] for e in run.of("selfcheck")}
+    for healthy in ("node-0", "node-2"):
+        assert checks[healthy]["ok"], checks[healthy]
+        assert "failed with node-1 (suspected)" in checks[healthy]["detail"]
+    assert not checks["node-1"]["ok"]
+    assert "neighbour all-reduce failed with every neighbour" in checks["node-1"]["detail"]
     [fault] = run.faults()
     assert fault["detail"]["fault"] == "stall"
     assert (fault["node"], fault["rank"]) == ("node-1", 1)
@@ -140,6 +160,7 @@ def test_hang_worker_stall_names_culprit_failed_node_evicted(reference, tmp_path
     assert fault["detail"]["stopped"] == [1]  # the flight recorder saw it SIGSTOPped
     [evict] = run.of("evict")
     assert evict["node"] == "node-1" and "fail-selfcheck" in evict["detail"]["reason"]
+    assert "failed with every neighbour (node-" in evict["detail"]["reason"]
     start = run.of("generation_start")[-1]["detail"]
     assert start["nodes"] == ["node-0", "node-2"] and start["replaced"] == {"node-1": "node-2"}
     assert run.final["evicted"] == ["node-1"]

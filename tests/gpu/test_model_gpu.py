@@ -1,6 +1,7 @@
 """The model on a GPU: Transformer Engine's spec (serial and parallel block) against the local
 spec, bf16 training, and sliding-window attention against full attention and an explicit banded
-mask, for both specs in bf16 (where megatron-core's fused softmax could drop the window)."""
+mask, for both specs in bf16 (where megatron-core's fused softmax could drop the window); the TE
+spec's TP overlap (userbuffers) against no overlap."""
 
 from __future__ import annotations
 
@@ -112,3 +113,39 @@ def test_sliding_window_attention_equals_an_explicit_banded_mask(spec, data_dir)
     errors = in_child(_core_attention_outputs, job, data_dir)
     assert errors["banded"] < 3e-2, errors  # bf16 inputs, fp32 reference
     assert errors["causal"] > 0.1, errors  # the window really changes the result
+
+
+def _te_overlap_engaged(job, data_dir):
+    """In one rank: the plan this rank took, megatron's flag, and whether TE holds userbuffers."""
+    from harness import _rank_trainer
+    from transformer_engine.pytorch.module import base as te_base
+
+    from megascale.parallel.groups import destroy_groups
+
+    trainer = _rank_trainer(job, data_dir)
+    trainer.step()
+    engaged = (trainer.tp_overlap.mode, trainer.config.tp_comm_overlap)
+    engaged += (bool(getattr(te_base, "_ub_communicators", None)),)
+    destroy_groups()
+    return engaged
+
+
+@needs_te
+@pytest.mark.gpu(2)
+@pytest.mark.parametrize("parallel_block", [False, True], ids=["serial", "parallel-block"])
+def test_te_userbuffers_tp_overlap_matches_no_overlap(parallel_block, data_dir):
+    """The TE spec's TP overlap (Transformer Engine userbuffers, TP2 + SP, bf16) runs, and trains
+    to the numbers of the same job without it (bf16 kernel noise)."""
+    from megascale.config import validate
+    from megascale.launcher.local import run_local
+
+    job = small_job(
+        model={"parallel_block": parallel_block, "spec": "te", "params_dtype": "bf16"},
+        parallel={"tp": 2, "sequence_parallel": True},
+    )
+    off = train_steps(with_changes(job, overlap={"tp": False}), 2, data_dir, steps=3)
+    on = train_steps(job, 2, data_dir, steps=3)
+    for (loss, _), (ref_loss, _) in zip(on, off, strict=True):
+        assert math.isclose(loss, ref_loss, rel_tol=2e-2), (loss, ref_loss)
+    engaged = run_local(_te_overlap_engaged, 2, (validate(job, 2, "nccl"), data_dir))
+    assert engaged[0] == ("te-userbuffers", True, True), engaged

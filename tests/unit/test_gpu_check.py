@@ -53,6 +53,9 @@ def test_overlap_layout_fits_the_gpus(count, ranks, extra, tmp_path):
     steps = {s.title: s for s in gpu_check.plan(count, "python", tmp_path)}
     overlap = steps["overlap off vs on (NCCL)"]
     assert (overlap.skip is not None) == (ranks is None)
+    te = steps["TE spec: TP overlap off vs on (userbuffers)"]
+    assert te.skip is not None  # no TE in this environment, and none below 2 GPUs
+    assert "model.spec=te" in te.argv and "--variants" in te.argv
     for step in steps.values():  # every script and preset the plan names exists
         for arg in step.argv:
             if arg.endswith(".py") or arg.startswith("tests/"):
