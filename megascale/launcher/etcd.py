@@ -233,6 +233,17 @@ class EmbeddedEtcd:
         self._terminate(signal.SIGTERM)
         self._finalizer()  # removes the log, and the data unless the caller gave data_dir
 
+    def enable_auth(self, password: str, user: str = "root") -> None:
+        """Require ``user`` and ``password`` of every client from now on (etcd auth, kept in the
+        data directory: a restart keeps it; ``/health`` stays open)."""
+        from megascale.robustness.store import Store, StoreConfig
+
+        store = Store(StoreConfig.parse(self.client_url, retry_s=5.0, ca_file=self.ca_file))
+        try:
+            store.enable_auth(user, password)
+        finally:
+            store.close()
+
     def kill(self) -> None:
         """SIGKILL the server, keeping its data dir and ports, as a crash would."""
         self._terminate(signal.SIGKILL)
