@@ -61,8 +61,8 @@ class EventLog:
         store / keys: where to mirror; None: file only.
         clock: wall clock for the ``time`` field (injectable for tests).
         buffered: queue events until ``flush`` (see the module docstring).
-        fence: the conditions under which this writer may write (see the module docstring);
-            it raises ValueError when the writer knows it does not lead.
+        fence: the conditions under which this writer may write (see the module docstring;
+            buffered logs only); it raises ValueError when the writer knows it does not lead.
     """
 
     def __init__(
@@ -77,6 +77,8 @@ class EventLog:
     ) -> None:
         if (store is None) != (keys is None):
             raise ValueError("EventLog: give both store and keys to mirror to etcd, or neither")
+        if fence is not None and not buffered:
+            raise ValueError("EventLog: a fence applies to a buffered log's flush")
         self.path = Path(run_dir) / EVENTS_FILE if run_dir is not None else None
         self.store, self.keys, self.clock = store, keys, clock
         self.buffered, self.fence = buffered, fence
@@ -167,11 +169,11 @@ class EventLog:
                 logger.warning("event log: etcd mirror failed for %d events: %s", len(events), e)
             self._write(events)
 
-    def discard(self) -> int:
-        """Drop the queued events (their writer lost the lead); how many there were."""
+    def discard(self) -> list[str]:
+        """Drop the queued events (their writer lost the lead); their kinds."""
         with self._lock:
-            dropped, self._pending = len(self._pending), []
-        return dropped
+            dropped, self._pending = self._pending, []
+        return [str(e["kind"]) for e in dropped]
 
     def resync(self) -> None:
         """Continue numbering after the newest event in etcd (a standby that just took over:

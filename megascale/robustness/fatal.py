@@ -70,15 +70,19 @@ def fatal_path(run_dir: Path | str, rank: int) -> Path:
     return Path(run_dir) / "fatal" / f"rank_{rank:05d}.json"
 
 
-def write_fatal(run_dir: Path | str, rank: int, reason: str) -> Path:
-    """Write this process's ``FatalRecord`` (temporary file + rename: never read torn)."""
-    path = fatal_path(run_dir, rank)
+def _write_json(path: Path, data: dict[str, Any]) -> Path:
+    """Write ``data`` to ``path`` through a temporary file and a rename: never read torn."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = FatalRecord(rank, os.getpid(), reason[:MAX_REASON], time.time())
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record.to_json()))
+    tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
     return path
+
+
+def write_fatal(run_dir: Path | str, rank: int, reason: str) -> Path:
+    """Write this process's ``FatalRecord``."""
+    record = FatalRecord(rank, os.getpid(), reason[:MAX_REASON], time.time())
+    return _write_json(fatal_path(run_dir, rank), record.to_json())
 
 
 def read_fatal(run_dir: Path | str, rank: int, pid: int) -> str | None:
@@ -155,17 +159,12 @@ def exit_error_path(run_dir: Path | str, rank: int) -> Path:
 
 
 def write_exit_error(run_dir: Path | str, rank: int, error: BaseException) -> Path:
-    """Record the exception this process is about to exit with (temporary file + rename)."""
+    """Record the exception this process is about to exit with."""
     name = type(error).__qualname__
     lines = str(error).strip().splitlines()
     text = f"{name}: {lines[0]}" if lines else name
     record = ExitError(rank, os.getpid(), text[:MAX_REASON], error_signature(name, str(error)))
-    path = exit_error_path(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(record)))
-    os.replace(tmp, path)
-    return path
+    return _write_json(exit_error_path(run_dir, rank), asdict(record))
 
 
 def read_exit_error(run_dir: Path | str, rank: int, pid: int) -> ExitError | None:

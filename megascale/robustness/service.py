@@ -172,7 +172,7 @@ class ControllerService:
                 except LostLeadership as e:
                     dropped = self.events.discard()  # decisions of a deposed leader
                     logger.warning(
-                        "%s: no longer the leader (%s); %d events dropped",
+                        "%s: no longer the leader (%s); events dropped: %s",
                         self.opts.candidate_id, e, dropped,
                     )  # fmt: skip
                     self._drop_watches()
@@ -353,8 +353,9 @@ class ControllerService:
             if code is None or (generation, int(rank)) in self._fed_exits:
                 continue
             self._fed_exits[(generation, int(rank))] = int(code)
-            fatal, error = worker.get("fatal"), worker.get("error")
+            fatal = worker.get("fatal")
             secondary = int(code) > 0 and bool(worker.get("peer")) and fatal is None
+            error = None if secondary else worker.get("error")  # a symptom is never the job's
             ev = Evidence(
                 "worker_exit", node, int(rank), generation, int(code), "", secondary, fatal, error
             )
@@ -590,7 +591,9 @@ class ControllerService:
 
     def _write_outbox(self) -> None:
         keys = list(self._outbox)
-        for first in (self.keys.status, self.keys.state):
+        # state, status, then generation, which agents read to accept a new generation's
+        # commands: written with or before them even when they span several transactions.
+        for first in (self.keys.generation, self.keys.status, self.keys.state):
             if first in self._outbox:
                 keys.remove(first)
                 keys.insert(0, first)
