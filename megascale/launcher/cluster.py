@@ -5,7 +5,8 @@
     megascale launch [CONFIG] [--set ...] --nodes 2 --nproc-per-node 1 --spares 1 \\
         --inject kill-worker:rank=1,step=12
 
-starts an embedded etcd (free loopback port, temporary data dir), M + S node agents (``node-0`` ..
+starts an embedded etcd (free loopback port, temporary data dir, etcd auth on with a password
+generated for the job: ``RUN_DIR/etcd.password``, mode 0600), M + S node agents (``node-0`` ..
 ``node-{M+S-1}``; the last S are spares), each with K workers, and a controller (plus a standby
 with ``--standby-controller``), then watches: it prints progress and the controller's decisions,
 fires the launcher-side faults (``inject.py``) when the job reaches their step, and at the end

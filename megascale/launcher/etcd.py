@@ -19,6 +19,10 @@ leader ~0.1 s after start and leases as short as 1 s are honoured (etcd's minimu
 data). The server's log (warnings and errors) goes to ``<tmp>/etcd.log``; a start that fails raises
 ``EtcdStartError`` with the tail of that log.
 
+Authentication: ``enable_auth(password)`` (after ``start``) turns etcd auth on with a ``root``
+user; it is kept in the data directory, so a restart keeps it. Clients then need the user and
+password (``StoreConfig(username=, password=)``); ``/health`` stays open.
+
 Contract: ``start()`` returns once the server answers ``/health`` with ``true`` (or raises);
 ``stop()`` is idempotent, terminates the process (SIGTERM, SIGKILL after 5 s) and removes the
 temporary directory (a caller-provided ``data_dir`` is kept); ``kill()`` SIGKILLs the process and

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,13 +35,16 @@ BASE = [
 class Run:
     """One ``megascale launch`` run: exit code, output, final.json, events."""
 
-    def __init__(self, run_dir: Path, *args: str) -> None:
+    def __init__(self, run_dir: Path, *args: str, during: Callable[[], None] | None = None) -> None:
+        """Run to the end; ``during()``, if given, is called once the launcher has started."""
         self.dir = run_dir
         cmd = [sys.executable, "-m", "megascale.cli", "launch", *BASE, "--run-dir", str(run_dir)]
         proc = subprocess.Popen(
             [*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
         )
         try:
+            if during is not None:
+                during()
             stdout, stderr = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             stdout, stderr = _stop(proc)
@@ -304,7 +310,20 @@ def test_a_controller_frozen_past_its_lease_records_nothing_when_it_wakes(refere
 
 
 def test_etcd_is_per_job_authenticated_and_a_forged_command_is_ignored(reference, tmp_path):
-    run = Run(tmp_path, "--inject", "forge-command:step=6")
+    from megascale.robustness.store import Store, StoreConfig, StoreError
+
+    def anonymous_writes_are_refused() -> None:
+        log, deadline = tmp_path / "logs" / "launch.log", time.monotonic() + 120
+        found = None
+        while found is None and time.monotonic() < deadline:
+            found = re.search(r"etcd at (\S+);", log.read_text()) if log.exists() else None
+            time.sleep(0.1)
+        assert found is not None, "the launcher never said where etcd is"
+        anonymous = Store(StoreConfig.parse(found.group(1), retry_s=1.0))
+        with pytest.raises(StoreError, match="user name is empty"):
+            anonymous.put("/megascale/any/commands/node-0", {"kind": "stop"})
+
+    run = Run(tmp_path, "--inject", "forge-command:step=6", during=anonymous_writes_are_refused)
     run.check_recovered(reference, generations=1)
     assert not run.faults() and not run.of("all_stopped")
     password = tmp_path / "etcd.password"
