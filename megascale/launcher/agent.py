@@ -8,7 +8,8 @@ What it does, in its threads:
 * command thread: runs what the controller writes to ``commands/<node>`` -- ``stop`` (stop the
   workers), ``selfcheck`` (the node self-check; its result is the ack), ``start`` (generation G
   with rank assignment R) -- and acks each under ``acks/<node>``. A command is run only if
-  ``keys.is_current`` (this job, not an older generation) and at most once (by its id);
+  ``keys.is_current`` (this job, not an older generation), at most once (by its id), and not
+  when its generation is beyond the one the controller published (``generation``);
 * the zygote's reader: worker exits, and the zygote's own death (its workers' exits and a
   ``zygote_died`` error, reported at once: this node's fault) (``megascale.launcher.workers``).
 
@@ -38,10 +39,11 @@ from queue import Empty, Queue
 from typing import Any
 
 from megascale.launcher import neighbour_check
+from megascale.launcher.logscan import DEVICE_ERRORS, error_kind
 from megascale.launcher.nodeinfo import gpu_status, hardware_info, network_counters
 from megascale.launcher.workers import WorkerPool, Zygote, free_port
 from megascale.robustness import inject
-from megascale.robustness.fatal import EXIT_JOB_FATAL, RUN_DIR_ENV, read_fatal
+from megascale.robustness.fatal import EXIT_JOB_FATAL, RUN_DIR_ENV, read_exit_error, read_fatal
 from megascale.robustness.keys import JobKeys, is_current
 from megascale.robustness.progress import progress_path, read_progress
 from megascale.robustness.service_main import (
@@ -308,8 +310,9 @@ class Agent:
         """The ``heartbeats/<node>`` value. Fields (the controller reads the first group)::
 
         node, time, generation, step, section, tokens_per_s, workers, flight, errors
-        workers: {"<rank>": {"pid", "alive", "exit_code", "peer", "fatal"}}; ``fatal`` is the
-        reason a rank gave for a job-fatal exit (``robustness.fatal``), None otherwise
+        workers: {"<rank>": {"pid", "alive", "exit_code", "peer", "fatal", "error"}}; ``fatal``
+        is the reason a rank gave for a job-fatal exit (``robustness.fatal``), ``error`` the
+        uncaught exception of another failed exit ({"text", "signature"}), None otherwise
         error_events: [{"seq", "rank", "kind", "text", "secondary"}]  (this generation)
         notices: [{"seq", "rank", "kind", "text"}]        e.g. a checkpoint skipped
         host, addr, pid, hardware (static), gpus (NVML, live; None without NVML),
@@ -323,11 +326,8 @@ class Agent:
         # Exits before output: a worker seen exited here has written all of its output, so the
         # scan reads all of it (a peer's failure included) before its exit is reported.
         workers = self.pool.status(self.generation)
-        for rank, status in workers.items():  # the reason of a job-fatal exit, else None
-            fatal = status["exit_code"] == EXIT_JOB_FATAL
-            status["fatal"] = (
-                read_fatal(self.opts.run_dir, int(rank), status["pid"]) if fatal else None
-            )
+        for rank, status in workers.items():
+            self._exit_reasons(int(rank), status)
         self._collect_output()
         self._mark_peer_failures(workers)
         progress = self._progress()
@@ -377,6 +377,20 @@ class Agent:
                 for r, p in progress.items()
             },
         }
+
+    def _exit_reasons(self, rank: int, status: dict[str, Any]) -> None:
+        """Add to a worker's ``status`` why it exited: ``fatal``, the reason of a job-fatal exit;
+        ``error``, the uncaught exception of another failed exit (``{"text", "signature"}``),
+        None for a device error (CUDA, NCCL, OOM, segfault: this node's evidence, never
+        classified as the job's own error)."""
+        code, pid = status["exit_code"], status["pid"]
+        fatal = code == EXIT_JOB_FATAL
+        status["fatal"] = read_fatal(self.opts.run_dir, rank, pid) if fatal else None
+        error = read_exit_error(self.opts.run_dir, rank, pid) if code and not fatal else None
+        if error is not None and error_kind(error.text) not in DEVICE_ERRORS:
+            status["error"] = {"text": error.text, "signature": error.signature}
+        else:
+            status["error"] = None
 
     def _collect_output(self) -> None:
         """Scan the workers' output. An error is published one beat after it was found (or at
@@ -483,6 +497,8 @@ class Agent:
             return None
         if command.get("id") in self._done_ids:
             return None
+        if int(command["generation"]) > self.generation and not self._published(command):
+            return None
         self._done_ids.add(str(command.get("id")))
         self.generation = max(self.generation, int(command["generation"]))
         logger.info(
@@ -494,6 +510,24 @@ class Agent:
             logger.exception("command %s failed", command["id"])
             ok, detail = False, f"{type(e).__name__}: {e}"
         return ack_message(command, ok, detail)
+
+    def _published(self, command: dict[str, Any]) -> bool:
+        """Whether the controller has published ``command``'s generation (``generation``, which
+        it writes with or before that generation's commands): a command of a generation beyond
+        it was not written by the controller, and running it would make this agent ignore every
+        real command after it."""
+        try:
+            kv = self.store.get(self.keys.generation)
+            published = int(kv.json()["generation"]) if kv is not None else 0
+        except (StoreError, ValueError, KeyError, TypeError) as e:
+            logger.warning("ignoring command %s: cannot read the generation (%s)", command, e)
+            return False
+        if int(command["generation"]) > published:
+            logger.warning(
+                "ignoring command %s: generation beyond the controller's (%d)", command, published
+            )
+            return False
+        return True
 
     def _ack(self, ack: dict[str, Any]) -> None:
         """Write ``ack``, retrying until etcd takes it or the agent stops."""

@@ -5,7 +5,8 @@
     megascale launch [CONFIG] [--set ...] --nodes 2 --nproc-per-node 1 --spares 1 \\
         --inject kill-worker:rank=1,step=12
 
-starts an embedded etcd (free loopback port, temporary data dir), M + S node agents (``node-0`` ..
+starts an embedded etcd (free loopback port, temporary data dir, etcd auth on with a password
+generated for the job: ``RUN_DIR/etcd.password``, mode 0600), M + S node agents (``node-0`` ..
 ``node-{M+S-1}``; the last S are spares), each with K workers, and a controller (plus a standby
 with ``--standby-controller``), then watches: it prints progress and the controller's decisions,
 fires the launcher-side faults (``inject.py``) when the job reaches their step, and at the end
@@ -27,10 +28,12 @@ controller restarts the job on it; under ``shrink`` the job goes on without it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import multiprocessing as mp
 import os
+import secrets
 import signal
 import sys
 import time
@@ -49,6 +52,22 @@ from megascale.machine_check import gpu_count as _gpu_count
 from megascale.robustness import inject
 
 logger = logging.getLogger("megascale.launch")
+
+
+ETCD_USER = "root"
+ETCD_PASSWORD_FILE = "etcd.password"
+"""``RUN_DIR/etcd.password`` (mode 0600): the embedded etcd's password, for ``--user root
+--password-file`` of a process started by hand."""
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600, also when it existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode() + b"\n")
+    finally:
+        os.close(fd)
 
 
 class LaunchError(ValueError):
@@ -140,9 +159,10 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
     if job.checkpoint.interval == 0:
         job.checkpoint.interval = max(1, job.train.steps // 5)
         notes.append(f"checkpoint.interval = 0: using {job.checkpoint.interval} (restarts resume)")
-    if any(f.kind == "kill-controller" for f in opts.faults) and not opts.standby_controller:
+    leader_faults = {f.kind for f in opts.faults} & {"kill-controller", "pause-controller"}
+    if leader_faults and not opts.standby_controller:
         opts.standby_controller = True
-        notes.append("kill-controller injected: starting a standby controller")
+        notes.append(f"{', '.join(sorted(leader_faults))} injected: starting a standby controller")
     return job, notes
 
 
@@ -200,8 +220,14 @@ class LocalCluster:
         # etcd dies with the launcher too (``die_with_parent``): the launcher starts and restarts
         # it from its only thread, the thread whose exit the parent-death signal follows.
         self.etcd = EmbeddedEtcd(unsafe_no_fsync=True, die_with_parent=True).start()
-        self.store_cfg = StoreConfig.parse(self.etcd.endpoint)
-        self.store = Store(StoreConfig.parse(self.etcd.endpoint, retry_s=2.0))
+        # Per-job credentials: no other process on the machine may read or write the job's keys.
+        password = secrets.token_urlsafe(32)
+        write_secret(run_dir / ETCD_PASSWORD_FILE, password)
+        self.etcd.enable_auth(password, ETCD_USER)
+        self.store_cfg = StoreConfig.parse(
+            self.etcd.endpoint, username=ETCD_USER, password=password
+        )
+        self.store = Store(dataclasses.replace(self.store_cfg, retry_s=2.0))
         self.ctx = mp.get_context("fork")
         self.agents: dict[str, Any] = {}
         self.controllers: dict[str, Any] = {}
@@ -437,13 +463,21 @@ class Monitor:
         self.shown = 0.0  # time of the last metrics line shown
         self.supervisor = Supervisor(cluster)
         self.reason: str | None = None  # why the job was stopped, when the launcher stopped it
+        self.paused: list[tuple[float, int]] = []  # (when to SIGCONT, pid): pause-controller
 
     def run(self, deadline: float | None) -> str:
         """Poll until the job is finished or failed; returns its state ("timeout" if not)."""
+        try:
+            return self._poll(deadline)
+        finally:
+            self._resume_paused(force=True)
+
+    def _poll(self, deadline: float | None) -> str:
         polls = 0
         while deadline is None or time.monotonic() < deadline:
             self._show()
             self._fire(current_step(self.run_dir / "metrics.jsonl"))
+            self._resume_paused()
             self._restart_lost_agents()
             polls += 1
             if polls % 5 == 0:
@@ -484,11 +518,15 @@ class Monitor:
         for spec in self.cluster.opts.faults:
             if spec.side != "launcher" or step < spec.get("step"):
                 continue
-            if spec.kind == "kill-controller":
+            if spec.kind in ("kill-controller", "pause-controller"):
                 pid = self._leader_pid()
                 if pid is None or not inject.claim(self.run_dir, spec, step=step, pid=pid):
                     continue
-                os.kill(pid, signal.SIGKILL)
+                if spec.kind == "kill-controller":
+                    os.kill(pid, signal.SIGKILL)
+                else:  # frozen past its lease: a standby leads when it wakes up
+                    os.kill(pid, signal.SIGSTOP)
+                    self.paused.append((time.monotonic() + float(spec.get("seconds")), pid))
             elif not inject.claim(self.run_dir, spec, step=step):
                 continue
             elif spec.kind == "kill-agent":
@@ -502,6 +540,29 @@ class Monitor:
                     self.restart_after_loss.add(node)  # repaired: comes back while it is awaited
             elif spec.kind == "etcd-restart":
                 self.cluster.etcd.restart(downtime_s=float(spec.get("downtime", 1.0)))
+            elif spec.kind == "forge-command":
+                self._forge_stop()
+
+    def _forge_stop(self) -> None:
+        """The ``forge-command`` fault: a ``stop`` of a generation far beyond the controller's,
+        written with the job's own credentials to every node's command key."""
+        from megascale.robustness.keys import make_command
+
+        for node in self.cluster.agents:
+            forged = make_command(self.cluster.opts.job_id, 999999, "stop", f"forged-{node}")
+            self.cluster.store.put(self.cluster.keys.command(node), forged)
+        logger.warning("forged stop commands of generation 999999 written")
+
+    def _resume_paused(self, force: bool = False) -> None:
+        """SIGCONT the processes ``pause-controller`` stopped, once due (all with ``force``)."""
+        now = time.monotonic()
+        due = [pid for at, pid in self.paused if force or at <= now]
+        self.paused = [(at, pid) for at, pid in self.paused if pid not in due]
+        for pid in due:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def _leader_pid(self) -> int | None:
         from megascale.robustness.store import StoreError

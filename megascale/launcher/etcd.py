@@ -19,6 +19,10 @@ leader ~0.1 s after start and leases as short as 1 s are honoured (etcd's minimu
 data). The server's log (warnings and errors) goes to ``<tmp>/etcd.log``; a start that fails raises
 ``EtcdStartError`` with the tail of that log.
 
+Authentication: ``enable_auth(password)`` (after ``start``) turns etcd auth on with a ``root``
+user; it is kept in the data directory, so a restart keeps it. Clients then need the user and
+password (``StoreConfig(username=, password=)``); ``/health`` stays open.
+
 Contract: ``start()`` returns once the server answers ``/health`` with ``true`` (or raises);
 ``stop()`` is idempotent, terminates the process (SIGTERM, SIGKILL after 5 s) and removes the
 temporary directory (a caller-provided ``data_dir`` is kept); ``kill()`` SIGKILLs the process and
@@ -232,6 +236,17 @@ class EmbeddedEtcd:
         """Terminate the server (idempotent) and remove the temporary directory."""
         self._terminate(signal.SIGTERM)
         self._finalizer()  # removes the log, and the data unless the caller gave data_dir
+
+    def enable_auth(self, password: str, user: str = "root") -> None:
+        """Require ``user`` and ``password`` of every client from now on (etcd auth, kept in the
+        data directory: a restart keeps it; ``/health`` stays open)."""
+        from megascale.robustness.store import Store, StoreConfig
+
+        store = Store(StoreConfig.parse(self.client_url, retry_s=5.0, ca_file=self.ca_file))
+        try:
+            store.enable_auth(user, password)
+        finally:
+            store.close()
 
     def kill(self) -> None:
         """SIGKILL the server, keeping its data dir and ports, as a crash would."""

@@ -36,6 +36,8 @@ ERROR_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     )
 )
 """Scanned only in lines that can carry an error (``error_text``), paths taken out first."""
+DEVICE_ERRORS = frozenset({"cuda_error", "nccl_error", "segfault", "oom"})
+"""The ``ERROR_PATTERNS`` that are evidence against the node (its device, its memory)."""
 PEER_PATTERNS = re.compile(
     r"Connection closed by peer|Connection reset by peer|remote worker crash|"
     r"remote process exited|NCCL communicator was aborted|Broken pipe"

@@ -41,6 +41,7 @@ from typing import Any
 from megascale.launcher import gpus
 from megascale.launcher.lifetime import die_with_parent
 from megascale.launcher.logscan import LogMatch, LogScanner
+from megascale.robustness.fatal import RUN_DIR_ENV, write_exit_error
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +140,10 @@ def _child(
         code = TARGETS[target](**kwargs)
     except SystemExit as e:
         code = e.code
-    except BaseException:
+    except BaseException as e:
         traceback.print_exc()
         code = 1
+        _record_exit_error(target, e)
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -149,6 +151,17 @@ def _child(
             except (OSError, ValueError):
                 pass
         os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
+def _record_exit_error(target: str, error: BaseException) -> None:
+    """A training worker's uncaught exception, for the agent to report (``fatal.ExitError``)."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if target != "train" or not run_dir:
+        return
+    try:
+        write_exit_error(run_dir, int(os.environ.get("RANK", "0")), error)
+    except (OSError, ValueError) as e:
+        print(f"could not record the exit error: {e}", file=sys.stderr)
 
 
 def _zygote_main(conn: Connection, preload: tuple[str, ...]) -> None:

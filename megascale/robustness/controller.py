@@ -43,7 +43,9 @@ for it: a proactive one would throw away the steps since the last complete check
 decision is an ``elastic`` event whose ``text`` says what and why. Restarts are budgeted:
 ``max_restarts`` within any ``restart_window_s`` (``RestartBudget``). A worker exiting with
 ``EXIT_JOB_FATAL`` (``robustness.fatal``) stops every node and fails the job with the rank's
-reason, evicting and restarting nothing.
+reason, evicting and restarting nothing; so does an uncaught exception that would follow the job
+to any node (its signature ended every rank, or came back after a restart). Only node-local
+evidence (a lost lease, a failed self-check, a device error, a stall's culprit) evicts.
 
 Protocol events (``on_start``, ``on_all_stopped``, ``on_selfcheck_result``,
 ``on_generation_started``, ``on_training_finished``, ``on_stall_detected``) in a state that does
@@ -107,6 +109,7 @@ class ControllerFSM:
         self.culprits: Counter[str] = Counter()
         self.budget = RestartBudget(policy.max_restarts, policy.restart_window_s)
         self.failure: str | None = None  # why the job failed, once it has
+        self.error_signatures: dict[str, int] = {}  # exception signature -> generation first seen
         self.timeouts = SectionTimeouts(
             {
                 "init": policy.init_timeout_s,
@@ -385,10 +388,15 @@ class ControllerFSM:
         now: float | None = None,
         generation: int | None = None,
         fatal: str | None = None,
+        error: Mapping[str, str] | None = None,
+        everywhere: bool = False,
     ) -> list[Action]:
         """A worker process ended with ``code`` (negative: killed by signal -code).
         ``EXIT_JOB_FATAL`` (with the rank's ``fatal`` reason, see ``robustness.fatal``) is a
-        fault of the job itself: every node is stopped and the job fails, nobody is evicted."""
+        fault of the job itself: every node is stopped and the job fails, nobody is evicted.
+        So is an uncaught exception (``error``: ``{"text", "signature"}``) that would follow the
+        job to any node: the shell saw the same signature end every rank of the generation
+        (``everywhere``), or it ended a rank of an earlier generation too."""
         self._begin(E.WORKER_EXIT, now)
         stale = generation is not None and generation != self.generation
         if stale or self.state not in (S.STARTING, S.RUNNING) or node not in self._in_order:
@@ -398,12 +406,31 @@ class ControllerFSM:
             detail = {"exit_code": code, "reason": reason}
             return self._on_fault(Fault("job_fatal", node, rank, detail))
         if code != 0:
-            return self._on_fault(Fault("worker_exit", node, rank, {"exit_code": code}))
+            detail: dict[str, Any] = {"exit_code": code}
+            if error is not None:
+                detail.update(error=error["text"], signature=error["signature"])
+                reason = self._job_error(error, everywhere)
+                if reason is not None:
+                    return self._on_fault(Fault("job_fatal", node, rank, {**detail, **reason}))
+                self.error_signatures.setdefault(error["signature"], self.generation)
+            return self._on_fault(Fault("worker_exit", node, rank, detail))
         self.clean_exits.add(rank)
         if len(self.clean_exits) < self.world_size:
             return [self._record("worker_exit_clean", node, rank)]
         self._enter(S.FINISHED)
         return [self._record("finished", step=self.step, reason="every rank exited 0")]
+
+    def _job_error(self, error: Mapping[str, str], everywhere: bool) -> dict[str, str] | None:
+        """The job-fatal reason (and why it is the job's) of an exception that follows the job
+        to any node; None for one that may be this node's."""
+        first = self.error_signatures.get(error["signature"], self.generation)
+        if everywhere:
+            why = f"the same error ended every rank ({self.world_size})"
+        elif first < self.generation:
+            why = f"the same error again after a restart (generations {first}, {self.generation})"
+        else:
+            return None
+        return {"reason": f"{error['text']} ({why})", "classified": why}
 
     def on_error_keyword(
         self, node: str, text: str, rank: int | None = None, now: float | None = None

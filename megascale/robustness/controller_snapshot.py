@@ -49,6 +49,7 @@ def snapshot(fsm: ControllerFSM) -> dict[str, Any]:
         },
         "faults": len(fsm.faults),
         "culprits": dict(fsm.culprits),
+        "error_signatures": dict(fsm.error_signatures),
         "samples": {k: list(v) for k, v in fsm.timeouts.samples.items()},
         "commands": fsm._commands,
         "topology": {n: label for n, label in fsm.topology.items() if label},
@@ -65,6 +66,9 @@ def restore(fsm: ControllerFSM, snapshot: Mapping[str, Any], now: float) -> None
     fsm.awaiting = dict(snapshot["awaiting"])
     fsm.awaiting_kind = snapshot["awaiting_kind"]
     fsm.culprits = Counter(snapshot["culprits"])
+    fsm.error_signatures = {
+        str(k): int(v) for k, v in (snapshot.get("error_signatures") or {}).items()
+    }
     fsm.budget.restore(snapshot.get("restart_ages_s", ()), now)
     fsm.failure = snapshot.get("failure")
     fsm._commands = int(snapshot["commands"])

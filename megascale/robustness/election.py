@@ -163,6 +163,12 @@ class Election:
         with ``check()`` or fence writes with ``guard()``)."""
         return self._revision > 0 and not self.lost.is_set()
 
+    @property
+    def term(self) -> int | None:
+        """This candidate's term while it leads: the election key's create revision (newer
+        terms are larger); None when it does not lead."""
+        return self._revision or None
+
     def check(self) -> bool:
         """Ask etcd whether the key is still this candidate's (one read)."""
         current = self.leader()

@@ -18,6 +18,14 @@ trips, not one per event on the decision thread.
 
 Contract: the etcd mirror is best effort: when etcd is unreachable (after the store's retries) the
 failure is logged and the event is still written to the file, which is the complete record.
+
+Fencing (the controller's log): with ``fence`` (a function returning the transaction conditions
+that hold only while this writer leads, ``Election.guard``) every etcd write of events is
+conditioned on it, and the file is written only after such a write succeeded: a controller that
+lost its lease (stopped, partitioned) writes nothing, and its queued events are dropped. Events
+carry the writer's ``term`` (the leader key's create revision); ``read_events`` drops an event
+whose term is older than one already read (a deposed leader's late line, e.g. written while
+etcd was unreachable and the fence could not be checked).
 Sequence numbers continue from the highest one already in etcd (or in the file), so a standby
 controller that takes over appends after its predecessor; each etcd key is created only if absent,
 so two writers cannot overwrite one another's events.
@@ -29,16 +37,20 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from megascale.robustness.keys import JobKeys
-from megascale.robustness.store import TXN_MAX_OPS, Put, Store, StoreError, missing
+from megascale.robustness.store import TXN_MAX_OPS, Compare, Put, Store, StoreError, missing
 
 logger = logging.getLogger(__name__)
 
 EVENTS_FILE = "events.jsonl"
+
+
+class Fenced(Exception):
+    """The writer's fence no longer holds: it does not lead any more."""
 
 
 class EventLog:
@@ -49,6 +61,8 @@ class EventLog:
         store / keys: where to mirror; None: file only.
         clock: wall clock for the ``time`` field (injectable for tests).
         buffered: queue events until ``flush`` (see the module docstring).
+        fence: the conditions under which this writer may write (see the module docstring;
+            buffered logs only); it raises ValueError when the writer knows it does not lead.
     """
 
     def __init__(
@@ -59,12 +73,17 @@ class EventLog:
         *,
         clock: Callable[[], float] = time.time,
         buffered: bool = False,
+        fence: Callable[[], Sequence[Compare]] | None = None,
     ) -> None:
         if (store is None) != (keys is None):
             raise ValueError("EventLog: give both store and keys to mirror to etcd, or neither")
+        if fence is not None and not buffered:
+            raise ValueError("EventLog: a fence applies to a buffered log's flush")
         self.path = Path(run_dir) / EVENTS_FILE if run_dir is not None else None
         self.store, self.keys, self.clock = store, keys, clock
-        self.buffered = buffered
+        self.buffered, self.fence = buffered, fence
+        self.term: int | None = None
+        """Stamped on every event from now on (the leader key's create revision)."""
         self._lock = threading.Lock()
         self._pending: list[dict[str, Any]] = []
         self._next_seq = self._first_seq()
@@ -105,6 +124,8 @@ class EventLog:
                 "rank": rank,
                 "detail": dict(detail or {}),
             }
+            if self.term is not None:
+                event["term"] = self.term
             self._next_seq += 1
             if self.buffered:
                 self._pending.append(event)
@@ -136,13 +157,23 @@ class EventLog:
             if not events:
                 return
             try:
+                fence = list(self.fence()) if self.fence is not None else []
                 if not mirror:
                     raise StoreError("etcd is unavailable")
                 for start in range(0, len(events), TXN_MAX_OPS):
-                    self._mirror_batch(events[start : start + TXN_MAX_OPS])
+                    self._mirror_batch(events[start : start + TXN_MAX_OPS], fence)
+            except (Fenced, ValueError) as e:
+                logger.warning("event log: not the leader (%s): %d events dropped", e, len(events))
+                return
             except StoreError as e:
                 logger.warning("event log: etcd mirror failed for %d events: %s", len(events), e)
             self._write(events)
+
+    def discard(self) -> list[str]:
+        """Drop the queued events (their writer lost the lead); their kinds."""
+        with self._lock:
+            dropped, self._pending = self._pending, []
+        return [str(e["kind"]) for e in dropped]
 
     def resync(self) -> None:
         """Continue numbering after the newest event in etcd (a standby that just took over:
@@ -152,16 +183,19 @@ class EventLog:
             for event in self._pending:  # queued before: keep their order, after the newest
                 event["seq"], self._next_seq = self._next_seq, self._next_seq + 1
 
-    def _mirror_batch(self, events: list[dict[str, Any]]) -> None:
+    def _mirror_batch(self, events: list[dict[str, Any]], fence: list[Compare]) -> None:
         if self.store is None or self.keys is None:
             return
         for _ in range(100):
             keys = [self.keys.event(e["seq"]) for e in events]
             done = self.store.txn(
-                [missing(k) for k in keys], [Put(k, e) for k, e in zip(keys, events, strict=True)]
+                [*fence, *(missing(k) for k in keys)],
+                [Put(k, e) for k, e in zip(keys, events, strict=True)],
             )
             if done.succeeded:
                 return
+            if fence and not self.store.txn(fence, []).succeeded:
+                raise Fenced("the fence of the event log failed: another controller leads")
             newest = self.store.get_prefix(self.keys.events_prefix, limit=1, descending=True)
             self._next_seq = max(self._next_seq, self.keys.seq_of(newest[0].key) + 1)
             for event in events:
@@ -194,10 +228,17 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if path.is_dir():
         path = path / EVENTS_FILE
-    events = []
+    events, term = [], -1
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except ValueError:
             logger.warning("skipping a torn line in %s", path)
+            continue
+        if isinstance(event, dict) and isinstance(event.get("term"), int):
+            if event["term"] < term:
+                logger.warning("skipping an event of a deposed controller: %s", line[:200])
+                continue
+            term = event["term"]
+        events.append(event)
     return events

@@ -14,6 +14,13 @@ defined here only:
   that reason (``failed`` event, ``final.json``'s ``fatal``, the MegaScaleJob status), evicting
   nobody and restarting nothing.
 
+An error no rank declared fatal can still follow the job to any node (data that fails to
+read at run time, a full shared disk, a bug). A worker that ends with an uncaught exception
+writes an ``ExitError`` (``RUN_DIR/errors/rank_NNNNN.json``: the exception's one line and its
+``error_signature``, the line with ranks, paths and numbers taken out); the agent reports it in
+the heartbeat (``workers["<rank>"]["error"]``) and the controller fails the job when the same
+signature ends every rank of a generation, or comes back after a restart (``ControllerFSM``).
+
 This module imports nothing heavy: the agent and the controller read it too.
 """
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -62,15 +70,19 @@ def fatal_path(run_dir: Path | str, rank: int) -> Path:
     return Path(run_dir) / "fatal" / f"rank_{rank:05d}.json"
 
 
-def write_fatal(run_dir: Path | str, rank: int, reason: str) -> Path:
-    """Write this process's ``FatalRecord`` (temporary file + rename: never read torn)."""
-    path = fatal_path(run_dir, rank)
+def _write_json(path: Path, data: dict[str, Any]) -> Path:
+    """Write ``data`` to ``path`` through a temporary file and a rename: never read torn."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = FatalRecord(rank, os.getpid(), reason[:MAX_REASON], time.time())
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record.to_json()))
+    tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
     return path
+
+
+def write_fatal(run_dir: Path | str, rank: int, reason: str) -> Path:
+    """Write this process's ``FatalRecord``."""
+    record = FatalRecord(rank, os.getpid(), reason[:MAX_REASON], time.time())
+    return _write_json(fatal_path(run_dir, rank), record.to_json())
 
 
 def read_fatal(run_dir: Path | str, rank: int, pid: int) -> str | None:
@@ -106,3 +118,59 @@ def fail_job(reason: str, run_dir: Path | str | None = None, rank: int | None = 
         except (OSError, ValueError):
             pass
     os._exit(EXIT_JOB_FATAL)
+
+
+# -- errors at exit ---------------------------------------------------------------------------
+
+_PATH = re.compile(r"\S*/\S*")
+_HEX = re.compile(r"\b0x[0-9a-fA-F]+\b")
+_NUMBER = re.compile(r"\d+(\.\d+)?")
+
+
+def error_signature(type_name: str, message: str) -> str:
+    """What identifies an error wherever it happens: the exception type and the first line of
+    its message with paths, hexadecimal and decimal numbers (ranks, steps, pids, sizes) replaced
+    by placeholders, so that every rank's copy of one error has one signature."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    line = _NUMBER.sub("<n>", _HEX.sub("<hex>", _PATH.sub("<path>", line)))
+    return f"{type_name}: {' '.join(line.split())}"[:MAX_REASON]
+
+
+@dataclass(frozen=True)
+class ExitError:
+    """``RUN_DIR/errors/rank_NNNNN.json``: the uncaught exception process ``pid`` of rank
+    ``rank`` ended with (``text``: ``Type: first line of the message``) and its signature."""
+
+    rank: int
+    pid: int
+    text: str
+    signature: str
+    version: int = VERSION
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ExitError:
+        if int(d.get("version", 0)) != VERSION:
+            raise ValueError(f"exit error version {d.get('version')!r}: expected {VERSION}")
+        return cls(int(d["rank"]), int(d["pid"]), str(d["text"]), str(d["signature"]))
+
+
+def exit_error_path(run_dir: Path | str, rank: int) -> Path:
+    return Path(run_dir) / "errors" / f"rank_{rank:05d}.json"
+
+
+def write_exit_error(run_dir: Path | str, rank: int, error: BaseException) -> Path:
+    """Record the exception this process is about to exit with."""
+    name = type(error).__qualname__
+    lines = str(error).strip().splitlines()
+    text = f"{name}: {lines[0]}" if lines else name
+    record = ExitError(rank, os.getpid(), text[:MAX_REASON], error_signature(name, str(error)))
+    return _write_json(exit_error_path(run_dir, rank), asdict(record))
+
+
+def read_exit_error(run_dir: Path | str, rank: int, pid: int) -> ExitError | None:
+    """The exception rank ``rank``'s process ``pid`` exited with; None when it wrote none."""
+    try:
+        record = ExitError.from_json(json.loads(exit_error_path(run_dir, rank).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record if record.pid == pid else None

@@ -15,6 +15,13 @@ A spec is ``KIND:KEY=VALUE,KEY=VALUE`` (``corrupt-checkpoint:latest`` takes a ba
     fail-selfcheck:node=N             node N's agent fails every self-check (it is evicted)
     break-net:node=N                  node N's network is down for the self-check's neighbour
                                       all-reduce: it fails with every neighbour, they name it
+    raise-error:step=N[,rank=R]       every rank (or rank R) raises the same error before step N,
+                                      each time it gets there (an error that follows the job)
+    disk-full:step=N                  from step N on, every checkpoint write fails with ENOSPC
+                                      on every rank (a full shared disk), after restarts too
+    pause-controller:step=N,seconds=S the launcher SIGSTOPs the active controller for S seconds
+    forge-command:step=N              the launcher writes, with the job's etcd credentials, a
+                                      ``stop`` command of generation 999999 to every node
 
 Who fires what (``FaultSpec.side``): worker faults are carried to the workers in the environment
 variable ``MEGASCALE_INJECT`` and fired by ``WorkerFaults``, called from ``run_rank``'s loop; agent
@@ -70,9 +77,13 @@ KINDS: dict[str, Kind] = {
     "corrupt-checkpoint": Kind(("latest",), ("rank",), "agent", "corrupt the newest checkpoint"),
     "fail-selfcheck": Kind(("node",), (), "agent", "a node fails its self-checks"),
     "break-net": Kind(("node",), (), "agent", "a node's neighbour all-reduces fail"),
+    "raise-error": Kind(("step",), ("rank",), "worker", "ranks raise an error at a step, always"),
+    "disk-full": Kind(("step",), (), "worker", "checkpoint writes fail with ENOSPC from a step"),
+    "pause-controller": Kind(("step", "seconds"), (), "launcher", "SIGSTOP the controller"),
+    "forge-command": Kind(("step",), (), "launcher", "write a forged stop command"),
 }
 _INT_KEYS = ("rank", "step", "node")
-_FLOAT_KEYS = {"factor": 1.0, "downtime": 0.0}  # key -> smallest value accepted
+_FLOAT_KEYS = {"factor": 1.0, "downtime": 0.0, "seconds": 0.0}  # key -> smallest value accepted
 
 
 def accepted() -> str:
@@ -151,6 +162,10 @@ def _example(kind_name: str) -> str:
         "corrupt-checkpoint": "latest,rank=0",
         "fail-selfcheck": "node=1",
         "break-net": "node=1",
+        "raise-error": "step=12",
+        "disk-full": "step=8",
+        "pause-controller": "step=6,seconds=8",
+        "forge-command": "step=6",
     }[kind_name]
 
 
@@ -259,9 +274,18 @@ class WorkerFaults:
         self.specs = [s for s in specs if s.side == "worker" and _targets(s, rank, node)]
         slow = [s.get("factor") for s in self.specs if s.kind in ("slow-rank", "slow-node")]
         self.slow = max(slow, default=1)
+        full = [s.get("step") for s in self.specs if s.kind == "disk-full"]
+        if full:
+            _fill_disk_from(min(full))
 
     def before_step(self, step: int) -> None:
         for spec in self.specs:
+            if spec.kind == "raise-error" and spec.get("step") == step:
+                claim(self.run_dir, spec, rank=self.rank, step=step)  # the first time: its time
+                raise RuntimeError(
+                    f"injected fault {spec.text}: rank {self.rank} cannot read its data at step "
+                    f"{step} (the data file is unreadable)"
+                )
             if spec.get("step") != step or spec.kind not in ("kill-worker", "hang-worker"):
                 continue
             if not claim(self.run_dir, spec, rank=self.rank, step=step, pid=os.getpid()):
@@ -277,10 +301,27 @@ class WorkerFaults:
 
 
 def _targets(spec: FaultSpec, rank: int, node: str | None) -> bool:
-    """Whether a worker-side ``spec`` is for this rank: by node for ``slow-node``, else by rank."""
+    """Whether a worker-side ``spec`` is for this rank: by node for ``slow-node``, every rank
+    for ``disk-full`` and a ``raise-error`` without a rank, else by rank."""
     if spec.kind == "slow-node":
         return f"node-{spec.get('node')}" == node
+    if spec.kind == "disk-full" or (spec.kind == "raise-error" and spec.get("rank") is None):
+        return True
     return spec.get("rank") == rank
+
+
+def _fill_disk_from(first_step: int) -> None:
+    """Make every checkpoint write of step ``first_step`` or later fail as a full disk does."""
+    import errno
+
+    from megascale.train import checkpoint
+
+    def hook(point: str, rank: int, step: int) -> None:
+        if point == "stage2_start" and step >= first_step:
+            where = checkpoint.step_name(step)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{where}/rank_{rank:05d}")
+
+    checkpoint.fault_hook = hook
 
 
 def worker_faults(rank: int, run_dir: str | Path) -> WorkerFaults:

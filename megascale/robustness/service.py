@@ -11,7 +11,9 @@ Executing actions: ``RecordEvent`` goes to the ``EventLog`` (RUN_DIR/events.json
 ``SendCommand``, ``Evict`` and ``StartGeneration`` become puts of ``commands/<node>``,
 ``blocklist/<node>`` and ``generation``, written together with the FSM's ``state`` snapshot in one
 transaction fenced by the leader key (``Election.guard``): a deposed controller writes nothing,
-and a standby never restores a state older than the commands the agents have seen.
+and a standby never restores a state older than the commands the agents have seen. The event log
+is fenced the same way (``EventLog``'s ``fence``; its events carry the leader's term), and the
+events a controller queued when it finds it lost the lead are dropped.
 
 What the shell adds to the FSM's view:
 
@@ -21,6 +23,10 @@ What the shell adds to the FSM's view:
   ``secondary``) -- are held back for ``secondary_hold_s`` (a bit more than the agents' lease
   TTL): if the cause shows up meanwhile (a worker killed by a signal, a node whose lease expired),
   the FSM hears of the cause first and names the right node. Otherwise the symptom is the fault.
+* A worker's exit with an uncaught exception (its signature, see ``robustness.fatal``) is held
+  for ``error_hold_s``: if the same signature ends every rank of the generation meanwhile, it is
+  fed as the job's error (the FSM fails the job, evicting nobody); else it is an ordinary fault.
+  The traceback keyword of such a rank is that same exception and is not fed again.
 * Notices (a checkpoint that failed verification and was skipped) are recorded as events.
 * etcd outages: when a store call fails the shell records ``etcd_unavailable``, stops ticking the
   FSM (silence is then etcd's fault, not the nodes'), keeps unwritten puts in an outbox, and on
@@ -98,6 +104,8 @@ class Evidence:
     secondary: bool = False
     fatal: str | None = None
     """A job-fatal exit's reason (``robustness.fatal``), never held back as a symptom."""
+    error: Mapping[str, str] | None = None
+    """The uncaught exception of a failed exit (``{"text", "signature"}``)."""
 
 
 class ControllerService:
@@ -108,13 +116,16 @@ class ControllerService:
     ) -> None:
         self.store, self.opts, self.clock = store, opts, clock
         self.keys = JobKeys(opts.job_id)
-        self.events = EventLog(opts.run_dir, store, self.keys, buffered=True)
         self.election = Election(
             store,
             self.keys.controller_leader,
             opts.candidate_id,
             ttl=opts.election_ttl,
             info={"run_dir": str(opts.run_dir)},
+        )
+        # Fenced like the outbox: a controller that lost its lease records nothing.
+        self.events = EventLog(
+            opts.run_dir, store, self.keys, buffered=True, fence=lambda: [self.election.guard()]
         )
         self.stopping = threading.Event()
         self.fsm: ControllerFSM | None = None
@@ -126,6 +137,7 @@ class ControllerService:
         self._fed_exits: dict[tuple[int, int], int] = {}  # (generation, rank) -> code
         self._seen: dict[tuple[str, str, int], int] = {}  # (what, node, generation) -> last seq
         self._held: list[tuple[float, Evidence]] = []
+        self._errors: dict[tuple[int, int], str] = {}  # (generation, rank) -> exit's signature
         self._outage_since: float | None = None
         self._flight: dict[int, RankState] = {}  # rank -> flight state, this generation
         self._flight_generation = -1
@@ -158,7 +170,11 @@ class ControllerService:
                         continue
                     state = self._lead()
                 except LostLeadership as e:
-                    logger.warning("%s: no longer the leader (%s)", self.opts.candidate_id, e)
+                    dropped = self.events.discard()  # decisions of a deposed leader
+                    logger.warning(
+                        "%s: no longer the leader (%s); events dropped: %s",
+                        self.opts.candidate_id, e, dropped,
+                    )  # fmt: skip
                     self._drop_watches()
                     continue
                 except StoreError as e:
@@ -187,6 +203,7 @@ class ControllerService:
 
     def _lead(self) -> State | None:
         now = self.clock()
+        self.events.term = self.election.term
         self.effective = EffectiveTime(now)
         fresh = self._begin(now)
         assert self.fsm is not None
@@ -216,6 +233,8 @@ class ControllerService:
         self._fed_exits.clear()
         self._seen.clear()
         self._held.clear()
+        self._errors.clear()
+        self._outbox.clear()  # an earlier term's writes: the snapshot below is the truth
         while not self._inbox.empty():  # events of an earlier term's watches
             self._inbox.get_nowait()
         snapshot = self.store.get(self.keys.state)
@@ -337,11 +356,17 @@ class ControllerService:
             self._fed_exits[(generation, int(rank))] = int(code)
             fatal = worker.get("fatal")
             secondary = int(code) > 0 and bool(worker.get("peer")) and fatal is None
+            error = None if secondary else worker.get("error")  # a symptom is never the job's
             ev = Evidence(
-                "worker_exit", node, int(rank), generation, int(code), "", secondary, fatal
+                "worker_exit", node, int(rank), generation, int(code), "", secondary, fatal, error
             )
             self._evidence(ev, now)
         for error in self._new(payload.get("error_events"), "error", node, generation):
+            if (
+                error.get("kind") == "traceback"
+                and (generation, int(error["rank"])) in self._errors
+            ):
+                continue  # the exception its exit reported, with its signature
             text = f"{error.get('kind')}: {error.get('text', '')}"
             secondary = bool(error.get("secondary"))
             ev = Evidence(
@@ -425,8 +450,27 @@ class ControllerService:
         elif ev.secondary:
             logger.info("holding a symptom for %.1f s: %s", self.opts.secondary_hold_s, ev)
             self._held.append((now + self.opts.secondary_hold_s, ev))
+        elif ev.error is not None:
+            self._errors[(ev.generation, ev.rank)] = ev.error["signature"]
+            self._held.append((now + self.opts.error_hold_s, ev))
+            self._feed_if_everywhere(ev, now)
         else:
             self._feed(ev, now)
+
+    def _feed_if_everywhere(self, ev: Evidence, now: float) -> None:
+        """Feed ``ev`` as the job's error at once (its held peers dropped) when the same
+        exception signature ended every rank of its generation."""
+        assert self.fsm is not None
+        ranks = {r for (g, r), sig in self._errors.items() if g == ev.generation}
+        same = {sig for (g, _), sig in self._errors.items() if g == ev.generation}
+        if len(ranks) < self.fsm.world_size or len(same) != 1:
+            return
+        self._held = [(at, e) for at, e in self._held if e.error is None]
+        self._act(
+            self.fsm.on_worker_exit(
+                ev.node, ev.rank, int(ev.code or 1), now, ev.generation, None, ev.error, True
+            )
+        )
 
     def _feed(self, ev: Evidence, now: float) -> None:
         assert self.fsm is not None
@@ -435,7 +479,9 @@ class ControllerService:
         if ev.kind == "worker_exit":
             assert ev.code is not None
             self._act(
-                self.fsm.on_worker_exit(ev.node, ev.rank, ev.code, now, ev.generation, ev.fatal)
+                self.fsm.on_worker_exit(
+                    ev.node, ev.rank, ev.code, now, ev.generation, ev.fatal, ev.error
+                )
             )
         else:
             self._act(self.fsm.on_error_keyword(ev.node, ev.text, ev.rank, now))
@@ -546,7 +592,9 @@ class ControllerService:
 
     def _write_outbox(self) -> None:
         keys = list(self._outbox)
-        for first in (self.keys.status, self.keys.state):
+        # state, status, then generation, which agents read to accept a new generation's
+        # commands: written with or before them even when they span several transactions.
+        for first in (self.keys.generation, self.keys.status, self.keys.state):
             if first in self._outbox:
                 keys.remove(first)
                 keys.insert(0, first)

@@ -91,3 +91,10 @@ class ServiceOptions:
         # A vanished node's lease is gone up to TTL after its last keep-alive, found by etcd's
         # expiry scan (every 0.5 s), then delivered: 2 s for that delivery on a busy host.
         return lease_ttl(self.heartbeat_interval) + 0.5 + 2.0
+
+    @property
+    def error_hold_s(self) -> float:
+        """How long a worker's exception exit waits for the other ranks': the same error on
+        every rank is the job's, not the node's (every exit is reported at once; two
+        heartbeats and a second allow for a rank a little behind)."""
+        return 2 * self.heartbeat_interval + 1.0

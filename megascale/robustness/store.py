@@ -378,6 +378,14 @@ class Store:
         body = {"key": _b64(prefix), "range_end": _prefix_end(prefix)}
         return int(self._call("/v3/kv/deleterange", body).get("deleted", 0))
 
+    def enable_auth(self, user: str, password: str) -> None:
+        """Create ``user`` with etcd's ``root`` role and turn authentication on: from then on
+        every request needs a user and password (kept in etcd's data, across restarts)."""
+        self._call("/v3/auth/role/add", {"name": "root"})
+        self._call("/v3/auth/user/add", {"name": user, "password": password})
+        self._call("/v3/auth/user/grant", {"user": user, "role": "root"})
+        self._call("/v3/auth/enable", {})
+
     # -- transactions --------------------------------------------------------------------------
 
     def txn(

@@ -83,14 +83,18 @@ def test_agent_runs_current_commands_only_and_survives_losing_etcd(tmp_path):
                 kv = store.get(keys.ack(node))
                 return kv.json() if kv is not None else None
 
-            # Another job's command, then a current one (generation 3), then an older one.
+            # Another job's command, one of a generation beyond the one the controller
+            # published (forged: run, it would make the agent ignore every real command after
+            # it), then a current one (generation 3, published), then an older one.
+            store.put(keys.generation, {"generation": 3, "assignment": {node: [0]}})
             store.put(keys.command(node), make_command("other-job", 5, "selfcheck", "other"))
+            store.put(keys.command(node), make_command(keys.job_id, 999999, "stop", "forged"))
             store.put(keys.command(node), make_command(keys.job_id, 3, "selfcheck", "c1"))
             first = _wait("the self-check ack", ack, 90)  # the zygote imports torch first
             assert first["id"] == "c1" and first["ok"], first
             store.put(keys.command(node), make_command(keys.job_id, 2, "stop", "old"))
             time.sleep(1.0)
-            assert ack()["id"] == "c1"  # "stale", "other" and "old" were never run
+            assert ack()["id"] == "c1"  # "stale", "other", "forged" and "old" were never run
 
             # etcd gone for 3 s (longer than the agent's lease TTL): the agent keeps going.
             etcd.kill()
@@ -115,6 +119,7 @@ def test_agent_runs_current_commands_only_and_survives_losing_etcd(tmp_path):
         assert agent.returncode == 0, err[-3000:]
         assert store.get(keys.node(node)) is None  # deregistered on the way out
         assert "etcd unreachable" in err and "registering again" in err, err[-3000:]
+        assert "generation beyond the controller's (3)" in err, err[-3000:]
         store.close()
 
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,13 +35,16 @@ BASE = [
 class Run:
     """One ``megascale launch`` run: exit code, output, final.json, events."""
 
-    def __init__(self, run_dir: Path, *args: str) -> None:
+    def __init__(self, run_dir: Path, *args: str, during: Callable[[], None] | None = None) -> None:
+        """Run to the end; ``during()``, if given, is called once the launcher has started."""
         self.dir = run_dir
         cmd = [sys.executable, "-m", "megascale.cli", "launch", *BASE, "--run-dir", str(run_dir)]
         proc = subprocess.Popen(
             [*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
         )
         try:
+            if during is not None:
+                during()
             stdout, stderr = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             stdout, stderr = _stop(proc)
@@ -273,3 +279,75 @@ def _fired(run_dir: Path) -> list[dict]:
     from megascale.robustness.inject import fired
 
     return fired(run_dir)
+
+
+def _check_failed_as_the_jobs_error(run: Run, text: str, why: str) -> None:
+    """Failed at once with ``text`` as its reason (summary, final.json, events): one generation,
+    no self-check round, nobody evicted, the spare never used."""
+    assert run.rc == 1, run.output[-6000:]
+    assert run.final["state"] == "failed" and not run.final["finished"]
+    assert text in run.final["failure"] and why in run.final["failure"], run.final
+    assert text in run.final["fatal"]["reason"]
+    assert "job FAILED: job-fatal error on rank" in run.output and text in run.output
+    [fault] = run.faults()
+    assert fault["detail"]["fault"] == "job_fatal" and fault["detail"]["classified"].startswith(why)
+    assert run.final["generations"] == 1 and run.final["recoveries"] == 0
+    assert not run.of("evict") and not run.of("selfcheck") and run.final["evicted"] == []
+    assert all("node-2" not in e["detail"]["nodes"] for e in run.of("generation_start"))
+
+
+def test_the_same_error_on_every_rank_fails_the_job_at_once_evicting_nobody(tmp_path):
+    run = Run(tmp_path, "--spares", "1", "--inject", "raise-error:step=6")
+    _check_failed_as_the_jobs_error(
+        run, "cannot read its data at step 6", "the same error ended every rank (2)"
+    )
+
+
+def test_a_full_checkpoint_disk_fails_the_job_with_its_cause(tmp_path):
+    run = Run(tmp_path, "--spares", "1", "--inject", "disk-full:step=8")
+    _check_failed_as_the_jobs_error(
+        run, "No space left on device (ENOSPC)", "the same error ended every rank (2)"
+    )
+
+
+def test_a_controller_frozen_past_its_lease_records_nothing_when_it_wakes(reference, tmp_path):
+    # Frozen for 7 s: past its 2 s lease (the standby takes over) and past the 5 s heartbeat
+    # timeout (the frozen controller, waking up, sees every node silent). slow-rank only sleeps
+    # (the parameters are the fault-free run's) and keeps the job running after it wakes.
+    run = Run(
+        tmp_path,
+        "--inject", "pause-controller:step=3,seconds=7",
+        "--inject", "slow-rank:rank=0,factor=3",
+    )  # fmt: skip
+    run.check_recovered(reference, generations=1)
+    [takeover] = run.of("controller_takeover")
+    assert takeover["detail"]["controller"] == "controller-1"
+    assert not run.faults() and run.final["faults_detected"] == {"controller_takeover": 1}
+    # It did wake up while the job ran, and found it no longer led.
+    log = (tmp_path / "logs" / "controller_controller-0.log").read_text()
+    assert "no longer the leader" in log, log[-3000:]
+    terms = [e["term"] for e in run.events]
+    assert terms == sorted(terms) and len(set(terms)) == 2
+
+
+def test_etcd_is_per_job_authenticated_and_a_forged_command_is_ignored(reference, tmp_path):
+    from megascale.robustness.store import Store, StoreConfig, StoreError
+
+    def anonymous_writes_are_refused() -> None:
+        log, deadline = tmp_path / "logs" / "launch.log", time.monotonic() + 120
+        found = None
+        while found is None and time.monotonic() < deadline:
+            found = re.search(r"etcd at (\S+);", log.read_text()) if log.exists() else None
+            time.sleep(0.1)
+        assert found is not None, "the launcher never said where etcd is"
+        anonymous = Store(StoreConfig.parse(found.group(1), retry_s=1.0))
+        with pytest.raises(StoreError, match="user name is empty"):
+            anonymous.put("/megascale/any/commands/node-0", {"kind": "stop"})
+
+    run = Run(tmp_path, "--inject", "forge-command:step=6", during=anonymous_writes_are_refused)
+    run.check_recovered(reference, generations=1)
+    assert not run.faults() and not run.of("all_stopped")
+    password = tmp_path / "etcd.password"
+    assert password.stat().st_mode & 0o777 == 0o600 and len(password.read_text().strip()) >= 32
+    agent_logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("agent_node-*.log"))
+    assert agent_logs.count("generation beyond the controller's") == 2, agent_logs[-3000:]

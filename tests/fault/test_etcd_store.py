@@ -203,6 +203,48 @@ def test_event_log_writes_file_and_etcd_and_continues_after_takeover(store, job,
     assert read_events(tmp_path)[-1]["kind"] == "fault"
 
 
+def test_a_fenced_event_log_of_a_deposed_leader_writes_nothing(store, job, tmp_path):
+    a = Election(store, job.controller_leader, "controller-a", ttl=1)
+    assert a.campaign(timeout_s=5)
+    old = EventLog(tmp_path, store, job, buffered=True, fence=lambda: [a.guard()])
+    old.term = a.term
+    old.append("controller_start", generation=1)
+    old.flush()
+    fence = a.guard()
+    a.abandon()  # stopped past its lease: b takes over
+    b = Election(store, job.controller_leader, "controller-b", ttl=1)
+    assert b.campaign(timeout_s=10) and b.term > fence.operand
+    old.fence = lambda: [fence]  # it still believes it leads
+    old.append("fault", generation=1, detail={"fault": "heartbeat_timeout"})
+    old.flush()
+    new = EventLog(tmp_path, store, job, buffered=True, fence=lambda: [b.guard()])
+    new.term = b.term
+    new.append("controller_takeover", generation=1)
+    new.flush()
+    events = read_events(tmp_path)
+    assert [e["kind"] for e in events] == ["controller_start", "controller_takeover"]
+    assert [kv.json()["kind"] for kv in store.get_prefix(job.events_prefix)] == [
+        "controller_start",
+        "controller_takeover",
+    ]
+    assert [e["term"] for e in events] == [fence.operand, b.term]
+    b.resign()
+
+
+def test_embedded_etcd_with_auth_refuses_anonymous_clients_across_restarts():
+    with EmbeddedEtcd(unsafe_no_fsync=True) as server:
+        server.enable_auth("per-job-secret")
+        user = Store(StoreConfig.parse(server.endpoint, username="root", password="per-job-secret"))
+        anonymous = Store(StoreConfig.parse(server.endpoint, retry_s=0.5))
+        user.put("/megascale/j/commands/node-0", "real")
+        with pytest.raises(StoreError, match="user name is empty"):
+            anonymous.put("/megascale/j/commands/node-0", "forged")
+        server.restart()  # from its data directory: auth stays on
+        with pytest.raises(StoreError, match="user name is empty"):
+            anonymous.get("/megascale/j/commands/node-0")
+        assert user.get("/megascale/j/commands/node-0").text() == "real"
+
+
 def test_unreachable_etcd_raises_store_unavailable_naming_the_endpoint():
     store = Store(StoreConfig.parse("127.0.0.1:1", retry_s=0.3))
     t0 = time.monotonic()
