@@ -25,11 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import data_loader
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tokenizers import Tokenizer
-
-import data_loader
 
 from megascale.data.build import build, split_documents
 from megascale.data.corpus import generate_corpus

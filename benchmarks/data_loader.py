@@ -101,9 +101,7 @@ def _rank(job, data_dir: Path, cache: Path, args) -> dict:
     out: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for r in range(args.rounds):
         for mode in MODES if r % 2 == 0 else MODES[::-1]:
-            loader_job = dataclasses.replace(
-                job, data=dataclasses.replace(job.data, loader=mode)
-            )
+            loader_job = dataclasses.replace(job, data=dataclasses.replace(job.data, loader=mode))
             out[mode].append(_measure(loader_job, groups, prefix, cache, args))
     destroy_groups()
     return {"node": os.environ["MEGASCALE_NODE"], **out}
