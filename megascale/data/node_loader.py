@@ -134,15 +134,18 @@ class _Segment:
         return out
 
 
-def train_batches(job, dataset, dp_rank: int, dp_size: int) -> ShardedBatches:
+def train_batches(
+    job, dataset, dp_rank: int, dp_size: int, needs_tokens: bool = True
+) -> ShardedBatches:
     """The train split's batches as ``data.loader`` asks: ``NodeBatches`` ("node", collective
-    when torch.distributed is initialised) or ``ShardedBatches`` ("rank")."""
+    when torch.distributed is initialised) or ``ShardedBatches`` ("rank"). ``needs_tokens``:
+    False for a middle pipeline stage (see ``NodeBatches``)."""
     from megascale.diagnostics.timers import node_name
 
     t = job.train
     args = (dataset, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, t.seed)
     if job.data.loader == "node" and dist.is_initialized():
-        return NodeBatches(*args, node=node_name())
+        return NodeBatches(*args, node=node_name(), needs_tokens=needs_tokens)
     return ShardedBatches(*args)
 
 
@@ -153,35 +156,41 @@ class NodeBatches(ShardedBatches):
     the job constructs one at the same point (two ``all_gather_object``, two barriers).
 
     ``dataset`` is read only on the leader (it may be None elsewhere). ``node`` names this
-    rank's machine (ranks with equal names share a segment).
+    rank's machine (ranks with equal names share a segment). ``needs_tokens=False`` (a pipeline
+    stage that is neither first nor last: megatron-core feeds it the previous stage's
+    activations, and only the last stage computes a loss) gets empty micro-batch dicts, and its
+    data-parallel rank's samples are read only if another rank of the machine needs them.
     """
 
     def __init__(self, dataset, global_batch_size, micro_batch_size, dp_rank, dp_size, seed, *,
-                 node: str, group=None) -> None:  # fmt: skip
+                 node: str, needs_tokens: bool = True, group=None) -> None:  # fmt: skip
         super().__init__(dataset, global_batch_size, micro_batch_size, dp_rank, dp_size, seed)
         per_rank = global_batch_size // dp_size
         peers: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(peers, (node, dp_rank, os.getpid()), group=group)
+        dist.all_gather_object(peers, (node, dp_rank, os.getpid(), needs_tokens), group=group)
         me = dist.get_rank(group)
         members = [r for r, p in enumerate(peers) if p[0] == node]
+        readers = [r for r in members if peers[r][3]]
         self.leader = me == members[0]
-        self.member_index = members.index(me)
+        self.needs_tokens = needs_tokens
+        self.reader_index = readers.index(me) if needs_tokens else -1
         self.member_pids = [peers[r][2] for r in members]
-        self.block_dp = sorted({peers[r][1] for r in members})
+        self.reader_pids = [peers[r][2] for r in readers]
+        self.block_dp = sorted({peers[r][1] for r in readers})
         """Data-parallel ranks whose samples this machine's segment holds, in block order."""
         offer = None
         if self.leader:
-            offer = self._create(_layout(dataset[0], per_rank), len(members))
+            offer = self._create(_layout(dataset[0], per_rank), len(readers))
         offers: list = [None] * len(peers)
         dist.all_gather_object(offers, offer, group=group)
         path, layout = offers[members[0]]
         if not self.leader:
-            self._map(path, layout, len(members))
+            self._map(path, layout, len(readers))
         dist.barrier(group=group)
         if self.leader:
             os.unlink(path)  # every rank of the machine maps it: the kernel frees it with the last
         dist.barrier(group=group)  # on return the segment has no name on any machine
-        self.segment_bytes = _Segment.size(layout, len(members), len(self.block_dp))
+        self.segment_bytes = _Segment.size(layout, len(readers), len(self.block_dp))
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -215,10 +224,28 @@ class NodeBatches(ShardedBatches):
         state. On the leader, starts preparing the step after it."""
         start = self.consumed_samples
         begin = time.perf_counter()
-        if self.leader:
+        serving = self.leader and bool(self.block_dp)  # some rank of the machine needs tokens
+        if serving:
             self._join()
             if self.segment.tags[self._slot(start)] != start + 1:
                 self._fill(start)  # nothing prefetched (first step, or after load_state_dict)
+        if self.needs_tokens:
+            batches = self._read(start)
+        else:
+            batches = [{} for _ in range(self.num_micro_batches)]
+        self.step += 1
+        self.consumed_samples += self.global_batch_size
+        self.last_wait_s = time.perf_counter() - begin
+        if serving:
+            self._thread = threading.Thread(
+                target=self._prefetch, args=(self.consumed_samples,), daemon=True,
+                name="megascale-node-loader",
+            )  # fmt: skip
+            self._thread.start()
+        return batches
+
+    def _read(self, start: int) -> list[dict[str, torch.Tensor]]:
+        """Copies of this rank's micro-batches of the step at ``start``, once the slot has it."""
         tag, slot = start + 1, self._slot(start)
         self._wait(lambda: self.segment.tags[slot] == tag, self.member_pids[0], "the leader")
         block = self.segment.block(slot, self.block_dp.index(self.dp_rank))
@@ -229,16 +256,7 @@ class NodeBatches(ShardedBatches):
         ]
         if self.segment.tags[slot] != tag:
             raise LoaderError(f"step at sample {start}: slot {slot} was rewritten while read")
-        self.segment.done[self.member_index] = tag
-        self.step += 1
-        self.consumed_samples += self.global_batch_size
-        self.last_wait_s = time.perf_counter() - begin
-        if self.leader:
-            self._thread = threading.Thread(
-                target=self._prefetch, args=(self.consumed_samples,), daemon=True,
-                name="megascale-node-loader",
-            )  # fmt: skip
-            self._thread.start()
+        self.segment.done[self.reader_index] = tag
         return batches
 
     def _slot(self, start: int) -> int:
@@ -263,7 +281,7 @@ class NodeBatches(ShardedBatches):
         the machine has finished reading the step the slot held."""
         slot = self._slot(start)
         held = int(self.segment.tags[slot])
-        for i, pid in enumerate(self.member_pids):
+        for i, pid in enumerate(self.reader_pids):
             self._wait(lambda i=i: self.segment.done[i] >= held, pid, f"rank pid {pid}")
         self.segment.tags[slot] = 0  # invalid while written
         for index, dp_rank in enumerate(self.block_dp):

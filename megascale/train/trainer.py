@@ -89,7 +89,11 @@ class Trainer:
             job, _default_prefix(job, data_cache_dir), _index_cache_dir(job, data_cache_dir)
         )
         # data.loader: one loader per machine in shared memory ("node") or per rank ("rank").
-        self.data = train_batches(job, train_data, groups.dp_rank, groups.layout.dp)
+        # megatron-core feeds a middle pipeline stage the previous stage's activations: no tokens.
+        needs_tokens = groups.is_first_stage or groups.is_last_stage
+        self.data = train_batches(
+            job, train_data, groups.dp_rank, groups.layout.dp, needs_tokens=needs_tokens
+        )
         self.forward_backward = forward_backward_func()
         self.param_prefetch = ParamGatherPrefetch(self.model)
         self.tokens_per_step = job.train.global_batch_size * job.model.seq_length
@@ -186,11 +190,11 @@ class Trainer:
         )
 
     def _forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
-        tokens = batch["tokens"].to(self.device, non_blocking=True)
-        labels = batch["labels"].to(self.device, non_blocking=True)
-        loss_mask = batch["loss_mask"].to(self.device, non_blocking=True)
-        position_ids = batch["position_ids"].to(self.device, non_blocking=True)
+        batch = next(data_iterator)  # empty on a middle pipeline stage under data.loader "node"
+        tokens, labels, loss_mask, position_ids = (
+            batch[key].to(self.device, non_blocking=True) if key in batch else None
+            for key in ("tokens", "labels", "loss_mask", "position_ids")
+        )
         # On the last stage the model returns per-token cross entropy [b, s]; elsewhere activations.
         output = model(tokens, position_ids, None, labels=labels)
 
