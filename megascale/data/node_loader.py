@@ -194,7 +194,6 @@ class NodeBatches(ShardedBatches):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self.last_wait_s = 0.0
 
     def _create(self, layout: list, members: int) -> tuple[str, list]:
         directory = shm_dir()
@@ -223,7 +222,6 @@ class NodeBatches(ShardedBatches):
         """This rank's micro-batches for the next step, copied out of the segment; advances the
         state. On the leader, starts preparing the step after it."""
         start = self.consumed_samples
-        begin = time.perf_counter()
         serving = self.leader and bool(self.block_dp)  # some rank of the machine needs tokens
         if serving:
             self._join()
@@ -235,7 +233,6 @@ class NodeBatches(ShardedBatches):
             batches = [{} for _ in range(self.num_micro_batches)]
         self.step += 1
         self.consumed_samples += self.global_batch_size
-        self.last_wait_s = time.perf_counter() - begin
         if serving:
             self._thread = threading.Thread(
                 target=self._prefetch, args=(self.consumed_samples,), daemon=True,

@@ -81,4 +81,6 @@ def test_node_loader_equals_per_rank_batches_across_a_restart(data_dir, tmp_path
     # The segments had no name once every rank mapped them, and none is left behind.
     assert all(r["named_after_start"] == [] for r in results)
     assert set(shm_dir().glob(f"{SEGMENT_PREFIX}*")) <= before
-    assert any((tmp_path / "cache").rglob("*.npy"))  # the index cache was built
+    # The index cache was built by the machines' first ranks, one at a time under the lock.
+    assert any((tmp_path / "cache").rglob("*.npy"))
+    assert (tmp_path / "cache" / ".megascale-build.lock").exists()
