@@ -203,8 +203,15 @@ class NodeBatches(ShardedBatches):
         size = _Segment.size(layout, members, len(self.block_dp))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # no space: an error now, not SIGBUS on a write
             buf = mmap.mmap(fd, size)
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            raise LoaderError(
+                f"data.loader = 'node': cannot reserve {size} bytes in {directory} ({e}); give "
+                f"/dev/shm more room (a memory-backed volume in a container) or set "
+                f'data.loader = "rank"'
+            ) from e
         finally:
             os.close(fd)
         self.segment = _Segment(buf, layout, members, len(self.block_dp))
