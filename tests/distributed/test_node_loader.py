@@ -1,10 +1,12 @@
 """The per-machine data pipeline (``data.loader = "node"``) gives the per-rank path's batches bit for
 bit: TP2 x PP2 x DP2 on two simulated machines of four ranks, across a restart of the loader
-(a fresh segment resumed from the state), with the index cache built once per machine."""
+(a fresh segment resumed from the state), with the index cache built once per machine; a reader
+whose leader has died gets an error instead of waiting forever."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from harness import with_changes
 from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
 from megascale.data.dataset import ShardedBatches, build_splits
-from megascale.data.node_loader import SEGMENT_PREFIX, NodeBatches, shm_dir
+from megascale.data.node_loader import SEGMENT_PREFIX, LoaderError, NodeBatches, shm_dir
 from megascale.launcher.local import run_local
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 
@@ -55,8 +57,20 @@ def _rank(job, data_dir, cache_dir) -> dict:
         _same(restarted.next_step(), per_rank.next_step(), f"resumed step {s}")
         for s in range(AFTER)
     )
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stopped_leader = None
+    if not restarted.leader:  # the leader reads no further: its death must not hang the reader
+        restarted.member_pids[0] = dead.pid
+        with pytest.raises(LoaderError, match="has exited"):
+            restarted.next_step()
+            restarted.next_step()  # the leader prepared at most the one step after the last
+        stopped_leader = True
+    dist.barrier()
+    restarted.close()
     destroy_groups()
     return {
+        "stopped_leader": stopped_leader,
         "compared": compared,
         "blocks": restarted.block_dp,
         "leader": restarted.leader,
@@ -77,6 +91,7 @@ def test_node_loader_equals_per_rank_batches_across_a_restart(data_dir, tmp_path
     # Every rank compared 2 micro-batches of 2 samples per step, five steps.
     assert [r["compared"] for r in results] == [2 * (BEFORE + AFTER)] * WORLD
     assert sum(r["leader"] for r in results) == MACHINES
+    assert [r["stopped_leader"] for r in results].count(True) == WORLD - MACHINES
     assert all(r["blocks"] == [0, 1] for r in results)  # each machine holds both DP ranks' data
     # The segments had no name once every rank mapped them, and none is left behind.
     assert all(r["named_after_start"] == [] for r in results)
