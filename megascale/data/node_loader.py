@@ -107,22 +107,22 @@ def _nbytes(dtype: str, shape: tuple) -> int:
 
 
 class _Segment:
-    """Typed views of a mapped segment: ``tags`` (int64 [slots]), ``done`` (int64 [members]) and
+    """Typed views of a mapped segment: ``tags`` (int64 [slots]), ``done`` (int64 [readers]) and
     ``block(slot, i)`` -> {key: array} for the i-th data-parallel rank on the machine."""
 
-    def __init__(self, buf: mmap.mmap, layout: list, members: int, blocks: int) -> None:
+    def __init__(self, buf: mmap.mmap, layout: list, readers: int, blocks: int) -> None:
         self.buf = buf
-        header = _nbytes("int64", (_SLOTS + members,))
         self.tags = np.frombuffer(buf, np.int64, _SLOTS, 0)
-        self.done = np.frombuffer(buf, np.int64, members, _SLOTS * 8)
+        self.done = np.frombuffer(buf, np.int64, readers, _SLOTS * 8)
         self.layout = layout
+        self.header = _nbytes("int64", (_SLOTS + readers,))
         self.block_bytes = sum(_nbytes(d, s) for _, d, s in layout)
         self.slot_bytes = self.block_bytes * blocks
-        self.header = header
 
     @staticmethod
-    def size(layout: list, members: int, blocks: int) -> int:
-        header = _nbytes("int64", (_SLOTS + members,))
+    def size(layout: list, readers: int, blocks: int) -> int:
+        """Bytes of a segment: the header, then two slots of ``blocks`` blocks."""
+        header = _nbytes("int64", (_SLOTS + readers,))
         return header + _SLOTS * blocks * sum(_nbytes(d, s) for _, d, s in layout)
 
     def block(self, slot: int, index: int) -> dict[str, np.ndarray]:
@@ -195,12 +195,12 @@ class NodeBatches(ShardedBatches):
         self._stop = threading.Event()
         self._error: BaseException | None = None
 
-    def _create(self, layout: list, members: int) -> tuple[str, list]:
+    def _create(self, layout: list, readers: int) -> tuple[str, list]:
         directory = shm_dir()
         for stale in sweep_stale(directory):
             logger.warning("removed %s, left by a data loader that no longer runs", stale)
         path = directory / f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        size = _Segment.size(layout, members, len(self.block_dp))
+        size = _Segment.size(layout, readers, len(self.block_dp))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)  # no space: an error now, not SIGBUS on a write
@@ -214,16 +214,16 @@ class NodeBatches(ShardedBatches):
             ) from e
         finally:
             os.close(fd)
-        self.segment = _Segment(buf, layout, members, len(self.block_dp))
+        self.segment = _Segment(buf, layout, readers, len(self.block_dp))
         return os.fspath(path), layout
 
-    def _map(self, path: str, layout: list, members: int) -> None:
+    def _map(self, path: str, layout: list, readers: int) -> None:
         fd = os.open(path, os.O_RDWR)
         try:
-            buf = mmap.mmap(fd, _Segment.size(layout, members, len(self.block_dp)))
+            buf = mmap.mmap(fd, _Segment.size(layout, readers, len(self.block_dp)))
         finally:
             os.close(fd)
-        self.segment = _Segment(buf, layout, members, len(self.block_dp))
+        self.segment = _Segment(buf, layout, readers, len(self.block_dp))
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches for the next step, copied out of the segment; advances the
