@@ -1,13 +1,20 @@
-"""Tokenize-and-write throughput: ``megascale data build`` vs megatron-core's builder fed one
-document at a time by the same Hugging Face tokenizer (what Megatron-LM's ``preprocess_data.py``
-does per worker), side by side in one run, alternating rounds; tokens/s and the ratio.
+"""Data benchmarks, each side by side in one run (``--part build``, ``--part loader``; both by
+default).
 
-Input: the built-in corpus repeated ``--copies`` times (one document per paragraph); tokenizer: a
-byte-level BPE of ``--vocab`` ids trained on it here (no download). Both write the same tokens
-(checked), so the difference is how documents reach the tokenizer (batches vs one by one).
+build: tokenize-and-write throughput: ``megascale data build`` vs megatron-core's builder fed one
+document at a time by the same Hugging Face tokenizer (what Megatron-LM's ``preprocess_data.py``
+does per worker), alternating rounds; tokens/s and the ratio. Input: the built-in corpus repeated
+``--copies`` times (one document per paragraph); tokenizer: a byte-level BPE of ``--vocab`` ids
+trained on it here (no download). Both write the same tokens (checked), so the difference is how
+documents reach the tokenizer (batches vs one by one).
+
+loader: per-step data wait and loader memory of ``data.loader = "node"`` (one loader per machine,
+shared memory, next step prepared during the current one) vs ``"rank"`` (every rank reads its own
+samples when the step starts), ``benchmarks/data_loader.py``.
 
     python benchmarks/data.py
-    python benchmarks/data.py --copies 8 --rounds 5 --vocab 4096
+    python benchmarks/data.py --part build --copies 8 --rounds 5 --vocab 4096
+    python benchmarks/data.py --part loader --sample-ms 1 --step-ms 50
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import data_loader
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from tokenizers import Tokenizer
@@ -45,10 +53,19 @@ def megatron_builder(text_path: Path, tok_path: Path, prefix: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("all", "build", "loader"), default="all")
     parser.add_argument("--copies", type=int, default=4, help="corpus copies in the input")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab", type=int, default=1024, help="BPE vocabulary size")
+    data_loader.add_arguments(parser)
     args = parser.parse_args()
+    if args.part in ("all", "build"):
+        build_throughput(args)
+    if args.part in ("all", "loader"):
+        data_loader.run(args)
+
+
+def build_throughput(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         corpus = generate_corpus()

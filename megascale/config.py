@@ -190,9 +190,14 @@ class DataConfig:
     split: str = "98,1,1"
     """Train, valid and test shares of every dataset's documents (Megatron's ``--split``)."""
     cache_dir: str | None = None
-    """Where megatron-core's sample/shuffle/blend index files are cached (built once by rank 0,
-    memory-mapped by every rank); None: ``RUN_DIR/data/index-cache``. Must be visible to all
-    ranks."""
+    """Where megatron-core's sample/shuffle/blend index files are cached (built once per dataset
+    by one rank per machine under a file lock, memory-mapped by every rank); None:
+    ``RUN_DIR/data/index-cache``. Must be visible to all ranks."""
+    loader: str = "node"
+    """``"node"``: MegaScale's per-machine pipeline: one loader per machine reads the next step's
+    samples into shared memory (``/dev/shm``) while the current step runs, and the machine's ranks
+    copy their micro-batches from it. ``"rank"``: every rank reads its own samples when the step
+    starts. Both give the same batches, bit for bit."""
 
 
 @dataclass

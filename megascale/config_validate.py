@@ -19,6 +19,7 @@ SPECS = ("auto", "local", "te")
 DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 STRAGGLER_ACTIONS = ("report", "evict")
+DATA_LOADERS = ("node", "rank")
 NODE_LOSS_POLICIES = ("wait", "shrink", "fail")
 """``fault_tolerance.policy``: what the controller does with a lost node and no spare."""
 
@@ -165,6 +166,7 @@ def _ranges(cfg: JobConfig) -> list[str]:
     one_of("model.spec", m.spec, SPECS)
     one_of("model.params_dtype", m.params_dtype, DTYPES)
     one_of("train.device", t.device, DEVICES)
+    one_of("data.loader", cfg.data.loader, DATA_LOADERS)
     from megascale.data.blend import check_data_config
 
     problems += check_data_config(cfg.data, t.eval_interval)

@@ -4,7 +4,8 @@ Read in this order: ``indexed`` (Megatron's ``PREFIX.bin``/``PREFIX.idx`` throug
 the checks, the ``PREFIX.json`` sidecar) -> ``tokenizer`` (byte, Hugging Face) -> ``build``
 (``megascale data build``) -> ``convert`` (old MSTOKEN files) -> ``corpus`` (the built-in corpus)
 -> ``blend`` (``data.blend``/``data.split`` parsing) -> ``dataset`` (megatron-core's blended GPT
-datasets, ``ShardedBatches``, validation batches).
+datasets, ``ShardedBatches``, validation batches) -> ``node_loader`` (``data.loader``: one loader
+per machine in shared memory).
 
 ``build`` is deliberately not re-exported here: ``megascale.data.build`` stays the module (the CLI
 wires its ``add_arguments``/``run``); the function is ``megascale.data.build.build``.

@@ -10,9 +10,10 @@ the model where one ends. Samples are shuffled by megatron-core, seeded with ``t
 
 Memory: the shuffle, sample and blend indices are ``.npy`` files in the cache directory
 (``data.cache_dir``, else ``RUN_DIR/data/index-cache``), memory-mapped by every rank; the tokens are
-memory-mapped too, so a rank's memory does not grow with the dataset. Global rank 0 builds the
-index files (megatron-core's rule; the cache directory must be visible to every rank, as the run
-directory is) while the other ranks wait on a barrier; later runs reuse them.
+memory-mapped too, so a rank's memory does not grow with the dataset. One rank per machine builds
+the missing index files, holding a file lock in the cache directory so that machines sharing it
+never write at once, while the other ranks wait on a barrier (``build_once_per_machine``); later
+runs reuse them.
 
 Order: the train split is built for ``train.steps * train.global_batch_size`` samples (more epochs
 when the data is smaller); global sample ``g`` of the run is sample ``g`` of it (modulo its length
@@ -32,10 +33,13 @@ batches of the valid split, sharded the same way, so values at different steps c
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -133,8 +137,8 @@ def built_splits(job: JobConfig) -> list[tuple[float, float] | None]:
 def build_splits(job: JobConfig, default_prefix: Path | None, cache_dir: Path):
     """(train, valid) datasets of the job (valid None when ``data.split`` gives it no share).
 
-    Collective when torch.distributed is initialised (every rank calls it; rank 0 builds the
-    index cache first). Raises DataError before any building for a bad dataset or setting.
+    Collective when torch.distributed is initialised (every rank calls it; one rank per machine
+    builds the index cache first). Raises DataError before any building for a bad dataset or setting.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -159,11 +163,70 @@ def build_splits(job: JobConfig, default_prefix: Path | None, cache_dir: Path):
     )
     config.split_matrix = built_splits(job)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, split_sizes(job), lambda: True, config)
-    builder.build()  # rank 0 builds the missing index files and holds them in memory: dropped
-    train, valid, _test = builder.build()  # every rank now memory-maps them from the cache
+    train, valid, _test = build_once_per_machine(builder, cache_dir)
     if train is None or len(train) == 0:
         raise DataError(f"data.split = {job.data.split!r}: the train split has no samples")
     return train, valid
+
+
+def build_once_per_machine(builder, cache_dir: Path) -> list:
+    """``builder.build()`` with the index cache built once per dataset by one rank per machine.
+
+    Without torch.distributed: a plain build. Otherwise (collective): the lowest rank of each
+    machine (``diagnostics.timers.node_name``) builds the missing index files while holding an
+    exclusive lock on ``CACHE_DIR/.megascale-build.lock``, so machines sharing the cache directory
+    never write it at once (the first builds, the others find the files), while the other ranks
+    wait on a barrier; then every rank memory-maps the files. megatron-core's own rule (global
+    rank 0 builds, its barriers) is switched off for these builds (``_one_process_view``).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return builder.build()
+    from megascale.diagnostics.timers import node_name
+
+    nodes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, node_name())
+    if nodes.index(node_name()) == dist.get_rank():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with open(cache_dir / ".megascale-build.lock", "a") as lock, _one_process_view():
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+            builder.build()  # writes the missing index files; the datasets are dropped
+    dist.barrier()
+    with _one_process_view():
+        return builder.build()  # every file is in the cache now: memory-mapped
+
+
+class _OneProcessTorch:
+    """``torch`` as megatron-core's dataset modules see it inside ``_one_process_view``."""
+
+    distributed = SimpleNamespace(
+        is_initialized=lambda: False, get_rank=lambda: 0, barrier=lambda *a, **k: None
+    )
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def _one_process_view():
+    """megatron-core's dataset builder, GPTDataset and BlendedDataset see one process (rank 0,
+    no barriers) inside: they build missing index files or read the cached ones, and never call a
+    collective. Only those modules' ``torch`` name is swapped (megatron-core 0.16)."""
+    from megatron.core.datasets import (
+        blended_dataset,
+        blended_megatron_dataset_builder,
+        gpt_dataset,
+    )
+
+    modules = (blended_dataset, blended_megatron_dataset_builder, gpt_dataset)
+    for module in modules:
+        module.torch = _OneProcessTorch()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.torch = torch
 
 
 def _check_split_tokens(job: JobConfig, prefixes: list[str], split_matrix: list) -> None:
@@ -237,11 +300,11 @@ class ShardedBatches:
         """Micro-batches per step on this rank."""
         return self.global_batch_size // (self.dp_size * self.micro_batch_size)
 
-    def sample_indices(self, step_start: int) -> list[int]:
-        """Dataset indices of this rank's samples for the step starting at global sample
-        ``step_start``, in micro-batch order."""
+    def sample_indices(self, step_start: int, dp_rank: int | None = None) -> list[int]:
+        """Dataset indices of this rank's (or data-parallel rank ``dp_rank``'s) samples for the
+        step starting at global sample ``step_start``, in micro-batch order."""
         per_rank = self.global_batch_size // self.dp_size
-        first = step_start + self.dp_rank * per_rank
+        first = step_start + (self.dp_rank if dp_rank is None else dp_rank) * per_rank
         n = len(self.dataset)
         return [g % n for g in range(first, first + per_rank)]
 

@@ -203,7 +203,7 @@ def breakdown(record: StepRecord, next_start: int | None) -> Breakdown | None:
         period_s=s(period),
         compute_s=s(max(0, period - not_compute_ns)),
         comm_wait_s=s(comm_ns),
-        data_s=s(by_name["megascale::data::load"]),
+        data_s=s(by_name["megascale::data::wait"] + by_name["megascale::data::load"]),
         forward_s=s(by_name["megascale::model::forward"]),
         backward_s=s(by_name["megascale::model::backward"]),
         optimizer_s=s(by_name["megascale::optim::step"]),

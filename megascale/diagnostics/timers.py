@@ -6,7 +6,8 @@ Every rank of a run records its segments to ``RUN_DIR/timeline/rank_NNNNN.jsonl`
 
 Where the segments come from (span names follow ``megascale::<pkg>::<op>``, see ``SEGMENTS``):
 
-* The trainer: ``megascale::train::step``, ``megascale::data::load``, ``megascale::optim::step``,
+* The trainer: ``megascale::train::step``, ``megascale::data::wait`` (the time the step waits for
+  its micro-batches; ``megascale::data::load`` in older files), ``megascale::optim::step``,
   and ``megascale::checkpoint::save`` from the run loop (``Timeline.span``).
 * megatron-core's own instrumentation: its schedules, p2p communication, ``finalize_model_grads``
   and optimizers call ``config.timers(name).start()/.stop()`` when a timers object is set
@@ -75,6 +76,7 @@ TIMELINE_DIR = "timeline"
 SEGMENTS: dict[str, tuple[str, bool]] = {
     "megascale::train::step": ("step", False),
     "megascale::data::load": ("data", False),
+    "megascale::data::wait": ("data", False),
     "megascale::optim::step": ("optimizer", True),
     "megascale::checkpoint::save": ("checkpoint", False),
 }

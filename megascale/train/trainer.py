@@ -2,7 +2,7 @@
 
 Construction order (each a function you can grep): ``transformer_config`` -> ``parallelize``
 (build_gpt per virtual stage, init by global name, DDP) -> ``build_optimizer`` -> ``build_scheduler``
--> ``build_splits`` (megatron-core datasets of the blend) -> ``ShardedBatches``. ``Trainer.evaluate``
+-> ``build_splits`` (megatron-core datasets of the blend) -> ``train_batches`` (``data.loader``). ``Trainer.evaluate``
 is the validation loss. Checkpoint save/load lives in ``megascale.train.checkpoint``.
 """
 
@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from megascale.config import JobConfig
 from megascale.data.corpus import default_token_file
-from megascale.data.dataset import ShardedBatches, build_splits, eval_batches
+from megascale.data.dataset import build_splits, eval_batches
 from megascale.data.indexed import DataError
+from megascale.data.node_loader import train_batches
 from megascale.diagnostics.flops import flops_per_token
 from megascale.diagnostics.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.model.gpt import transformer_config, use_te_spec
@@ -45,6 +46,9 @@ class StepMetrics:
     tokens_per_s: float
     mfu: float | None
     """Model FLOPs utilisation against ``peak_tflops``; None when no peak is known (CPU)."""
+    data_wait_s: float = 0.0
+    """Seconds the step waited for its micro-batches (read them, or copy them from the machine's
+    shared memory once its loader has them ready)."""
     val_loss: float | None = None
     """Validation loss after this step (``Trainer.evaluate``); None on steps without evaluation."""
 
@@ -86,13 +90,11 @@ class Trainer:
         train_data, self.valid_data = build_splits(
             job, _default_prefix(job, data_cache_dir), _index_cache_dir(job, data_cache_dir)
         )
-        self.data = ShardedBatches(
-            train_data,
-            job.train.global_batch_size,
-            job.train.micro_batch_size,
-            dp_rank=groups.dp_rank,
-            dp_size=groups.layout.dp,
-            seed=job.train.seed,
+        # data.loader: one loader per machine in shared memory ("node") or per rank ("rank").
+        # megatron-core feeds a middle pipeline stage the previous stage's activations: no tokens.
+        needs_tokens = groups.is_first_stage or groups.is_last_stage
+        self.data = train_batches(
+            job, train_data, groups.dp_rank, groups.layout.dp, needs_tokens=needs_tokens
         )
         self.forward_backward = forward_backward_func()
         self.param_prefetch = ParamGatherPrefetch(self.model)
@@ -116,8 +118,10 @@ class Trainer:
         # MegaScale: the first bucket's param all-gather is in flight while the batch is read; the
         # first forward pre-hook waits for it (overlap.dp with the distributed optimizer).
         self.param_prefetch.start()
-        with self.timeline.span("megascale::data::load"):
+        data_start = time.perf_counter()
+        with self.timeline.span("megascale::data::wait"):
             micro_batches = self.data.next_step()
+        data_wait = time.perf_counter() - data_start
         losses = self._schedule(micro_batches, forward_only=False)
         # finalize_model_grads (registered by apply_ddp) has synced grads over DP, SP and the tied
         # embedding; step() clips by the global norm and updates (all-gathering params if sharded).
@@ -144,6 +148,7 @@ class Trainer:
             step_time_s=elapsed,
             tokens_per_s=tokens_per_s,
             mfu=mfu,
+            data_wait_s=data_wait,
         )
 
     def evaluate(self) -> float:
@@ -187,11 +192,11 @@ class Trainer:
         )
 
     def _forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
-        tokens = batch["tokens"].to(self.device, non_blocking=True)
-        labels = batch["labels"].to(self.device, non_blocking=True)
-        loss_mask = batch["loss_mask"].to(self.device, non_blocking=True)
-        position_ids = batch["position_ids"].to(self.device, non_blocking=True)
+        batch = next(data_iterator)  # empty on a middle pipeline stage under data.loader "node"
+        tokens, labels, loss_mask, position_ids = (
+            batch[key].to(self.device, non_blocking=True) if key in batch else None
+            for key in ("tokens", "labels", "loss_mask", "position_ids")
+        )
         # On the last stage the model returns per-token cross entropy [b, s]; elsewhere activations.
         output = model(tokens, position_ids, None, labels=labels)
 

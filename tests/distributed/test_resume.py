@@ -47,6 +47,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, optimizer):
     assert _losses(first + second) == _losses(whole)  # exact, not approximate
     lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert all(json.loads(line)["data_wait_s"] >= 0.0 for line in lines)  # a figure every step
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path):

@@ -83,7 +83,7 @@ def test_merged_trace_has_every_rank_and_the_named_segments(slowed_run, tmp_path
         mine = {e["name"] for e in spans if e["pid"] == rank}
         for segment in (
             "megascale::train::step",
-            "megascale::data::load",
+            "megascale::data::wait",
             "megascale::schedule::forward_backward",
             "megascale::model::forward",
             "megascale::model::backward",

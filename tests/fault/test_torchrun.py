@@ -1,7 +1,9 @@
 """torchrun's elastic restart resumes a megascale job: rank 1 is SIGKILLed after step 21 (the
 ``kill-worker`` injection, through ``MEGASCALE_INJECT``), torchrun (``--max-restarts 1``, c10d
 rendezvous, its agent's store shared by both worker groups) starts the group again, and the new
-ranks resume from the step-20 checkpoint and finish with the fault-free run's parameters."""
+ranks resume from the step-20 checkpoint and finish with the fault-free run's parameters. The two
+ranks share one per-machine data loader segment (``data.loader = "node"``, the default): the kill
+and the restart leave no segment behind in /dev/shm."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megascale.config import load
+from megascale.data.node_loader import stale_segments
 from megascale.launcher.local import free_port
 from megascale.launcher.outcome import parameter_digest
 from megascale.robustness.inject import fired
@@ -36,6 +39,7 @@ def _run(cmd: list[str], env: dict[str, str]) -> str:
 
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     reference, restarted = tmp_path / "reference", tmp_path / "restarted"
+    leaked_before = set(stale_segments())
     train = [sys.executable, "-m", "megascale.cli", "train", *STEPS]
     _run([*train, "--nproc-per-node", "2", "--run-dir", str(reference)], _env())
     torchrun = [
@@ -52,3 +56,5 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     expected, step = parameter_digest(reference, job)
     assert step == 40 and expected is not None
     assert parameter_digest(restarted, job) == (expected, 40)
+    assert 'loader = "node"' in (restarted / "config.toml").read_text()
+    assert set(stale_segments()) <= leaked_before  # every process is gone: nothing may remain

@@ -263,6 +263,7 @@ VALIDATION_CASES = [
     (["optim.eps=2.0"], 1, "gloo", ["optim.eps = 2.0", "must be < 1"]),
     (["model.init_method_std=inf"], 1, "gloo", ["model.init_method_std = inf", "finite"]),
     (['data.path=""'], 1, "gloo", ["data.path = ''", "token file prefix"]),
+    (["data.loader=disk"], 1, "gloo", ["data.loader = 'disk'", "one of node, rank"]),
     (["optim.min_lr=0.1", "optim.lr=0.01"], 1, "gloo", ["optim.min_lr = 0.1", "<= optim.lr = 0.01"]),
     (["optim.warmup_steps=5", "train.steps=5"], 1, "gloo", ["optim.warmup_steps = 5", "< train.steps = 5"]),
     (["optim.beta2=1.0"], 1, "gloo", ["optim.beta2 = 1.0", "in [0, 1)"]),
