@@ -1,14 +1,13 @@
 """Straggler and MFU analysis of a run's timeline: which ranks and machines are slow, and the MFU.
 
-The measure is each rank's *compute time* per step: the step's period (its start to the next
-step's start) minus the time the rank was blocked in communication (and checkpointing) —
-``megascale.diagnostics.timeline.Breakdown``. Collectives make every rank's step as long as the
-slowest one's; what differs is where the time goes: a slow rank computes longer, its peers wait for
-it in communication. So a rank's *slowdown* in a step is its compute time over the median of its
-peers' in the same pipeline stage (the ranks that do the same work: same layers, same share of
-the batch, ``Layout``: same ``pp`` coordinate). A rank is flagged when it is persistently slow: its
-median slowdown over the analysed steps is at least the threshold *and* it is at least that slow in
-half of them. A machine (node) is as slow as its slowest rank (the job runs at its pace) and is
+The model is the live controller's (``megascale.robustness.stragglers``, one module for both): the
+measure is each rank's *compute time* per step, its forward and backward compute as the device saw
+it (``megascale.diagnostics.timeline.Breakdown.device_compute_s``, from the same megatron-core
+timers as the live ``ComputeMeter``), and a rank's *slowdown* in a step is that over the median of
+the other ranks of its pipeline stage (``stage_scores``: the ranks that do the same work; a rank
+alone in its stage is not scored). A rank is flagged when it is persistently slow: its median
+slowdown over the analysed steps is at least the threshold *and* it is at least that slow in half
+of them. A machine (node) is as slow as its slowest rank (the job runs at its pace) and is
 flagged when one of its ranks is. MegaScale found hosts ~10% slow this way; the threshold defaults
 to ``diagnostics.straggler_threshold`` (1.10).
 
