@@ -30,6 +30,12 @@ the layout, whatever the model size.
     python benchmarks/timers.py                 # 8 CPU ranks: TP2 x PP2 x DP2 + SP, 30 rounds
     python benchmarks/timers.py --no-flight-recorder
     python benchmarks/timers.py --rounds 10 --set model.hidden_size=64 --set model.seq_length=64
+    python benchmarks/timers.py --compute-meter  # the same, toggling the compute meter instead
+
+``--compute-meter`` measures the trainer's ``ComputeMeter`` (the per-step forward/backward compute
+time the straggler model reads) the same way: "on" steps with it standing in megatron-core's
+``config.timers`` (the timeline off), "off" steps with no timers at all; its bottom-up unit cost is
+one compute span (megatron-core's ``config.timers(name).start()/stop()``) and one step's ``end``.
 """
 
 from __future__ import annotations
@@ -78,7 +84,21 @@ DEFAULT_SETS = [
 ]
 
 
-def _rank(job, data_dir: Path, run_dir: Path, rounds: int, warmup: int, flight: bool) -> dict:
+def _toggle(trainer, timeline, subject: str, mode: str) -> None:
+    """Put what is measured (``subject``: "timeline" or "meter") in or out of the next step."""
+    if subject == "meter":
+        trainer.config.timers = trainer.compute if mode == "on" else None
+    elif mode == "on":
+        trainer.timeline = timeline
+        timeline.attach(trainer.config, trainer.optimizer)
+    else:
+        timeline.detach()
+        trainer.timeline = timers.NULL_TIMELINE
+
+
+def _rank(
+    job, data_dir: Path, run_dir: Path, rounds: int, warmup: int, flight: bool, subject: str
+) -> dict:
     torch.set_num_threads(1)
     rank, world = init_distributed("cpu")
     recorder = (
@@ -95,12 +115,7 @@ def _rank(job, data_dir: Path, run_dir: Path, rounds: int, warmup: int, flight: 
     records = []
     for r in range(warmup + rounds):
         for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
-            if mode == "on":
-                trainer.timeline = timeline
-                timeline.attach(trainer.config, trainer.optimizer)
-            else:
-                timeline.detach()
-                trainer.timeline = timers.NULL_TIMELINE
+            _toggle(trainer, timeline, subject, mode)
             dist.barrier()
             recorder.set_step(trainer.step_num + 1)  # as run_rank does, in both modes
             comm_before = timeline._comm.count()
@@ -108,7 +123,11 @@ def _rank(job, data_dir: Path, run_dir: Path, rounds: int, warmup: int, flight: 
             trainer.step()
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             if mode == "on":  # this step's records, for the counts
-                spans = len(timeline._batch.spans)
+                spans = (
+                    len(timeline._batch.spans)
+                    if subject == "timeline"
+                    else meter_spans(job, groups.layout.dp)
+                )
                 records.append((spans, timeline._comm.count() - comm_before))
             if r >= warmup:
                 times[mode].append(elapsed)
@@ -123,7 +142,7 @@ def _rank(job, data_dir: Path, run_dir: Path, rounds: int, warmup: int, flight: 
     return {
         **times,
         **costs,
-        "span_s": span_cost(),
+        "span_s": span_cost() if subject == "timeline" else meter_cost(),
         "spans": statistics.median(s for s, _ in records),
         "comm": comm,
         "write_s": timeline.write_seconds / len(records),
@@ -197,6 +216,37 @@ def wrapper_costs(n: int = 300) -> dict[str, float]:
     }
 
 
+def meter_spans(job, dp: int) -> int:
+    """Compute spans per step on a rank: a forward and a backward per micro-batch (and per
+    virtual stage)."""
+    micro = job.train.global_batch_size // (job.train.micro_batch_size * dp)
+    return 2 * micro * job.parallel.vpp
+
+
+def meter_cost(n: int = 20000) -> float:
+    """Seconds per compute span through a ``ComputeMeter`` as megatron-core drives it, a step's
+    ``begin``/``end`` spread over its spans (best of 5 loops; the flight recorder's counter read
+    as in training)."""
+    from types import SimpleNamespace
+
+    from megascale.diagnostics.compute_time import ComputeMeter
+
+    recorder = SimpleNamespace(blocked_s=0.0)
+    config = SimpleNamespace(timers=None)
+    meter = ComputeMeter("cpu", blocked_s=lambda: recorder.blocked_s).install(config)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for i in range(n // 8):
+            meter.begin(i)
+            for _ in range(8):
+                config.timers("forward-compute", log_level=2).start()
+                config.timers("forward-compute").stop()
+            meter.end()
+        best = min(best, (time.perf_counter() - start) / n)
+    return best
+
+
 def span_cost(n: int = 20000) -> float:
     """Seconds per ``Timeline.span`` enter/exit (best of 5 loops)."""
     timeline = timers.Timeline(Path(tempfile.mkdtemp()) / "x.jsonl", {}, trace_comm=False)
@@ -221,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30, help="on/off pairs timed")
     parser.add_argument("--warmup", type=int, default=2, help="untimed pairs first")
     parser.add_argument(
+        "--compute-meter",
+        dest="subject",
+        action="store_const",
+        const="meter",
+        default="timeline",
+        help="toggle the trainer's compute meter (timeline off) instead of the timeline",
+    )
+    parser.add_argument(
         "--no-flight-recorder",
         dest="flight",
         action="store_false",
@@ -237,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = run_local(
         _rank,
         args.nproc,
-        (job, data_dir, work / "run", args.rounds, args.warmup, args.flight),
+        (job, data_dir, work / "run", args.rounds, args.warmup, args.flight, args.subject),
         timeout_s=3600,
     )
     print(report(args, job, per_rank))
@@ -263,14 +321,16 @@ def report(args, job, per_rank: list[dict]) -> str:
     timer_s = statistics.median(r["CommTimer_s"] for r in per_rank)
     trace_s = statistics.median(r["CommTrace_s"] for r in per_rank)
     span_s = statistics.median(r["span_s"] for r in per_rank)
-    hot = spans * span_s + comm * call_s + take_s
+    meter = args.subject == "meter"
+    what = "compute meter" if meter else "timeline"
+    hot = spans * span_s if meter else spans * span_s + comm * call_s + take_s
     source = "flight recorder's records" if args.flight else "CommTimer wrapper"
     # A rank's CPU time per step: with 8 ranks on 2 cores the ranks' CPU adds up to the step, so
     # added work is judged against it (stricter than against the wall-clock step).
     rank_cpu = statistics.median(cpu_off) / args.nproc
     return "\n".join(
         [
-            f"# timeline overhead benchmark — {datetime.date.today()}",
+            f"# {what} overhead benchmark — {datetime.date.today()}",
             f"command: {' '.join(sys.argv)}",
             f"layout: {args.nproc} CPU ranks (gloo), TP{p.tp} x PP{p.pp} x "
             f"DP{args.nproc // (p.tp * p.pp)}, sequence_parallel={p.sequence_parallel}; "
@@ -283,8 +343,8 @@ def report(args, job, per_rank: list[dict]) -> str:
             "",
             "| | value |",
             "|---|---|",
-            f"| step time, timeline off (median) | {1e3 * step:.1f} ms |",
-            f"| step time, timeline on (median) | {1e3 * statistics.median(on):.1f} ms |",
+            f"| step time, {what} off (median) | {1e3 * step:.1f} ms |",
+            f"| step time, {what} on (median) | {1e3 * statistics.median(on):.1f} ms |",
             f"| measured overhead: median of paired (on - off) / off | "
             f"{100 * statistics.median(paired):+.2f}% (IQR {100 * q1:+.1f}% .. {100 * q3:+.1f}%) |",
             f"| CPU time per step, all ranks, off / on (median) | "
@@ -292,16 +352,18 @@ def report(args, job, per_rank: list[dict]) -> str:
             f"| measured CPU overhead: median of paired (on - off) / off | "
             f"{100 * statistics.median(cpu_paired):+.2f}% (IQR {100 * c1:+.1f}% .. "
             f"{100 * c3:+.1f}%) |",
-            f"| segments recorded per step (busiest rank) | {spans} |",
+            f"| {'compute spans' if meter else 'segments'} recorded per step (busiest rank) "
+            f"| {spans} |",
             f"| comm calls recorded per step (busiest rank) | {comm} |",
-            f"| unit cost: span enter/exit | {1e6 * span_s:.2f} us |",
+            f"| unit cost: {'compute span through the meter' if meter else 'span enter/exit'} "
+            f"| {1e6 * span_s:.2f} us |",
             f"| unit cost: a comm call, timeline's comm source attached vs not (main-thread CPU, "
             f"group of one rank, median over ranks) | {1e6 * call_s:+.2f} us |",
             f"| unit cost: taking a step's comm records at the step boundary | "
             f"{1e6 * take_s:.1f} us |",
             f"| for comparison: a comm call through CommTimer / CommTrace over the call without it "
             f"| {1e6 * timer_s:.2f} us / {1e6 * trace_s:.2f} us |",
-            f"| a rank's CPU time per step, timeline off (median) | {1e3 * rank_cpu:.1f} ms |",
+            f"| a rank's CPU time per step, {what} off (median) | {1e3 * rank_cpu:.1f} ms |",
             f"| bottom-up hot-path cost per step | {1e3 * hot:.2f} ms = "
             f"{100 * hot / rank_cpu:.2f}% of a rank's CPU time per step |",
             f"| writer thread CPU time per step (background) | {1e3 * write:.2f} ms = "

@@ -240,7 +240,7 @@ class DiagnosticsConfig:
     """Steps between hand-offs of the recorded segments to the background writer thread."""
     straggler_threshold: float = 1.10
     """A rank, and the machine it runs on, is flagged as a straggler when its compute time per
-    step (step time minus time blocked in communication) is at least this many times the median
+    step (forward and backward compute measured on the device) is at least this many times the median
     of its pipeline-stage peers', persistently (median over steps, and in at least half of them).
     MegaScale found a machine 10% slower than its peers."""
     selfcheck_thresholds: str | None = None

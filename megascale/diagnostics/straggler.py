@@ -1,14 +1,13 @@
 """Straggler and MFU analysis of a run's timeline: which ranks and machines are slow, and the MFU.
 
-The measure is each rank's *compute time* per step: the step's period (its start to the next
-step's start) minus the time the rank was blocked in communication (and checkpointing) —
-``megascale.diagnostics.timeline.Breakdown``. Collectives make every rank's step as long as the
-slowest one's; what differs is where the time goes: a slow rank computes longer, its peers wait for
-it in communication. So a rank's *slowdown* in a step is its compute time over the median of its
-peers' in the same pipeline stage (the ranks that do the same work: same layers, same share of
-the batch, ``Layout``: same ``pp`` coordinate). A rank is flagged when it is persistently slow: its
-median slowdown over the analysed steps is at least the threshold *and* it is at least that slow in
-half of them. A machine (node) is as slow as its slowest rank (the job runs at its pace) and is
+The model is the live controller's (``megascale.robustness.stragglers``, one module for both): the
+measure is each rank's *compute time* per step, its forward and backward compute as the device saw
+it (``megascale.diagnostics.timeline.Breakdown.device_compute_s``, from the same megatron-core
+timers as the live ``ComputeMeter``), and a rank's *slowdown* in a step is that over the median of
+the other ranks of its pipeline stage (``stage_scores``: the ranks that do the same work; a rank
+alone in its stage is not scored). A rank is flagged when it is persistently slow: its median
+slowdown over the analysed steps is at least the threshold *and* it is at least that slow in half
+of them. A machine (node) is as slow as its slowest rank (the job runs at its pace) and is
 flagged when one of its ranks is. MegaScale found hosts ~10% slow this way; the threshold defaults
 to ``diagnostics.straggler_threshold`` (1.10).
 
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +32,7 @@ from typing import Any
 
 from megascale.diagnostics import flops
 from megascale.parallel.layout import Coord, Layout
+from megascale.robustness.stragglers import stage_scores
 
 logger = logging.getLogger(__name__)
 
@@ -140,11 +139,10 @@ class StragglerReport:
 
 
 def stage_peers(layout: Layout, rank: int) -> list[int]:
-    """The other ranks of ``rank``'s pipeline stage (all other ranks when it is alone there)."""
+    """The other ranks of ``rank``'s pipeline stage (none when it is alone there)."""
     pp = layout.coords(rank).pp
     peers = [layout.rank(dp=d, pp=pp, tp=t) for d in range(layout.dp) for t in range(layout.tp)]
-    peers = [p for p in peers if p != rank]
-    return peers or [r for r in range(layout.world_size) if r != rank]
+    return [p for p in peers if p != rank]
 
 
 def analyze(
@@ -168,15 +166,10 @@ def analyze(
     steps = sorted({s for r in ranks for s in compute_s[r]})
     analysed = steps[warmup_steps:] if len(steps) > warmup_steps else steps
     slowdown: dict[int, dict[int, float]] = {r: {} for r in ranks}
-    for r in ranks:
-        peers = stage_peers(layout, r)
-        for s in steps:
-            mine = compute_s[r].get(s)
-            others = [compute_s[p][s] for p in peers if p in compute_s and s in compute_s[p]]
-            if mine is None or not others:
-                continue
-            median = statistics.median(others)
-            slowdown[r][s] = mine / median if median > 0 else math.inf
+    stage = {r: layout.coords(r).pp for r in ranks}
+    for s in steps:
+        for r, score in stage_scores({r: compute_s[r].get(s) for r in ranks}, stage).items():
+            slowdown[r][s] = score
     verdicts = []
     for r in ranks:
         values = [slowdown[r][s] for s in analysed if s in slowdown[r]]
@@ -249,7 +242,7 @@ def analyze_run(
     ranks = load_run(run_dir)
     per_rank = {r.rank: breakdowns(r) for r in ranks}
     report = analyze(
-        {r: {s: b.compute_s for s, b in steps.items()} for r, steps in per_rank.items()},
+        {r: {s: b.device_compute_s for s, b in steps.items()} for r, steps in per_rank.items()},
         ranks[0].layout,
         {r.rank: r.node for r in ranks},
         threshold,

@@ -84,6 +84,8 @@ class Breakdown:
     the period; ``compute_s`` is the period less the union of those intervals and checkpointing
     (whose collectives are both): the straggler measure. A slow rank computes longer while its
     peers wait for it in communication.
+    ``device_compute_s`` is the straggler measure: the forward and backward compute spans (timed
+    on the device on a GPU) less the communication the host was blocked in inside them (on CPU).
     """
 
     step_s: float
@@ -99,6 +101,7 @@ class Breakdown:
     comm_pp_s: float
     comm_tp_s: float
     comm_other_s: float
+    device_compute_s: float = 0.0
 
 
 BREAKDOWN_FIELDS = tuple(Breakdown.__dataclass_fields__)
@@ -193,6 +196,7 @@ def breakdown(record: StepRecord, next_start: int | None) -> Breakdown | None:
     comm_ns = union_ns(comm, start, period_end)
     checkpoint_ns = union_ns(by_cat["checkpoint"], start, period_end)
     not_compute_ns = union_ns(comm + by_cat["checkpoint"], start, period_end)  # may overlap
+    device_ns = sum(e - b - union_ns(comm, b, e) for b, e in by_cat["compute"])
 
     def s(ns: int) -> float:
         return ns / 1e9
@@ -209,6 +213,7 @@ def breakdown(record: StepRecord, next_start: int | None) -> Breakdown | None:
         optimizer_s=s(by_name["megascale::optim::step"]),
         checkpoint_s=s(checkpoint_ns),
         **{f"comm_{g}_s": s(union_ns(by_cat[f"comm.{g}"], start, period_end)) for g in COMM_GROUPS},
+        device_compute_s=s(device_ns),
     )
 
 

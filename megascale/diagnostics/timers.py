@@ -347,7 +347,7 @@ class Timeline:
             if getattr(opt, "config", None) is not None:
                 targets.append(opt.config)
         for target in targets:
-            target.timers = self._megatron_timers
+            _set_timers(target, self._megatron_timers)
         self._attached = targets
         if self._trace_comm and self._writer is not None and self._comm is _NO_COMM:
             from megascale.diagnostics.comm_timer import timeline_comm
@@ -358,7 +358,7 @@ class Timeline:
         """Undo ``attach``: megatron-core's timers unset, communication no longer recorded
         (``close`` does it; benchmarks compare steps with and without the timeline)."""
         for target in self._attached:
-            target.timers = None
+            _set_timers(target, None)
         self._attached = []
         if self._comm is not _NO_COMM:
             self._take_comm()  # keep this step's calls so far
@@ -516,6 +516,15 @@ class _NoComm:
 
 
 _NO_COMM = _NoComm()
+
+
+def _set_timers(target, timers) -> None:
+    """Set ``target.timers``, or, where a chain stands there (``compute_time.ComputeMeter``), the
+    timers behind it."""
+    if hasattr(getattr(target, "timers", None), "inner"):
+        target.timers.inner = timers
+    else:
+        target.timers = timers
 
 
 def _cuda_index() -> int:

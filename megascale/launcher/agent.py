@@ -318,9 +318,11 @@ class Agent:
         host, addr, pid, hardware (static), gpus (NVML, live; None without NVML),
         network: {iface: {rx_bytes, tx_bytes, rx_packets, tx_packets, rx_errs, tx_errs}},
         selfchecks (how many run)
-        ranks: {"<rank>": {"step", "step_time_s", "compute_time_s"}}  (current workers')
-        compute_time_s: the slowest rank's compute time of its last full step period (None:
-        not known yet); the controller's straggler scores compare nodes by it
+        ranks: {"<rank>": {"step", "step_time_s", "compute_time_s", "compute_step", "stage"}}
+        (current workers'): compute_time_s is step compute_step's forward and backward compute
+        on the device, stage the rank's pipeline stage; the controller's straggler model
+        compares each rank with its stage's (``robustness.stragglers``)
+        compute_time_s: the slowest rank's compute time (None: not known yet)
         val_loss: the last validation loss its ranks computed (None: no evaluation yet)
         """
         # Exits before output: a worker seen exited here has written all of its output, so the
@@ -373,6 +375,8 @@ class Agent:
                     "step": p.get("step"),
                     "step_time_s": p.get("step_time_s"),
                     "compute_time_s": p.get("compute_time_s"),
+                    "compute_step": p.get("compute_step"),
+                    "stage": p.get("stage"),
                 }
                 for r, p in progress.items()
             },

@@ -243,8 +243,8 @@ class FlightRecorder:
         self._table_full_warned = False
         self._wait_mono = array("d", bytes(8 * capacity))  # per slot; see RingCopy
         self.blocked_s = 0.0
-        """Seconds spent blocked in synchronous ops and ``wait()`` (``WorkerSignals`` subtracts
-        it from the step period to get the compute time a straggler analysis needs)."""
+        """Seconds spent blocked in synchronous ops and ``wait()`` (on CPU the trainer's
+        ``ComputeMeter`` subtracts what falls inside a compute span)."""
 
     @property
     def written(self) -> int:

@@ -4,7 +4,7 @@ A spec is ``KIND:KEY=VALUE,KEY=VALUE`` (``corrupt-checkpoint:latest`` takes a ba
 
     kill-worker:rank=3,step=20        the worker of global rank 3 SIGKILLs itself before step 20
     hang-worker:rank=5,step=30        ... SIGSTOPs itself before step 30 (an NCCL-style hang)
-    slow-rank:rank=2,factor=1.5       rank 2 sleeps (factor - 1) x its step time after every step
+    slow-rank:rank=2,factor=1.5       rank 2's forward and backward compute takes factor x as long
     slow-node:node=1,factor=1.5       so does every rank that runs on node 1 (a slow machine: the
                                       ranks it gets in a later generation are slow too)
     kill-agent:node=1,step=25         the launcher SIGKILLs node 1's agent (its workers die with it)
@@ -69,8 +69,8 @@ class Kind:
 KINDS: dict[str, Kind] = {
     "kill-worker": Kind(("rank", "step"), (), "worker", "SIGKILL a worker before a step"),
     "hang-worker": Kind(("rank", "step"), (), "worker", "SIGSTOP a worker before a step"),
-    "slow-rank": Kind(("rank", "factor"), (), "worker", "a rank's steps take factor x as long"),
-    "slow-node": Kind(("node", "factor"), (), "worker", "a node's ranks' steps: factor x as long"),
+    "slow-rank": Kind(("rank", "factor"), (), "worker", "a rank computes factor x as long"),
+    "slow-node": Kind(("node", "factor"), (), "worker", "a node's ranks compute factor x as long"),
     "kill-agent": Kind(("node", "step"), (), "launcher", "SIGKILL a node's agent and workers"),
     "etcd-restart": Kind(("step",), ("downtime",), "launcher", "stop and restart etcd"),
     "kill-controller": Kind(("step",), (), "launcher", "SIGKILL the active controller"),
@@ -263,8 +263,9 @@ def from_env(value: str | None = None) -> list[FaultSpec]:
 class WorkerFaults:
     """The worker-side faults of one rank; a null object when none applies (the default).
 
-    ``run_rank`` calls ``before_step(n)`` before computing step n and ``after_step(seconds)``
-    after each step. Built by ``worker_faults``.
+    ``run_rank`` calls ``before_step(n)`` before computing step n and hands ``slow`` (the
+    compute slowdown factor, 1 for none) to the trainer's ``ComputeMeter.stretch``, which sleeps
+    inside each forward and backward compute span. Built by ``worker_faults``.
     """
 
     def __init__(
@@ -294,10 +295,6 @@ class WorkerFaults:
                 handler.flush()
             sig = signal.SIGKILL if spec.kind == "kill-worker" else signal.SIGSTOP
             os.kill(os.getpid(), sig)
-
-    def after_step(self, step_time_s: float) -> None:
-        if self.slow > 1:
-            time.sleep((self.slow - 1) * step_time_s)
 
 
 def _targets(spec: FaultSpec, rank: int, node: str | None) -> bool:

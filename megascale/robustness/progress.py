@@ -6,14 +6,16 @@ or the new content, never a torn one; no fsync) when a section starts and after 
   {"version": 1, "rank": 3, "pid": 4242, "section": "step", "section_started": <wall>,
    "section_started_mono": <monotonic>, "step": 120, "step_time_s": 0.41, "tokens_per_s": 9987.0,
    "heartbeat": <wall>, "heartbeat_mono": <monotonic>, "durations": {"init": 12.5, "step": 0.41},
-   "compute_time_s": 0.30, "val_loss": 2.31}
+   "compute_time_s": 0.30, "compute_step": 119, "stage": 0, "val_loss": 2.31}
 
 ``val_loss`` (absent or None until the first evaluation) is the last validation loss.
 
-``compute_time_s`` (absent or None until known) is the *previous* step's period (its start to
-this step's start) minus the time the rank was blocked in communication (the flight recorder's
-``blocked_s``): in synchronous training every rank's step takes as long as the slowest one's,
-and a straggler shows as the rank that computes longest while its peers wait for it.
+``compute_time_s`` (absent or None until known) is the forward and backward compute time of a recent
+step (``compute_step``), measured on the device (``megascale.diagnostics.compute_time``: CUDA events
+on a GPU, the host clock less time blocked in communication on CPU): pipeline bubbles and waiting
+for peers are not in it, so a straggler shows as the rank that computes longest. ``stage`` (None
+until known) is the rank's pipeline stage (its ``pp`` coordinate): the straggler model compares a
+rank only with the ranks of its stage, which do the same work.
 
 Sections (STYLE.md #9) are "init" (start of the process to the first step), "step", "checkpoint",
 and "done" (written by ``close``). ``durations`` holds the last observed length of each finished
@@ -72,6 +74,8 @@ class ProgressFile:
             "heartbeat_mono": 0.0,
             "durations": {},
             "compute_time_s": None,
+            "compute_step": None,
+            "stage": None,
             "val_loss": None,
         }
 
@@ -97,9 +101,13 @@ class ProgressFile:
         state["durations"]["step"] = step_time_s
         self._write()
 
-    def compute_time(self, seconds: float) -> None:
-        """The last full step period's compute time (written with the next write)."""
-        self._state["compute_time_s"] = seconds
+    def compute_time(self, step: int, seconds: float) -> None:
+        """Step ``step``'s compute time (written with the next write)."""
+        self._state["compute_step"], self._state["compute_time_s"] = step, seconds
+
+    def stage(self, pp_rank: int) -> None:
+        """This rank's pipeline stage (written with the next write)."""
+        self._state["stage"] = pp_rank
 
     def beat(self) -> None:
         """Still moving inside a long section."""
@@ -128,7 +136,10 @@ class NullProgressFile:
     ) -> None:
         pass
 
-    def compute_time(self, seconds: float) -> None:
+    def compute_time(self, step: int, seconds: float) -> None:
+        pass
+
+    def stage(self, pp_rank: int) -> None:
         pass
 
     def beat(self) -> None:
@@ -154,6 +165,8 @@ class ProgressState:
     heartbeat_mono: float
     durations: dict[str, float] = field(default_factory=dict)
     compute_time_s: float | None = None
+    compute_step: int | None = None
+    stage: int | None = None
     val_loss: float | None = None
 
 
@@ -177,6 +190,8 @@ def read_progress(path: Path | str) -> ProgressState:
             heartbeat_mono=float(data["heartbeat_mono"]),
             durations={str(k): float(v) for k, v in data["durations"].items()},
             compute_time_s=data.get("compute_time_s"),
+            compute_step=data.get("compute_step"),
+            stage=data.get("stage"),
             val_loss=data.get("val_loss"),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -188,7 +203,8 @@ class WorkerSignals:
     recorder (``RUN_DIR/flight/``) and the progress file (``RUN_DIR/progress/``).
 
     Lifecycle: ``open`` before ``init_distributed`` (section "init" starts, the recorder is
-    installed); ``step_started(k)`` before step k and ``step_done(metrics)`` after it;
+    installed); ``stage(pp)`` once the layout is known; ``step_started(k)`` before step k and
+    ``step_done(metrics, compute)`` after it;
     ``with section("checkpoint"):`` around a checkpoint save; ``close()`` at the end. Either part
     is a null object when disabled: ``MEGASCALE_FLIGHT_RECORDER=0`` / ``MEGASCALE_PROGRESS=0``.
     """
@@ -196,7 +212,6 @@ class WorkerSignals:
     def __init__(self, recorder, progress) -> None:
         self.recorder, self.progress = recorder, progress
         self.current = ""
-        self._step_mark: tuple[float, float] | None = None  # (monotonic, blocked_s) at a start
 
     @classmethod
     def open(cls, run_dir: Path | str, rank: int, world_size: int) -> WorkerSignals:
@@ -215,8 +230,6 @@ class WorkerSignals:
         return signals
 
     def enter(self, section: str) -> None:
-        if section != "step":
-            self._step_mark = None  # a period with a checkpoint in it is not a step's
         self.current = section
         self.progress.enter(section)
         self.recorder.set_section(section)
@@ -233,15 +246,18 @@ class WorkerSignals:
     def step_started(self, step: int) -> None:
         if self.current != "step":
             self.enter("step")
-        now, blocked = time.monotonic(), float(self.recorder.blocked_s)
-        if self._step_mark is not None:
-            period, waited = now - self._step_mark[0], blocked - self._step_mark[1]
-            self.progress.compute_time(max(0.0, period - waited))
-        self._step_mark = (now, blocked)
         self.recorder.set_step(step)
 
-    def step_done(self, metrics) -> None:
-        """``metrics``: the trainer's ``StepMetrics`` (step, step_time_s, tokens_per_s, val_loss)."""
+    def stage(self, pp_rank: int) -> None:
+        """This rank's pipeline stage, for the straggler model."""
+        self.progress.stage(pp_rank)
+
+    def step_done(self, metrics, compute: tuple[int, float] | None = None) -> None:
+        """``metrics``: the trainer's ``StepMetrics`` (step, step_time_s, tokens_per_s, val_loss);
+        ``compute``: (step, seconds) of the newest step whose compute time is known, or None
+        (``Trainer.compute.latest``)."""
+        if compute is not None:
+            self.progress.compute_time(*compute)
         self.progress.step(
             metrics.step, metrics.step_time_s, metrics.tokens_per_s, metrics.val_loss
         )

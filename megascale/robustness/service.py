@@ -144,7 +144,7 @@ class ControllerService:
         self.stragglers = StragglerTracker(
             opts.straggler_threshold, opts.straggler_window, opts.straggler_consecutive
         )
-        self._straggler_steps: dict[str, int] = {}  # node -> step of its last sample
+        self._straggler_steps: dict[int, int] = {}  # rank -> step of its last sample
         self.effective = EffectiveTime(self.clock())
         self.metrics: Any = None
         self.metrics_server: Any = None
@@ -394,42 +394,47 @@ class ControllerService:
             self.fsm.timeouts.observe("step", float(seconds))
 
     def _observe_straggler(self, node: str, payload: Mapping[str, Any], now: float) -> None:
-        """Feed the node's compute time (its slowest rank's, once per new step; the step time
-        when the workers report none) to the straggler tracker; publish the scores; record a
-        ``straggler`` event for a node slow in ``straggler_consecutive`` windows in a row, and
-        under ``straggler_action="evict"`` hand it to the FSM to be replaced."""
+        """Feed each rank's new compute time (once per step it was measured in; its pipeline
+        stage with it) to the straggler model; publish the per-rank scores; record a
+        ``straggler`` event naming the node (and its slowest rank) slow in
+        ``straggler_consecutive`` windows in a row, and under ``straggler_action="evict"`` hand
+        it to the FSM to be replaced."""
         assert self.fsm is not None
-        step = payload.get("step")
-        seconds = payload.get("compute_time_s") or payload.get("step_time_s")
-        if step is None or not seconds or payload.get("section") != "step":
+        if payload.get("section") != "step":
             return
-        if int(step) <= self._straggler_steps.get(node, -1):
-            return
-        self._straggler_steps[node] = int(step)
-        flagged = self.stragglers.observe(node, float(seconds))
-        if self.metrics is not None and self.stragglers.scores:
-            assignment = self.fsm.assignment
+        flagged: list[str] = []
+        for key, info in (payload.get("ranks") or {}).items():
+            rank, step = int(key), info.get("compute_step")
+            if step is None or int(step) <= self._straggler_steps.get(rank, -1):
+                continue
+            self._straggler_steps[rank] = int(step)
+            flagged += self.stragglers.observe(
+                rank, node, info.get("stage"), info.get("compute_time_s")
+            )
+        if self.metrics is not None and self.stragglers.rank_scores:
+            nodes = self.stragglers.rank_nodes()
             self.metrics.set_straggler_scores(
-                {
-                    (n, r): score
-                    for n, score in self.stragglers.scores.items()
-                    for r in assignment.get(n, ())
-                }
+                {(nodes[r], r): score for r, score in self.stragglers.rank_scores.items()}
             )
         for slow in flagged:
-            score = self.stragglers.scores.get(slow, 0.0)
-            logger.warning("straggler: %s at %.2fx the others' compute time", slow, score)
+            score, rank = self.stragglers.scores.get(slow, 0.0), self.stragglers.slowest.get(slow)
+            logger.warning(
+                "straggler: %s (rank %s) at %.2fx its pipeline stage's compute time",
+                slow, rank, score,
+            )  # fmt: skip
             detail = {
                 "score": round(score, 3),
+                "rank": rank,
                 "threshold": self.opts.straggler_threshold,
                 "windows": self.opts.straggler_consecutive,
-                "step": int(step),
+                "step": self._straggler_steps.get(rank),
             }
             action = self.opts.straggler_action
             self.events.append(
                 "straggler",
                 generation=self.fsm.generation,
                 node=slow,
+                rank=rank,
                 detail={**detail, "action": action},
             )
             if action == "evict":

@@ -133,7 +133,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--straggler-threshold",
         type=float,
         default=1.10,
-        help="a node this many times the others' median compute time is a straggler (> 1)",
+        help="a node whose rank computes this many times its pipeline stage's median is a "
+        "straggler (> 1)",
     )
     parser.add_argument(
         "--straggler-action",

@@ -66,10 +66,10 @@ class ServiceOptions:
     metrics_port: int = 0
     """Port of the Prometheus ``/metrics`` on 127.0.0.1 (0: a free one; -1: none)."""
     straggler_threshold: float = 1.10
-    """A node whose compute time is this many times the others' median is slow
-    (``stragglers``)."""
+    """A node is slow when one of its ranks computes this many times the median of the other
+    ranks of its pipeline stage (``stragglers``)."""
     straggler_window: int = 4
-    """Heartbeats (with a new step) per node in the sliding window."""
+    """New compute times per rank (one per heartbeat with a new step) in the sliding window."""
     straggler_consecutive: int = 3
     """Windows in a row a node must be slow to be recorded as a ``straggler`` event."""
     straggler_action: str = "report"

@@ -180,6 +180,8 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     signals = WorkerSignals.open(run_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     faults = inject.worker_faults(int(os.environ["RANK"]), run_dir)  # $MEGASCALE_INJECT, or none
     trainer, _device = start_rank(job, run_dir)
+    signals.stage(trainer.groups.pp_rank)
+    trainer.compute.stretch(faults.slow)  # slow-rank / slow-node: compute takes factor x as long
     is_rank0 = trainer.groups.rank == 0
     log = MetricsLog(run_dir / "metrics.jsonl", trainer.step_num) if is_rank0 else None
     progress = Progress(job.train.steps, job.train.log_interval) if is_rank0 else None
@@ -194,8 +196,7 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
             metrics = trainer.step()
             if is_eval_step(job, trainer.step_num):
                 metrics.val_loss = trainer.evaluate()  # collective: every rank evaluates
-            faults.after_step(metrics.step_time_s)  # slow-rank sleeps here
-            signals.step_done(metrics)
+            signals.step_done(metrics, trainer.compute.latest)
             history.append(metrics)
             if log is not None and progress is not None:
                 log.write(metrics)

@@ -22,6 +22,7 @@ from megascale.data.corpus import default_token_file
 from megascale.data.dataset import build_splits, eval_batches
 from megascale.data.indexed import DataError
 from megascale.data.node_loader import train_batches
+from megascale.diagnostics.compute_time import ComputeMeter
 from megascale.diagnostics.flops import flops_per_token
 from megascale.diagnostics.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.model.gpt import transformer_config, use_te_spec
@@ -107,6 +108,9 @@ class Trainer:
         # megatron-core's own timers (micro-batch forward/backward, p2p, grad sync) report here too.
         self.timeline = timeline
         timeline.attach(self.config, self.optimizer)
+        # Forward and backward compute per step, on the device (the straggler signal); it stands
+        # in front of the timeline's timers and leaves them working.
+        self.compute = ComputeMeter(device, blocked_s=_blocked_seconds()).install(self.config)
 
     def step(self) -> StepMetrics:
         """One optimizer step: data -> forward/backward schedule -> grad sync -> clip -> update."""
@@ -122,7 +126,9 @@ class Trainer:
         with self.timeline.span("megascale::data::wait"):
             micro_batches = self.data.next_step()
         data_wait = time.perf_counter() - data_start
+        self.compute.begin(self.step_num + 1)
         losses = self._schedule(micro_batches, forward_only=False)
+        self.compute.end()
         # finalize_model_grads (registered by apply_ddp) has synced grads over DP, SP and the tied
         # embedding; step() clips by the global norm and updates (all-gathering params if sharded).
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step runs at
@@ -221,6 +227,15 @@ class Trainer:
         if not math.isfinite(value):
             raise FloatingPointError(f"step {self.step_num + 1}: loss is {value}")
         return value
+
+
+def _blocked_seconds():
+    """How long this process has been blocked in communication so far, as a callable: the flight
+    recorder's count when one is installed (training installs it), else None."""
+    from megascale.robustness.flight_recorder import installed_recorder
+
+    recorder = installed_recorder()
+    return None if recorder is None else (lambda: recorder.blocked_s)
 
 
 def _default_prefix(job: JobConfig, cache_dir: Path) -> Path | None:

@@ -64,7 +64,7 @@ def _rank(job, run_dir, inject):
 @pytest.fixture(scope="module")
 def slowed_run(tmp_path_factory, data_dir):
     run_dir = tmp_path_factory.mktemp("slowed")
-    slow = f"slow-rank:rank={SLOW_RANK},factor={FACTOR}"  # sleeps (factor - 1) x step time
+    slow = f"slow-rank:rank={SLOW_RANK},factor={FACTOR}"  # its compute takes factor x as long
     losses = run_local(_rank, WORLD, (_job(data_dir), run_dir, slow), timeout_s=300)[0]
     return run_dir, losses
 
@@ -120,6 +120,8 @@ def test_the_slowed_rank_and_its_machine_are_flagged_and_no_other(slowed_run):
     assert [v.rank for v in report.flagged_ranks] == [SLOW_RANK], report.describe()
     assert [n.node for n in report.flagged_nodes] == ["node-1"]
     assert report.rank_verdicts[SLOW_RANK].slowdown > 1.5
+    # Its TP peer waits for it in every TP collective inside forward and backward: not compute.
+    assert report.rank_verdicts[SLOW_RANK - 1].slowdown < 1.5, report.describe()
     assert report.mfu and all(m.mfu is None for m in report.mfu)  # CPU: no peak
     assert "CPU" in report.mfu_note
 

@@ -265,6 +265,7 @@ def test_slow_node_is_evicted_when_configured_and_a_spare_takes_its_ranks(refere
     # generation may report a node again, with no spare left to replace it).
     [straggler] = [e for e in run.of("straggler") if e["generation"] == 1]
     assert straggler["node"] == "node-1" and straggler["detail"]["action"] == "evict"
+    assert straggler["rank"] == straggler["detail"]["rank"] == 1  # its slowest rank, by compute
     assert straggler["detail"]["score"] > straggler["detail"]["threshold"]
     [fault] = run.faults()
     assert fault["detail"]["fault"] == "straggler" and fault["node"] == "node-1"

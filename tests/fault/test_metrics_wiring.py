@@ -1,7 +1,9 @@
 """The Prometheus exporters and the live straggler detection, wired into ``megascale launch``:
 a 2 node x 1 rank CPU run with rank 1 three times slow (``slow-rank``) serves ``megascale_``
-metrics (the validation loss too) from the controller and the agents while it runs, and the controller records a
-``straggler`` event naming node-1 (and no fault)."""
+metrics (the validation loss too) from the controller and the agents while it runs, scores each rank
+against its pipeline stage's (rank 1 slow, rank 0 even, per rank), and records a ``straggler``
+event naming node-1 and rank 1 (and no fault). And a PP2 run whose second stage (one node) is
+evenly 3x as heavy flags nobody."""
 
 from __future__ import annotations
 
@@ -45,30 +47,32 @@ def _value(text: str, series: str) -> float:
     return values[0] if values else -1.0
 
 
-def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
+def _scores(text: str) -> dict[str, float]:
+    """Rank -> its ``megascale_straggler_score`` in an exposition."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("megascale_straggler_score{"):
+            rank = line.split('rank="', 1)[1].split('"', 1)[0]
+            out[rank] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _launch(run_dir: Path, args: list[str], want: dict) -> tuple[int, str, dict[str, str]]:
+    """``megascale launch`` with ``args`` to its end, scraping each exporter of ``want`` (name ->
+    predicate on its exposition) until it shows what the predicate wants; (exit code, output,
+    name -> the first exposition that satisfied it)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("MEGASCALE_INJECT", None)
-    cmd = [sys.executable, "-m", "megascale.cli", "launch", *ARGS, "--run-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "megascale.cli", "launch", *args, "--run-dir", str(run_dir)]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    want = {  # what each exporter must show: the controller once some training time counted
-        # (and its ratio: one scrape may pair the new productive time with the ratio before it)
-        "controller-0": lambda text: (
-            _value(text, "megascale_productive_seconds{") > 0
-            and _value(text, "megascale_effective_training_time_ratio{") > 0
-        ),
-        "node-1": lambda text: (  # the validation loss of the ranks' evaluations too
-            "megascale_heartbeats_sent_total{" in text
-            and _value(text, "megascale_validation_loss{") > 0
-        ),
-    }
     seen: dict[str, str] = {}
     try:
         deadline = time.monotonic() + 90
         while proc.poll() is None and time.monotonic() < deadline and len(seen) < len(want):
             for name, needle in want.items():
-                url_file = tmp_path / "metrics" / f"{name}.url"
+                url_file = run_dir / "metrics" / f"{name}.url"
                 if name not in seen and url_file.exists():
                     text = _scrape(url_file.read_text().strip())
                     if needle(text):
@@ -85,14 +89,54 @@ def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    assert proc.returncode == 0, output[-6000:]
+    return proc.returncode, output, seen
+
+
+def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
+    want = {  # what each exporter must show: the controller once some training time counted
+        # (and its ratio: one scrape may pair the new productive time with the ratio before it)
+        "controller-0": lambda text: (
+            _value(text, "megascale_productive_seconds{") > 0
+            and _value(text, "megascale_effective_training_time_ratio{") > 0
+            and _scores(text).get("1", 0) > 1.5
+        ),
+        "node-1": lambda text: (  # the validation loss of the ranks' evaluations too
+            "megascale_heartbeats_sent_total{" in text
+            and _value(text, "megascale_validation_loss{") > 0
+        ),
+    }
+    returncode, output, seen = _launch(tmp_path, ARGS, want)
+    assert returncode == 0, output[-6000:]
     assert set(seen) == set(want), output[-6000:]
     assert 'megascale_generation{megascale_job="' in seen["controller-0"]
+    scores = _scores(seen["controller-0"])
+    assert set(scores) == {"0", "1"} and scores["0"] < 1.0 < 1.5 < scores["1"], scores
     ratio = _value(seen["controller-0"], "megascale_effective_training_time_ratio{")
     assert 0.0 < ratio < 1.0, seen["controller-0"]
     assert "controller-0 metrics at http://127.0.0.1:" in output
     events = read_events(tmp_path)
     stragglers = [e for e in events if e["kind"] == "straggler"]
-    assert [e["node"] for e in stragglers] == ["node-1"], events
+    assert [(e["node"], e["rank"]) for e in stragglers] == [("node-1", 1)], events
     assert stragglers[0]["detail"]["score"] > 1.5 and stragglers[0]["detail"]["action"] == "report"
     assert not [e for e in events if e["kind"] == "fault"]
+
+
+def test_an_evenly_heavier_pipeline_stage_is_not_a_straggler(tmp_path):
+    # PP2 x DP2 on 2 nodes of 2: node-0 holds stage 0 (ranks 0, 1), node-1 stage 1 (ranks 2, 3),
+    # whose compute is made 3x as long on both ranks, as a stage with the LM head and loss is
+    # naturally heavier. Every rank is scored against its stage's other rank: all even.
+    args = [
+        "--nodes", "2", "--nproc-per-node", "2", "--heartbeat-interval", "0.5",
+        "--timeout", "120", "--set", "parallel.pp=2", "--set", "train.steps=24",
+        "--set", "checkpoint.interval=0", "--inject", "slow-node:node=1,factor=3",
+    ]  # fmt: skip
+
+    def scored(text: str) -> bool:  # every rank has a score: the model ran on all four
+        return set(_scores(text)) == {"0", "1", "2", "3"} and "generation" in text
+
+    returncode, output, seen = _launch(tmp_path, args, {"controller-0": scored})
+    assert returncode == 0, output[-6000:]
+    scores = _scores(seen["controller-0"])
+    assert all(0.5 < s < 1.5 for s in scores.values()), scores
+    events = read_events(tmp_path)
+    assert not [e for e in events if e["kind"] in ("straggler", "fault")], events

@@ -11,6 +11,7 @@ from collections import defaultdict
 import pytest
 from gpu_jobs import in_child, small_job
 
+from megascale.robustness.progress import progress_path, read_progress
 from megascale.train.checkpoint_io import step_name
 from megascale.train.run import run_rank
 
@@ -46,6 +47,16 @@ def test_cuda_event_timeline_has_device_segments_within_each_step(run_a):
         # forward and backward (CUDA events) fit inside it.
         device = durations["megascale::model::forward"] + durations["megascale::model::backward"]
         assert device <= durations["megascale::train::step"], dict(durations)
+
+
+def test_progress_carries_a_steps_compute_time_from_cuda_events(run_a):
+    """The straggler signal on a GPU: forward and backward compute of a finished step, read from
+    CUDA events without a sync; it fits inside that step's host time."""
+    _job, run_dir, history = run_a
+    state = read_progress(progress_path(run_dir, 0))
+    step_time = {m.step: m.step_time_s for m in history}
+    assert state.stage == 0 and state.compute_step in step_time, state
+    assert 0 < state.compute_time_s <= step_time[state.compute_step], state
 
 
 def test_two_stage_checkpoint_from_gpu_memory_resumes_exactly(run_a, tmp_path):

@@ -31,7 +31,14 @@ def test_stage_peers_are_the_other_ranks_of_the_pipeline_stage():
     assert straggler.stage_peers(LAYOUT, 5) == [4, 6, 7]
     assert straggler.stage_peers(LAYOUT, 0) == [1, 2, 3]
     alone = Layout(world_size=2, tp=1, pp=2, dp=1)
-    assert straggler.stage_peers(alone, 1) == [0]  # alone in its stage: everyone else
+    assert straggler.stage_peers(alone, 1) == []  # alone in its stage: no peer
+
+
+def test_ranks_alone_in_their_stage_are_not_scored_against_other_stages():
+    alone = Layout(world_size=2, tp=1, pp=2, dp=1)  # the last stage 2x the first: not a straggler
+    compute = {0: {s: 0.1 for s in range(1, 6)}, 1: {s: 0.2 for s in range(1, 6)}}
+    report = straggler.analyze(compute, alone, {0: "node-0", 1: "node-1"}, 1.10)
+    assert report.flagged_ranks == [] and report.slowdown == {0: {}, 1: {}}
 
 
 def test_a_host_ten_percent_slow_is_flagged_and_no_other():

@@ -1,90 +1,114 @@
-"""Live straggler scoring (``megascale.robustness.stragglers``): pure, synthetic heartbeats."""
+"""The straggler model (``megascale.robustness.stragglers``): per-stage scores, the live tracker,
+and the progress fields that feed it; pure, hand-written inputs and expectations."""
 
 from __future__ import annotations
 
 import pytest
 
-from megascale.robustness.stragglers import StragglerTracker, scores
+from megascale.robustness.stragglers import StragglerTracker, node_scores, stage_scores
+
+# PP2 x DP2 x TP2 on 2 nodes with the stages across nodes: node-0 holds ranks 0,1 (stage 0) and
+# 4,5 (stage 1); node-1 holds 2,3 (stage 0) and 6,7 (stage 1). The last stage (LM head and loss)
+# computes 1.5x the first.
+STAGE = {r: r // 4 for r in range(8)}
+NODE = {0: "node-0", 1: "node-0", 4: "node-0", 5: "node-0"} | {
+    2: "node-1",
+    3: "node-1",
+    6: "node-1",
+    7: "node-1",
+}
 
 
-def test_scores_are_over_the_median_of_the_others():
-    s = scores({"a": 1.0, "b": 1.0, "c": 1.0, "d": 2.0, "e": 0.0})  # e: no sample
-    assert s == {"a": 1.0, "b": 1.0, "c": 1.0, "d": 2.0}
-    assert scores({"a": 1.0}) == {}
+def test_scores_compare_a_rank_with_the_median_of_its_stage_peers_only():
+    compute = {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0, 4: 1.5, 5: 1.5, 6: 1.5, 7: 1.5}
+    s = stage_scores(compute, STAGE)
+    # rank 3: 2.0 / median(1.0, 1.0, 1.0); ranks 0-2: 1.0 / median(1.0, 1.0, 2.0) = 1.0
+    assert s == {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0, 4: 1.0, 5: 1.0, 6: 1.0, 7: 1.0}
+    assert node_scores(s, NODE) == {"node-0": (1.0, 0), "node-1": (2.0, 3)}
+
+
+def test_a_heavier_stage_and_a_lone_rank_get_no_score_against_other_stages():
+    assert stage_scores({0: 1.0, 1: 3.0}, {0: 0, 1: 1}) == {}  # PP2, one rank per stage
+    # A rank without a time or a stage is left out; the others still compare among themselves.
+    assert stage_scores({0: 1.0, 1: 1.2, 2: None, 3: 0.0, 4: 9.0}, {0: 0, 1: 0, 2: 0, 3: 0}) == {
+        0: pytest.approx(1 / 1.2),
+        1: pytest.approx(1.2),
+    }
 
 
 def _feed(tracker, rounds, times):
     flagged = []
     for _ in range(rounds):
-        for node, t in times.items():
-            flagged += tracker.observe(node, t)
+        for rank, t in times.items():
+            flagged += tracker.observe(rank, NODE[rank], STAGE[rank], t)
     return flagged
 
 
-def test_a_persistently_slow_node_is_flagged_once():
+EVEN = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.5, 5: 1.5, 6: 1.5, 7: 1.5}
+
+
+def test_a_persistently_slow_rank_names_its_node_once():
     tracker = StragglerTracker(threshold=1.10, window=2, consecutive=3)
-    assert _feed(tracker, 3, {"node-0": 1.0, "node-1": 1.2, "node-2": 1.0}) == []
-    assert tracker.scores["node-1"] == pytest.approx(1.2)
-    assert _feed(tracker, 1, {"node-0": 1.0, "node-1": 1.2, "node-2": 1.0}) == ["node-1"]
-    assert _feed(tracker, 5, {"node-0": 1.0, "node-1": 1.2, "node-2": 1.0}) == []  # once
+    slow = EVEN | {6: 1.8}  # 1.8 / median(1.5, 1.5, 1.5) = 1.2
+    assert _feed(tracker, 3, slow) == []  # windows close at rounds 2 and 3
+    assert tracker.scores == {"node-0": 1.0, "node-1": pytest.approx(1.2)}
+    assert tracker.slowest["node-1"] == 6 and tracker.rank_scores[7] == 1.0
+    assert _feed(tracker, 1, slow) == ["node-1"]
+    assert _feed(tracker, 5, slow) == []  # once
+
+
+def test_the_heavier_last_stage_flags_nobody():
+    tracker = StragglerTracker(threshold=1.10, window=1, consecutive=1)
+    assert _feed(tracker, 5, EVEN) == []
+    assert set(tracker.rank_scores.values()) == {1.0}
 
 
 def test_noise_and_a_brief_slowdown_are_not_flagged():
     tracker = StragglerTracker(threshold=1.10, window=3, consecutive=2)
-    assert _feed(tracker, 10, {"node-0": 1.0, "node-1": 1.05}) == []
-    # One slow heartbeat among three: the window's median stays even.
-    tracker.observe("node-1", 5.0)
-    assert _feed(tracker, 1, {"node-0": 1.0}) == []
-    assert _feed(tracker, 10, {"node-0": 1.0, "node-1": 1.0}) == []
+    assert _feed(tracker, 10, EVEN | {2: 1.05}) == []
+    tracker.observe(2, "node-1", 0, 5.0)  # one slow step among three: the median stays even
+    assert _feed(tracker, 10, EVEN) == []
 
 
 def test_recovery_rearms_and_reset_and_forget():
     tracker = StragglerTracker(threshold=1.5, window=1, consecutive=1)
-    assert _feed(tracker, 1, {"a": 1.0, "b": 2.0}) == ["b"]
-    assert _feed(tracker, 1, {"a": 1.0, "b": 1.0}) == []
-    assert _feed(tracker, 1, {"a": 1.0, "b": 2.0}) == ["b"]
-    tracker.forget("b")
-    assert "b" not in tracker.scores
+    assert _feed(tracker, 1, EVEN | {1: 2.0}) == ["node-0"]
+    assert _feed(tracker, 1, EVEN) == []
+    assert _feed(tracker, 1, EVEN | {1: 2.0}) == ["node-0"]
+    tracker.forget("node-0")
+    assert "node-0" not in tracker.scores and 1 not in tracker.rank_scores
+    assert set(tracker.rank_nodes().values()) == {"node-1"}
     tracker.reset()
-    assert tracker.scores == {} and tracker.observe("a", None) == []
+    assert tracker.scores == {} and tracker.observe(0, "node-0", 0, None) == []
+    assert tracker.observe(0, "node-0", None, 1.0) == []  # no stage: not scored
     with pytest.raises(ValueError):
         StragglerTracker(threshold=1.0)
 
 
-def test_worker_signals_report_compute_time_as_period_minus_blocked(monkeypatch):
+def test_worker_signals_write_the_compute_time_and_stage(tmp_path):
     from megascale.robustness import progress
 
-    clock = iter([10.0, 13.0, 14.0, 20.0])
-    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    path = progress.progress_path(tmp_path, 3)
+    signals = progress.WorkerSignals(_Recorder(), progress.ProgressFile(path, 3))
+    signals.stage(1)
+    signals.step_started(1)
 
-    class Recorder:
-        blocked_s = 0.0
+    class Metrics:
+        step, step_time_s, tokens_per_s, val_loss = 1, 0.5, 100.0, None
 
-        def set_step(self, step):
-            pass
+    signals.step_done(Metrics(), None)  # nothing measured yet
+    state = progress.read_progress(path)
+    assert (state.stage, state.compute_time_s, state.compute_step) == (1, None, None)
+    signals.step_done(Metrics(), (1, 0.25))
+    state = progress.read_progress(path)
+    assert (state.stage, state.compute_time_s, state.compute_step) == (1, 0.25, 1)
 
-        def set_section(self, name):
-            pass
 
-    class Progress:
-        def __init__(self):
-            self.compute = []
+class _Recorder:
+    blocked_s = 0.0
 
-        def enter(self, section):
-            pass
+    def set_step(self, step):
+        pass
 
-        def compute_time(self, seconds):
-            self.compute.append(seconds)
-
-    recorder, prog = Recorder(), Progress()
-    signals = progress.WorkerSignals(recorder, prog)
-    signals.current = "step"
-    signals.step_started(1)  # t=10
-    recorder.blocked_s = 2.0
-    signals.step_started(2)  # t=13: period 3 s, 2 s of it blocked
-    assert prog.compute == [1.0]
-    signals.enter("checkpoint")  # a period with a checkpoint in it is not measured
-    signals.enter("step")
-    signals.step_started(3)  # t=14
-    signals.step_started(4)  # t=20, nothing blocked
-    assert prog.compute == [1.0, 6.0]
+    def set_section(self, name):
+        pass
