@@ -92,7 +92,7 @@ class Trainer:
             dp_size=groups.layout.dp,
             seed=job.train.seed,
         )
-        self.forward_backward = forward_backward_func()
+        self.forward_backward = forward_backward_func(job, groups)
         self.param_prefetch = ParamGatherPrefetch(self.model)
         self.tokens_per_step = job.train.global_batch_size * job.model.seq_length
         self.flops_per_token = flops_per_token(job.model).total
