@@ -15,7 +15,10 @@ Bytes on the wire follow the ring algorithms NCCL uses: all-gather and reduce-sc
 
 ``time_scale`` maps GPU seconds to CPU seconds: the GPU's peak GEMM rate divided by the GEMM rate
 measured on this CPU (``measure_gemm_flops``), so a layout's communication/computation ratio on CPU
-is the one the same shapes have on the named GPU. ``CostModel.fixed(latency_s)`` is the older
+is the one the same shapes have on the named GPU. ``alpha_scale`` shrinks the per-call latency for
+shapes scaled down from a real layout: a call's latency is fixed while its GEMMs shrink with the
+shapes, so a model with ``f`` times fewer FLOPs per GEMM keeps the real layout's latency/compute
+ratio with ``alpha_scale = 1/f`` (1 for the real shapes). ``CostModel.fixed(latency_s)`` is the older
 fixed-latency model (every call costs the same), kept for comparison.
 
 Where the delay is applied (on a communication thread, so an asynchronous op really runs beside
@@ -78,20 +81,25 @@ class CostModel:
     time_scale: float = 1.0
     elem_scale: float = 1.0
     fixed_latency_s: float = 0.0
+    alpha_scale: float = 1.0
 
     @classmethod
     def fixed(cls, latency_s: float) -> CostModel:
         return cls(fabric=None, fixed_latency_s=latency_s)
 
     @classmethod
-    def calibrated(cls, fabric: str, cpu_gemm_flops: float, elem_scale: float = 0.5) -> CostModel:
+    def calibrated(
+        cls, fabric: str, cpu_gemm_flops: float, elem_scale: float = 0.5, alpha_scale: float = 1.0
+    ) -> CostModel:
         """The named fabric, with time scaled by the GPU's peak over this CPU's GEMM rate."""
         if fabric not in FABRICS:
             raise ValueError(f"fabric={fabric!r} is unknown; accepted: {sorted(FABRICS)}")
         if cpu_gemm_flops <= 0:
             raise ValueError(f"cpu_gemm_flops={cpu_gemm_flops!r} must be > 0")
         spec = FABRICS[fabric]
-        return cls(spec, spec.gpu_peak_flops / cpu_gemm_flops, elem_scale)
+        if not 0 < alpha_scale <= 1:
+            raise ValueError(f"alpha_scale={alpha_scale!r} must be in (0, 1]")
+        return cls(spec, spec.gpu_peak_flops / cpu_gemm_flops, elem_scale, alpha_scale=alpha_scale)
 
     def delay(self, op: str, nbytes: int, group_size: int, link: str) -> float:
         """Seconds the call takes here: (alpha + wire bytes / beta) on the GPU, x ``time_scale``."""
@@ -103,7 +111,7 @@ class CostModel:
         else:
             alpha, beta = f.inter_node_alpha_s, f.inter_node_bw
         wire = nbytes * self.elem_scale * _wire_factor(op, group_size)
-        return (alpha + wire / beta) * self.time_scale
+        return (alpha * self.alpha_scale + wire / beta) * self.time_scale
 
     def describe(self) -> dict:
         """The parameters, for reports (JSON-serialisable)."""
@@ -114,6 +122,7 @@ class CostModel:
             "fabric": asdict(self.fabric),
             "time_scale": self.time_scale,
             "elem_scale": self.elem_scale,
+            "alpha_scale": self.alpha_scale,
         }
 
 

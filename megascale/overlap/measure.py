@@ -93,13 +93,14 @@ def _link_classifier(groups):
     return link_of
 
 
-def calibrated_cost(fabric: str, elem_scale: float) -> CostModel:
+def calibrated_cost(fabric: str, elem_scale: float, alpha_scale: float) -> CostModel:
     """The fabric's cost model scaled by the GEMM rate every rank gets while all run at once
     (mean over ranks). Collective."""
     dist.barrier()
     rate = torch.tensor([measure_gemm_flops()], dtype=torch.float64)
     dist.all_reduce(rate)
-    return CostModel.calibrated(fabric, rate.item() / dist.get_world_size(), elem_scale)
+    mean = rate.item() / dist.get_world_size()
+    return CostModel.calibrated(fabric, mean, elem_scale, alpha_scale)
 
 
 def measure_rank(
@@ -112,6 +113,7 @@ def measure_rank(
     latency_s: float = 0.0,
     fabric: str | None = None,
     elem_scale: float = 0.5,
+    alpha_scale: float = 1.0,
     keep_events: bool = False,
 ) -> dict[str, list[dict]]:
     """Per variant, one dict per timed step. Collective: every rank runs the same variants."""
@@ -121,7 +123,9 @@ def measure_rank(
     init_distributed(device)
     if device == "cpu":
         cpu_backend.activate()
-    cost = calibrated_cost(fabric, elem_scale) if fabric else CostModel.fixed(latency_s)
+    cost = (
+        calibrated_cost(fabric, elem_scale, alpha_scale) if fabric else CostModel.fixed(latency_s)
+    )
     trace = CommTrace(cost=cost).install()
     results: dict[str, list[dict]] = {name: [] for name in variants}
     order = list(variants)

@@ -15,9 +15,10 @@ communication threads, one per process group (a FIFO, like a GPU's communication
   at once and costs nothing of its own — it completes when the delayed send arrives, so the
   receiver waits exactly as long as the link and the sender's lateness make it.
 
-``exposed_s`` accumulates the time the caller spent blocked (synchronous calls and ``wait()``), per
-link class too (``exposed_by_link``): the communication that computation did not hide; ``comm_by_link``
-sums the modelled cost of the calls issued. Ops issued together inside megatron-core's
+``exposed_s`` accumulates the time the caller spent blocked (synchronous calls and ``wait()``);
+``exposed_by_link`` the part of it that the link's modelled transfers explain (``add_wait``): the
+communication that computation did not hide; ``comm_by_link`` sums the modelled cost of the calls
+issued. Ops issued together inside megatron-core's
 ``_coalescing_manager`` (one bucket's collectives) or a ``batch_isend_irecv`` count as one operation;
 they run in the caller's thread after their group's queue drains (so every rank issues a group's
 calls in the same order), and their handle waits out their summed cost.
@@ -78,6 +79,7 @@ class _State:
     exposed_s: float = 0.0
     exposed_by_link: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     comm_by_link: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    busy: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
 
 
 def _group_of(args, kwargs):
@@ -103,13 +105,16 @@ class _Lane:
     """One process group's communication thread: calls run in issue order, each starting no
     earlier than the previous one's modelled end plus its own cost."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_busy: Callable[[float, float], None]) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megascale-comm")
         self.busy_until = 0.0
+        self._on_busy = on_busy
 
     def reserve(self, cost_s: float) -> float:
         """The modelled end of a call of ``cost_s`` starting now or when the lane frees up."""
-        self.busy_until = max(self.busy_until, time.perf_counter()) + cost_s
+        start = max(self.busy_until, time.perf_counter())
+        self.busy_until = start + cost_s
+        self._on_busy(start, self.busy_until)
         return self.busy_until
 
     def submit(self, cost_s: float, fn: Callable) -> Future:
@@ -145,7 +150,7 @@ class _DelayedWork:
         end = time.perf_counter()
         if self._event.wait_start is None:
             self._event.wait_start, self._event.wait_end = start, end
-        self._trace.add_exposed(self._event.link, end - start)
+        self._trace.add_wait(self._event, start, end)
         return result
 
     def is_completed(self) -> bool:
@@ -192,7 +197,7 @@ class _Wrapped(CommWrapper):
             if remaining > 0:
                 time.sleep(remaining)
             event.wait_start, event.wait_end = event.issued, time.perf_counter()
-            trace.add_exposed(event.link, event.wait_end - event.issued)
+            trace.add_wait(event, event.issued, event.wait_end)
         return None if self.name in ("send", "recv") else work._real()
 
 
@@ -259,10 +264,43 @@ class CommTrace:
         }
         return state.events, state.marks, state.exposed_s
 
-    def add_exposed(self, link: str, seconds: float) -> None:
+    def add_wait(self, event: CommEvent | None, start: float, end: float, link: str = "") -> None:
+        """Account the caller's wait ``[start, end]`` for ``event`` (or for a drain of ``link``).
+
+        ``exposed_s`` counts all of it. ``exposed_by_link`` counts only the part the link's
+        modelled transfers explain: the wait's overlap with that link's busy intervals, or for a
+        receive (priced at its sender) at most the cost of the message — the rest of a wait is
+        a peer arriving late (a pipeline bubble, a slower rank), not communication.
+        """
+        link = event.link if event is not None else link
+        if event is not None and event.kind in ("irecv", "recv"):
+            size = dist.get_world_size() if dist.is_initialized() else 2
+            message = self.cost.delay("isend", event.nbytes, size, link)
+            explained = min(end - start, message)
+        else:
+            explained = self._busy_overlap(link, start, end)
         with self._lock:
-            self.state.exposed_s += seconds
-            self.state.exposed_by_link[link] += seconds
+            self.state.exposed_s += end - start
+            self.state.exposed_by_link[link] += explained
+
+    def _busy_overlap(self, link: str, start: float, end: float) -> float:
+        with self._lock:
+            spans = sorted(
+                (max(s, start), min(e, end)) for s, e in self.state.busy[link] if e > start
+            )
+        total, reach = 0.0, start
+        for s, e in spans:
+            if e > reach:
+                total += e - max(s, reach)
+                reach = e
+        return total
+
+    def _busy(self, link: str) -> Callable[[float, float], None]:
+        def on_busy(start: float, end: float) -> None:
+            with self._lock:
+                self.state.busy[link].append((start, end))
+
+        return on_busy
 
     # -- pricing and lanes -------------------------------------------------------------------------
 
@@ -281,10 +319,10 @@ class CommTrace:
             self.state.comm_by_link[link] += cost
         return event
 
-    def lane(self, group) -> _Lane:
+    def lane(self, group, link: str | None = None) -> _Lane:
         key = id(group) if group is not None else None
         if key not in self._lanes:
-            self._lanes[key] = _Lane()
+            self._lanes[key] = _Lane(self._busy(link or self.link_of(group)))
         return self._lanes[key]
 
     def run_on_lane(self, wrapper: _Wrapped, args, kwargs, event: CommEvent) -> Future:
@@ -293,15 +331,17 @@ class CommTrace:
         group = _group_of(args, kwargs)
         collective = wrapper.name not in _P2P
 
+        grad_mode = torch.is_grad_enabled()  # thread-local: the caller's, not the thread's
+
         def call():
-            with self.entered():
+            with self.entered(), torch.set_grad_enabled(grad_mode):
                 work = wrapper.original(*args, **kwargs)
             if collective and hasattr(work, "wait"):
                 work.wait()  # the thread is the collective's stream: it ends when the call does
                 return None
             return work
 
-        return self.lane(group).submit(event.cost_s, call)
+        return self.lane(group, event.link).submit(event.cost_s, call)
 
     # -- installation ------------------------------------------------------------------------------
 
@@ -342,7 +382,7 @@ class CommTrace:
         event.cost_s = sum(e.cost_s for e in inner)
         self.state.events.append(event)
         self.state.comm_by_link[link] += event.cost_s
-        ready_at = self.lane(group).reserve(event.cost_s) if self.threaded else event.issued
+        ready_at = self.lane(group, link).reserve(event.cost_s) if self.threaded else event.issued
         return event, ready_at
 
     def _drain(self, group, link: str | None = None) -> None:
@@ -351,7 +391,7 @@ class CommTrace:
             return
         start = time.perf_counter()
         self.lane(group).drain()
-        self.add_exposed(link or self.link_of(group), time.perf_counter() - start)
+        self.add_wait(None, start, time.perf_counter(), link or self.link_of(group))
 
     def _batch(self, original):
         def batch_isend_irecv(p2p_op_list):
