@@ -80,13 +80,18 @@ def test_every_overlap_keeps_loss_and_grad_norm(layout, block, data_dir):
     assert off[0]["loss"] != off[-1]["loss"]  # it trained
 
 
-@pytest.fixture(scope="module")
-def traced(data_dir):
-    """Two steps of the 8-rank layout with all overlap off and all on, with every comm event."""
-    world, parallel = LAYOUTS["tp2-pp2-dp2-sp-vpp2"]
+def _traced(layout, data_dir):
+    """Two steps of ``layout`` with all overlap off and all on, with every comm event per rank."""
+    world, parallel = LAYOUTS[layout]
     variants = {"off": VARIANTS["off"], "on": VARIANTS["on"]}
     fn, jobs = _measure(world, parallel, variants, steps=2, keep_events=True)
     return run_local(fn, world, (jobs, data_dir), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def traced(data_dir):
+    """The 8-rank layout (TP, interleaved PP, DP), traced."""
+    return _traced("tp2-pp2-dp2-sp-vpp2", data_dir)
 
 
 def _mark(row, name):
@@ -159,11 +164,8 @@ def test_tp_chunk_communication_is_interleaved_one_chunk_ahead_of_the_gemms(trac
 
 @pytest.fixture(scope="module")
 def traced_pp(data_dir):
-    """Two steps of plain 1F1B over two stages (8 micro-batches), overlap off and on, traced."""
-    world, parallel = LAYOUTS["pp2"]
-    variants = {"off": VARIANTS["off"], "on": VARIANTS["on"]}
-    fn, jobs = _measure(world, parallel, variants, steps=2, keep_events=True)
-    return run_local(fn, world, (jobs, data_dir), timeout_s=600)
+    """Plain 1F1B over two stages (8 micro-batches), traced."""
+    return _traced("pp2", data_dir)
 
 
 def _p2p(row, kind):
