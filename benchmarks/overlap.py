@@ -105,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         b for b in blocks if b not in ("serial", "parallel")
     ]
     if unknown:
-        parser_error = f"unknown variant or block {unknown}; variants: {list(VARIANTS)}"
-        raise SystemExit(parser_error)
+        raise SystemExit(
+            f"--variants/--blocks: {unknown} unknown; variants: {list(VARIANTS)}, "
+            "blocks: serial, parallel"
+        )
     variants = {}
     for block in blocks:
         job = load(

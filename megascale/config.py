@@ -81,11 +81,12 @@ class OverlapConfig:
     steady phase (interleaved 1F1B: megatron-core's overlap_p2p_comm; plain 1F1B:
     megascale.overlap.pp)."""
     tp: bool = True
-    """Tensor/sequence parallel (needs sequence_parallel, local layer spec): the serial block's FFN
-    all-gather and reduce-scatter split into chunks pipelined with the GEMMs; the parallel block
-    shares one all-gather and one reduce-scatter between attention and MLP."""
+    """Tensor/sequence parallel (needs sequence_parallel, local layer spec): the serial block's
+    attention and FFN all-gathers and reduce-scatters split into chunks pipelined with the GEMMs;
+    the parallel block shares one all-gather and one reduce-scatter between attention and MLP,
+    chunked and pipelined the same way."""
     tp_chunks: int = 4
-    """Chunks per FFN GEMM for ``tp``; the per-rank sequence length must be divisible by it."""
+    """Chunks per pipelined GEMM for ``tp``; the per-rank sequence length must be divisible by it."""
     bucket_size: int | None = None
     """Parameters per DP bucket; None uses megatron-core's default (max(40M, 1M * dp))."""
 
