@@ -182,10 +182,12 @@ class _Wrapped(CommWrapper):
             with trace.entered():
                 return self.original(*args, **kwargs)
         is_async = self.name in P2P_ASYNC or kwargs.get("async_op", False)
+        result = None
         if not trace.threaded or self.name in ("irecv", "recv"):
             with trace.entered():
                 result = self.original(*args, **kwargs)
-            work = _DelayedWork(result, event, event.issued + event.cost_s, trace)
+            handle = result if hasattr(result, "wait") else None  # blocking recv: a rank
+            work = _DelayedWork(handle, event, event.issued + event.cost_s, trace)
         else:
             work = _DelayedWork(trace.run_on_lane(self, args, kwargs, event), event, 0.0, trace)
         if is_async:
@@ -198,7 +200,7 @@ class _Wrapped(CommWrapper):
                 time.sleep(remaining)
             event.wait_start, event.wait_end = event.issued, time.perf_counter()
             trace.add_wait(event, event.issued, event.wait_end)
-        return None if self.name in ("send", "recv") else work._real()
+        return result if self.name == "recv" else work._real()
 
 
 class CommTrace:
