@@ -1,15 +1,26 @@
-"""Communication/computation overlap: step time with each overlap off vs on, measured in one run.
+"""Communication/computation overlap: step time and communication per dimension with each overlap
+off vs on, for the serial and the parallel block, measured in one run.
 
-Every collective and p2p call gets a fixed injected latency (``--latency-ms``, default 20) through
-``megascale.overlap.trace.CommTrace``, so communication is costly relative to compute even on CPU:
-an overlapped op costs about max(compute, latency), a serial one compute + latency. Variants
-alternate within each round (noise lands on all alike) and every variant trains the same steps from
-the same initial parameters, so their losses must be identical — the table shows the largest
-relative difference from "off".
+Every collective and p2p call is priced by a cost model and run on a communication thread
+(``megascale.overlap.trace.CommTrace``), so communication is costly relative to compute on CPU:
 
-    python benchmarks/overlap.py                      # 8 CPU ranks: TP2 x PP2 (VPP2) x DP2 + SP
-    python benchmarks/overlap.py --latency-ms 5 --steps 2 --rounds 1
-    python benchmarks/overlap.py --device cuda --latency-ms 0   # 8 GPUs, NCCL, real links
+* ``--cost bytes`` (default): alpha + bytes / beta per link class (TP in the node, DP and PP across
+  nodes) of a named fabric (``--fabric``, default H100 + NVLink 4 + 8x400 Gb/s), in GPU seconds
+  scaled by the GPU's peak over the GEMM rate every rank measures here at once, so the
+  communication/computation ratio of the layout matches the same shapes on the GPU. The latency
+  term is scaled by the per-GEMM FLOPs of these shapes over those of the ``megascale-175b`` layout
+  (a call's latency does not shrink with the shapes).
+* ``--cost fixed``: the same latency for every call (``--latency-ms``).
+
+The default layout is ``megascale-175b``'s scaled down to 8 CPU ranks: TP2 x PP2 (VPP2) x DP2 +
+sequence parallelism (175B: TP8 x PP8 (VPP6) x DP192 + SP), two micro-batches per pipeline stage and
+DP rank. Variants alternate within each round (noise lands on all alike) and train the same steps
+from the same parameters, so their losses must match ("max loss diff vs off").
+
+    python benchmarks/overlap.py                       # bytes model, serial + parallel block
+    python benchmarks/overlap.py --cost fixed --latency-ms 20
+    python benchmarks/overlap.py --json                # one JSON object
+    python benchmarks/overlap.py --device cuda --cost fixed --latency-ms 0   # 8 GPUs, real links
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import statistics
 import sys
 import tempfile
@@ -24,9 +36,10 @@ from pathlib import Path
 
 import megatron.core  # noqa: F401  (import once, before forking the ranks)
 
-from megascale.config import load, validate
+from megascale.config import JobConfig, load, validate
 from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
+from megascale.overlap.cost import FABRICS
 from megascale.overlap.measure import measure_rank, with_overlap
 
 DEFAULT_SETS = [
@@ -34,13 +47,16 @@ DEFAULT_SETS = [
     "parallel.pp=2",
     "parallel.vpp=2",
     "parallel.sequence_parallel=true",
-    "model.num_layers=8",
-    "model.hidden_size=64",
-    "model.seq_length=64",
+    "parallel.distributed_optimizer=true",
+    "parallel.batch_p2p_comm=false",
+    "model.num_layers=4",
+    "model.hidden_size=256",
+    "model.num_heads=4",
+    "model.seq_length=256",
     "train.global_batch_size=16",
-    "train.micro_batch_size=2",
+    "train.micro_batch_size=4",
     "optim.warmup_steps=0",
-    "overlap.bucket_size=4000",
+    "overlap.bucket_size=40000",
 ]
 VARIANTS = {
     "off": {"dp": False, "pp": False, "tp": False},
@@ -49,33 +65,66 @@ VARIANTS = {
     "tp only": {"dp": False, "pp": False, "tp": True},
     "all on": {"dp": True, "pp": True, "tp": True},
 }
+LINKS = ("tp", "pp", "dp")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--nproc", type=int, default=8)
-    parser.add_argument("--latency-ms", type=float, default=20.0)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    parser.add_argument("--cost", choices=("bytes", "fixed"), default="bytes")
+    parser.add_argument("--fabric", choices=sorted(FABRICS), default="h100-nvlink4-8x400g")
+    parser.add_argument("--latency-ms", type=float, default=20.0, help="--cost fixed only")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
-    parser.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="cuda: one GPU per rank, NCCL (use --latency-ms 0 to measure the real links)",
-    )
-    args = parser.parse_args(argv)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--variants", default="off,all on", help=f"of: {', '.join(VARIANTS)}")
+    parser.add_argument("--blocks", default="serial,parallel")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    return parser.parse_args(argv)
 
-    sets = [*DEFAULT_SETS, "parallel.batch_p2p_comm=false", f"train.device={args.device}"]
-    base = load(args.config, [*sets, *args.overrides])
+
+def gemm_flops_per_call(job: JobConfig) -> float:
+    """FLOPs of one QKV GEMM of one micro-batch on one GPU (the per-call compute the latency of a
+    TP collective is measured against)."""
+    m = job.model
+    return 2.0 * m.seq_length * job.train.micro_batch_size * m.hidden_size**2 * 3 / job.parallel.tp
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    base = load(args.config, [*DEFAULT_SETS, f"train.device={args.device}", *args.overrides])
     backend = "nccl" if args.device == "cuda" else "gloo"
     names = [n.strip() for n in args.variants.split(",")]
-    variants = {n: validate(with_overlap(base, **VARIANTS[n]), args.nproc, backend) for n in names}
+    blocks = [b.strip() for b in args.blocks.split(",")]
+    unknown = [n for n in names if n not in VARIANTS] + [
+        b for b in blocks if b not in ("serial", "parallel")
+    ]
+    if unknown:
+        raise SystemExit(
+            f"--variants/--blocks: {unknown} unknown; variants: {list(VARIANTS)}, "
+            "blocks: serial, parallel"
+        )
+    variants = {}
+    for block in blocks:
+        job = load(
+            args.config,
+            [
+                *DEFAULT_SETS,
+                f"train.device={args.device}",
+                f"model.parallel_block={block == 'parallel'}".lower(),
+                *args.overrides,
+            ],
+        )
+        for n in names:
+            variants[f"{block}/{n}"] = validate(
+                with_overlap(job, **VARIANTS[n]), args.nproc, backend
+            )
+    alpha_scale = min(1.0, gemm_flops_per_call(base) / gemm_flops_per_call(load("megascale-175b")))
     data_dir = Path(tempfile.mkdtemp(prefix="megascale-bench-"))
     default_token_file(data_dir)
     rank_fn = functools.partial(
@@ -84,56 +133,92 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         rounds=args.rounds,
         latency_s=args.latency_ms / 1e3,
+        fabric=args.fabric if args.cost == "bytes" else None,
+        alpha_scale=alpha_scale,
     )
     per_rank = run_local(rank_fn, args.nproc, (variants, data_dir), timeout_s=3600)
-    print(report(args, base, per_rank))
+    summary = summarize(per_rank)
+    if args.json:
+        print(json.dumps({"command": " ".join(sys.argv), "layout": _layout(args, base), **summary}))
+    else:
+        print(report(args, base, summary))
     return 0
 
 
-def report(args, base, per_rank: list[dict]) -> str:
-    p, m = base.parallel, base.model
+def summarize(per_rank: list[dict]) -> dict:
+    """Per block and variant: step time (median over steps of the slowest rank), and per
+    dimension the modelled communication and the exposed part (medians over steps of the mean over
+    ranks); hidden = 1 - exposed / comm; loss difference from the block's "off"."""
+    out: dict = {"cost_model": per_rank[0][next(iter(per_rank[0]))][0]["cost_model"], "blocks": {}}
+    for key in per_rank[0]:
+        block, name = key.split("/", 1)
+        steps = range(len(per_rank[0][key]))
+        row = {
+            "step_time_s": statistics.median(
+                max(r[key][i]["time_s"] for r in per_rank) for i in steps
+            )
+        }
+        for link in LINKS:
+            comm, exposed = (
+                statistics.median(
+                    statistics.fmean(
+                        r[key][i]["by_link"].get(link, {}).get(field, 0.0) for r in per_rank
+                    )
+                    for i in steps
+                )
+                for field in ("comm_s", "exposed_s")
+            )
+            row[link] = {
+                "comm_s": comm,
+                "exposed_comm_s": exposed,
+                "hidden": 1 - exposed / comm if comm > 0 else None,
+            }
+        ref = per_rank[0].get(f"{block}/off", per_rank[0][key])
+        row["max_loss_diff_vs_off"] = max(
+            abs(a["loss"] - b["loss"]) / abs(b["loss"])
+            for a, b in zip(per_rank[0][key], ref, strict=True)
+        )
+        out["blocks"].setdefault(block, {})[name] = row
+    for rows in out["blocks"].values():
+        off = rows.get("off")
+        for row in rows.values():
+            row["vs_off"] = row["step_time_s"] / off["step_time_s"] if off else None
+    return out
+
+
+def _layout(args, base) -> str:
+    p, m, t = base.parallel, base.model, base.train
+    return (
+        f"{args.nproc} {'GPU ranks (nccl)' if args.device == 'cuda' else 'CPU ranks (gloo)'}, "
+        f"TP{p.tp} x PP{p.pp} (VPP{p.vpp}) x DP{args.nproc // (p.tp * p.pp)}, "
+        f"sequence_parallel={p.sequence_parallel}; {m.num_layers} layers, hidden {m.hidden_size}, "
+        f"seq {m.seq_length}, gbs {t.global_batch_size}, mbs {t.micro_batch_size}"
+    )
+
+
+def report(args, base, summary: dict) -> str:
     lines = [
         f"# overlap benchmark — {datetime.date.today()}",
         f"command: {' '.join(sys.argv)}",
-        f"layout: {args.nproc} {'GPU ranks (nccl)' if args.device == 'cuda' else 'CPU ranks (gloo)'}"
-        f", TP{p.tp} x PP{p.pp} (VPP{p.vpp}) x "
-        f"DP{args.nproc // (p.tp * p.pp)}, sequence_parallel={p.sequence_parallel}",
-        f"model: {m.num_layers} layers, hidden {m.hidden_size}, seq {m.seq_length}, "
-        f"gbs {base.train.global_batch_size}, mbs {base.train.micro_batch_size}",
-        f"injected latency: {args.latency_ms:g} ms per collective/p2p call; "
-        f"{args.steps} timed steps x {args.rounds} rounds per variant",
-        "step time: median over steps of the slowest rank; exposed comm: median over steps of the "
-        "mean over ranks of the time spent blocked on communication",
+        f"layout: {_layout(args, base)}",
+        f"cost model: {json.dumps(summary['cost_model'])}",
+        "step time: median over steps of the slowest rank; comm / exposed: modelled communication "
+        "and the part the caller waited for, per dimension, median over steps of the rank mean",
         "",
-        "| variant | step time (s) | vs off | exposed comm (s) | max loss diff vs off |",
-        "|---|---|---|---|---|",
+        "| block | variant | step time (s) | vs off | TP/SP comm / exposed (s) | hidden "
+        "| PP comm / exposed (s) | hidden | DP comm / exposed (s) | hidden | loss diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    names = list(per_rank[0])
-    step_time = {n: _median_of_slowest(per_rank, n) for n in names}
-    exposed = {n: _median_exposed(per_rank, n) for n in names}
-    ref = per_rank[0].get("off") or per_rank[0][names[0]]
-    for n in names:
-        diff = max(
-            abs(a["loss"] - b["loss"]) / abs(b["loss"])
-            for a, b in zip(per_rank[0][n], ref, strict=True)
-        )
-        ratio = step_time[n] / step_time.get("off", step_time[names[0]])
-        lines.append(f"| {n} | {step_time[n]:.3f} | {ratio:.2f}x | {exposed[n]:.3f} | {diff:.1e} |")
+    for block, rows in summary["blocks"].items():
+        for name, row in rows.items():
+            cells = [block, name, f"{row['step_time_s']:.3f}", f"{row['vs_off']:.2f}x"]
+            for link in LINKS:
+                d = row[link]
+                cells.append(f"{d['comm_s']:.3f} / {d['exposed_comm_s']:.3f}")
+                cells.append("-" if d["hidden"] is None else f"{d['hidden']:.0%}")
+            cells.append(f"{row['max_loss_diff_vs_off']:.1e}")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _median_of_slowest(per_rank: list[dict], name: str) -> float:
-    steps = len(per_rank[0][name])
-    return statistics.median(
-        max(rank[name][i]["time_s"] for rank in per_rank) for i in range(steps)
-    )
-
-
-def _median_exposed(per_rank: list[dict], name: str) -> float:
-    steps = len(per_rank[0][name])
-    return statistics.median(
-        statistics.fmean(rank[name][i]["exposed_s"] for rank in per_rank) for i in range(steps)
-    )
 
 
 if __name__ == "__main__":

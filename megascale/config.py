@@ -77,21 +77,28 @@ class OverlapConfig:
     """Data parallel: bucketed grad reduce-scatter during backward, param all-gather during forward
     (distributed optimizer), and the first all-gather prefetched at iteration start."""
     pp: bool = True
-    """Pipeline parallel (interleaved schedule only): sends/receives decoupled in warm-up and
-    cool-down, asynchronous in the steady phase."""
+    """Pipeline parallel: sends/receives decoupled in warm-up and cool-down, asynchronous in the
+    steady phase (interleaved 1F1B: megatron-core's overlap_p2p_comm; plain 1F1B:
+    megascale.overlap.pp)."""
     tp: bool = True
-    """Tensor/sequence parallel (needs sequence_parallel). Local layer spec: the serial block's FFN
-    all-gather and reduce-scatter split into chunks pipelined with the GEMMs; the parallel block
-    shares one all-gather and one reduce-scatter between attention and MLP. TE spec: Transformer
-    Engine's userbuffers overlap (bf16, TE >= 1.9; ``megascale.overlap.tp_plan``)."""
+    """Tensor/sequence parallel (needs sequence_parallel). Local layer spec: the serial block's
+    attention and FFN all-gathers and reduce-scatters split into chunks pipelined with the GEMMs;
+    the parallel block shares one all-gather and one reduce-scatter between attention and MLP,
+    chunked and pipelined the same way. TE spec: Transformer Engine's userbuffers overlap (bf16,
+    TE >= 1.9; ``megascale.overlap.tp_plan``)."""
     tp_chunks: int = 4
-    """Chunks per FFN GEMM for ``tp`` on the local spec; the per-rank sequence length must be
+    """Chunks per pipelined GEMM for ``tp`` on the local spec; the per-rank sequence length must be
     divisible by it."""
     bucket_size: int | None = None
     """Parameters per DP bucket; None uses megatron-core's default (max(40M, 1M * dp))."""
 
     def pp_active(self, parallel: ParallelConfig) -> bool:
+        """Interleaved 1F1B with megatron-core's own p2p overlap."""
         return self.pp and parallel.pp > 1 and parallel.vpp > 1
+
+    def pp_decoupled(self, parallel: ParallelConfig) -> bool:
+        """Plain 1F1B with ``megascale.overlap.pp``'s decoupled, posted-ahead p2p."""
+        return self.pp and parallel.pp > 1 and parallel.vpp == 1
 
     def tp_active(self, parallel: ParallelConfig) -> bool:
         return self.tp and parallel.tp > 1 and parallel.sequence_parallel and self.tp_chunks > 1

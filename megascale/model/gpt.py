@@ -155,8 +155,9 @@ def layer_spec(model: ModelConfig, use_te: bool, tp_overlap_chunks: int = 1) -> 
     """The transformer layer spec: TE or local modules, serial or MegaScale's parallel block.
 
     ``tp_overlap_chunks > 1`` (local modules, sequence parallelism, ``overlap.tp``): the serial
-    block's FFN collectives are chunked and overlapped with its GEMMs; the parallel block instead
-    shares one all-gather and one reduce-scatter between its two branches (``megascale.overlap.tp``).
+    block's attention and FFN collectives are chunked and overlapped with their GEMMs; the parallel
+    block shares one all-gather and one reduce-scatter between its two branches, both chunked and
+    pipelined with the branches' GEMMs (``megascale.overlap.tp``).
     """
     if use_te:
         spec = get_gpt_layer_with_transformer_engine_spec()
@@ -186,30 +187,36 @@ def layer_spec(model: ModelConfig, use_te: bool, tp_overlap_chunks: int = 1) -> 
         return spec
     spec = get_gpt_layer_local_spec()
     if model.parallel_block and tp_overlap_chunks > 1:
-        return _fused_parallel_spec(spec)
-    mlp = spec.submodules.mlp
+        return _fused_parallel_spec(spec, tp_overlap_chunks)
+    mlp, attention = spec.submodules.mlp, spec.submodules.self_attention
     if tp_overlap_chunks > 1:
         chunks = {"overlap_chunks": tp_overlap_chunks}
+        column = ModuleSpec(module=OverlappedColumnParallelLinear, params=chunks)
+        row = ModuleSpec(module=OverlappedRowParallelLinear, params=chunks)
         mlp = dataclasses.replace(
             mlp,
+            submodules=dataclasses.replace(mlp.submodules, linear_fc1=column, linear_fc2=row),
+        )
+        attention = dataclasses.replace(
+            attention,
             submodules=dataclasses.replace(
-                mlp.submodules,
-                linear_fc1=ModuleSpec(module=OverlappedColumnParallelLinear, params=chunks),
-                linear_fc2=ModuleSpec(module=OverlappedRowParallelLinear, params=chunks),
+                attention.submodules, linear_qkv=column, linear_proj=row
             ),
         )
     sub = dataclasses.replace(
         spec.submodules,
         input_layernorm=LocalNorm,
         pre_mlp_layernorm=IdentityOp if model.parallel_block else LocalNorm,
+        self_attention=attention,
         mlp=mlp,
     )
     module = ParallelTransformerLayer if model.parallel_block else spec.module
     return ModuleSpec(module=module, submodules=sub)
 
 
-def _fused_parallel_spec(spec: ModuleSpec) -> ModuleSpec:
-    """Parallel block with shared TP communication: branch linears neither gather nor reduce."""
+def _fused_parallel_spec(spec: ModuleSpec, chunks: int) -> ModuleSpec:
+    """Parallel block with shared TP communication: branch linears neither gather nor reduce;
+    the block gathers and reduce-scatters once, chunked ``chunks`` ways."""
     sub = spec.submodules
     attention = dataclasses.replace(
         sub.self_attention.submodules,
@@ -223,7 +230,7 @@ def _fused_parallel_spec(spec: ModuleSpec) -> ModuleSpec:
     )
     return ModuleSpec(
         module=ParallelTransformerLayer,
-        params={"fused_tp_comm": True},
+        params={"fused_tp_comm": True, "tp_overlap_chunks": chunks},
         submodules=dataclasses.replace(
             sub,
             input_layernorm=LocalNorm,

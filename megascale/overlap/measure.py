@@ -3,8 +3,10 @@
 ``measure_rank`` runs on each rank (started by ``megascale.launcher.local.run_local``): for each
 round and each variant it rebuilds the trainer with that variant's ``overlap`` settings, runs
 ``warmup`` untimed and ``steps`` timed steps, and returns per-step wall time, exposed communication,
-loss, grad norm, and (optionally) the comm events and marks of the last step — so benchmarks and
-ordering tests share one code path. Variants alternate within each round, so machine noise lands on
+modelled and exposed communication per link class (tp, dp, pp), loss, grad norm, and (optionally)
+the comm events and marks of the step — so benchmarks and ordering tests share one code path.
+Communication is priced by a fixed latency, or (``fabric``) by the byte-proportional model of
+``megascale.overlap.cost`` calibrated on every rank at once against this CPU's GEMM rate. Variants alternate within each round, so machine noise lands on
 all of them alike.
 """
 
@@ -15,8 +17,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megascale.config import JobConfig
+from megascale.overlap.cost import CostModel, measure_gemm_flops
 from megascale.overlap.trace import CommTrace
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
@@ -29,7 +33,8 @@ def with_overlap(job: JobConfig, **changes) -> JobConfig:
 
 
 def _instrument(trainer: Trainer, trace: CommTrace) -> None:
-    """Marks: step start, batch loaded, first forward of the step, backward done (grad finalize)."""
+    """Marks: step start, batch loaded, first forward of the step, each micro-batch's forward step,
+    backward done (grad finalize)."""
     first_forward = {"seen": False}
 
     def on_forward(_module, _inputs):
@@ -53,7 +58,49 @@ def _instrument(trainer: Trainer, trace: CommTrace) -> None:
         return batches
 
     trainer.data.next_step = next_step_with_mark
+    forward_step = trainer._forward_step
+
+    def forward_step_with_mark(data_iterator, model):
+        trace.mark("microbatch_forward")
+        return forward_step(data_iterator, model)
+
+    trainer._forward_step = forward_step_with_mark
     trainer.reset_first_forward = lambda: first_forward.update(seen=False)
+
+
+def _link_classifier(groups):
+    """``link_of(group)``: "tp", "dp" or "pp" by the group's ranks (the embedding group, first and
+    last stage, counts as pp), "other" for the rest (grad-norm all-reduce, world)."""
+    classes = [
+        (frozenset(dist.get_process_group_ranks(g)), link)
+        for g, link in ((groups.tp, "tp"), (groups.dp, "dp"), (groups.pp, "pp"))
+        if g is not None and g.size() > 1
+    ]
+    cache: dict[int, str] = {}
+
+    def link_of(group) -> str:
+        if group is None:
+            return "other"
+        if id(group) not in cache:
+            ranks = frozenset(dist.get_process_group_ranks(group))
+            link = next((name for members, name in classes if ranks == members), None)
+            if link is None:
+                pp_ranks = next((m for m, name in classes if name == "pp"), frozenset())
+                link = "pp" if len(ranks) > 1 and ranks <= pp_ranks else "other"
+            cache[id(group)] = link
+        return cache[id(group)]
+
+    return link_of
+
+
+def calibrated_cost(fabric: str, elem_scale: float, alpha_scale: float) -> CostModel:
+    """The fabric's cost model scaled by the GEMM rate every rank gets while all run at once
+    (mean over ranks). Collective."""
+    dist.barrier()
+    rate = torch.tensor([measure_gemm_flops()], dtype=torch.float64)
+    dist.all_reduce(rate)
+    mean = rate.item() / dist.get_world_size()
+    return CostModel.calibrated(fabric, mean, elem_scale, alpha_scale)
 
 
 def measure_rank(
@@ -63,7 +110,10 @@ def measure_rank(
     steps: int,
     warmup: int,
     rounds: int,
-    latency_s: float,
+    latency_s: float = 0.0,
+    fabric: str | None = None,
+    elem_scale: float = 0.5,
+    alpha_scale: float = 1.0,
     keep_events: bool = False,
 ) -> dict[str, list[dict]]:
     """Per variant, one dict per timed step. Collective: every rank runs the same variants."""
@@ -73,7 +123,10 @@ def measure_rank(
     init_distributed(device)
     if device == "cpu":
         cpu_backend.activate()
-    trace = CommTrace(latency_s).install()
+    cost = (
+        calibrated_cost(fabric, elem_scale, alpha_scale) if fabric else CostModel.fixed(latency_s)
+    )
+    trace = CommTrace(cost=cost).install()
     results: dict[str, list[dict]] = {name: [] for name in variants}
     order = list(variants)
     for r in range(rounds):
@@ -83,6 +136,7 @@ def measure_rank(
             seed_everything(job.train.seed, groups.tp_rank, device)
             trainer = Trainer(job, groups, device, data_cache_dir=data_dir)
             _instrument(trainer, trace)
+            trace.link_of = _link_classifier(groups)
             for i in range(warmup + steps):
                 trainer.reset_first_forward()
                 trace.reset()
@@ -101,6 +155,11 @@ def measure_rank(
                     "exposed_s": exposed,
                     "loss": m.loss,
                     "grad_norm": m.grad_norm,
+                    "by_link": {
+                        link: {"comm_s": c, "exposed_s": x}
+                        for link, (c, x) in trace.last_by_link.items()
+                    },
+                    "cost_model": cost.describe(),
                 }
                 if keep_events:
                     row["events"] = [dataclasses.asdict(e) for e in events]

@@ -1,17 +1,25 @@
-"""Tensor/sequence-parallel overlap: the FFN's SP collectives chunked and pipelined with its GEMMs.
+"""Tensor/sequence-parallel overlap: the SP collectives chunked and pipelined with the GEMMs.
 
-With sequence parallelism the FFN's column-parallel fc1 all-gathers its input along the sequence
-before the GEMM, and the row-parallel fc2 reduce-scatters its output after it. MegaScale hides both:
+With sequence parallelism each column-parallel linear (attention QKV, MLP fc1) all-gathers its input
+along the sequence before the GEMM, and each row-parallel linear (attention output projection, MLP
+fc2) reduce-scatters its output after it. MegaScale hides both:
 
-* ``fc1``: the local input is split into ``k`` sequence chunks; chunk ``j+1``'s all-gather is
-  issued (asynchronously) just before chunk ``j``'s GEMM, which runs as soon as chunk ``j`` has
-  arrived, so one chunk's communication is always in flight behind the current GEMM.
-* ``fc2``: the GEMM is split into ``k`` chunks; chunk ``j``'s reduce-scatter is issued as soon as its
-  GEMM is done and runs while chunk ``j+1``'s GEMM computes.
+* all-gather + GEMM (``all_gather_linears``): the local input is split into ``k`` sequence chunks;
+  chunk ``j+1``'s all-gather is issued (asynchronously) just before chunk ``j``'s GEMM, which runs
+  as soon as chunk ``j`` has arrived, so one chunk's communication is always in flight behind the
+  current GEMM.
+* GEMM + reduce-scatter (``linears_reduce_scatter``): the GEMM is split into ``k`` chunks; chunk
+  ``j``'s reduce-scatter is issued as soon as its GEMM is done and runs while chunk ``j+1``'s GEMM
+  computes.
 
-Backward mirrors them (fc1: the local input gathered again chunk by chunk — only it is saved —
-with chunked GEMMs + reduce-scatter of the input gradient; fc2: chunked all-gather of the output
-gradient, one chunk ahead, + GEMM). Device-agnostic: the collectives are asynchronous
+The serial block uses them per linear (``OverlappedColumnParallelLinear`` for QKV and fc1,
+``OverlappedRowParallelLinear`` for the output projection and fc2). MegaScale's parallel block
+shares one gather of LN(x) between QKV and fc1 and one reduce-scatter between the output projection
+and fc2 (``megascale.model.parallel_block``): both weights' GEMMs run on each chunk.
+
+Backward mirrors them (all-gather side: the local input gathered again chunk by chunk — only it is
+saved — with chunked GEMMs + reduce-scatter of the input gradient; reduce-scatter side: chunked
+all-gather of the output gradient, one chunk ahead, + GEMMs). Device-agnostic: the collectives are asynchronous
 ``torch.distributed`` calls (gloo runs them on its own threads; NCCL on its own stream), so the same
 code overlaps on CPU and GPU.
 
@@ -74,7 +82,9 @@ def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class _ChunkedAllGatherLinear(torch.autograd.Function):
-    """y = all_gather_seq(x) @ w^T, with the gather chunked and overlapped with the GEMMs.
+    """(all_gather_seq(x) @ w_i^T for each weight w_i), with the gather chunked and overlapped with
+    the GEMMs. Several weights share one gather (the parallel block's QKV and fc1: one fused GEMM
+    per chunk in the paper, here one GEMM per weight per chunk on the same chunk).
 
     Saves only the local input shard for backward (``1/tp`` of the gathered input), and gathers it
     again there, chunk by chunk behind the input-gradient GEMMs, as megatron-core's own
@@ -82,64 +92,79 @@ class _ChunkedAllGatherLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_local, weight, k, group):
+    def forward(ctx, x_local, k, group, *weights):
         tp = dist.get_world_size(group)
-        out = torch.empty(
-            (x_local.shape[0] * tp, *x_local.shape[1:-1], weight.shape[0]),
-            dtype=x_local.dtype,
-            device=x_local.device,
-        )
-        out_view = _tp_chunk_view(out, tp, k)
-        trace.mark("tp.fc1.start")
+        outs = [
+            torch.empty(
+                (x_local.shape[0] * tp, *x_local.shape[1:-1], w.shape[0]),
+                dtype=x_local.dtype,
+                device=x_local.device,
+            )
+            for w in weights
+        ]
+        views = [_tp_chunk_view(out, tp, k) for out in outs]
+        trace.mark("tp.ag.start")
         for j, chunk_full in enumerate(_gathered_one_ahead(x_local, k, group)):
-            trace.mark(f"tp.fc1.gemm_start.{j}")  # chunk j+1's all-gather is in flight
-            out_view[:, j] = _matmul(chunk_full, weight)
-            trace.mark(f"tp.fc1.gemm_done.{j}")
-        ctx.save_for_backward(x_local, weight)
+            trace.mark(f"tp.ag.gemm_start.{j}")  # chunk j+1's all-gather is in flight
+            for view, w in zip(views, weights, strict=True):
+                view[:, j] = _matmul(chunk_full, w)
+            trace.mark(f"tp.ag.gemm_done.{j}")
+        ctx.save_for_backward(x_local, *weights)
         ctx.k, ctx.group = k, group
-        return out
+        return tuple(outs) if len(outs) > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x_local, weight = ctx.saved_tensors
+    def backward(ctx, *grad_outs):
+        x_local, *weights = ctx.saved_tensors
         k, group = ctx.k, ctx.group
         tp = dist.get_world_size(group)
-        grad_out = grad_out.contiguous()
-        grad_view = _tp_chunk_view(grad_out, tp, k)
-        grad_x = torch.empty_like(x_local, dtype=grad_out.dtype)
+        grad_views = [_tp_chunk_view(g.contiguous(), tp, k) for g in grad_outs]
+        grad_x = torch.empty_like(x_local, dtype=grad_outs[0].dtype)
         grad_x_chunks = grad_x.chunk(k, dim=0)
-        grad_w = torch.zeros_like(weight)
+        grad_ws = [torch.zeros_like(w) for w in weights]
         handles = []
         for j, x_full in enumerate(_gathered_one_ahead(x_local, k, group)):
-            g = grad_view[:, j].reshape(-1, *grad_out.shape[1:])
-            gx = torch.matmul(g, weight).contiguous()
+            x = x_full.reshape(-1, x_local.shape[-1])
+            gx = None
+            for grad_view, w, grad_w in zip(grad_views, weights, grad_ws, strict=True):
+                g = grad_view[:, j].reshape(-1, *grad_view.shape[3:])
+                gx = torch.matmul(g, w) if gx is None else gx + torch.matmul(g, w)
+                grad_w += g.reshape(-1, g.shape[-1]).t().matmul(x)
             # Reduce-scatter chunk j while chunk j+1's GEMMs run.
+            gx = gx.contiguous()
             handles.append(
                 (gx, dist.reduce_scatter_tensor(grad_x_chunks[j], gx, group=group, async_op=True))
             )
-            x = x_full.reshape(-1, x_local.shape[-1])
-            grad_w += g.reshape(-1, g.shape[-1]).t().matmul(x)
         for _, handle in handles:
             handle.wait()
-        return grad_x, grad_w, None, None
+        return (grad_x, None, None, *grad_ws)
 
 
 class _ChunkedReduceScatterLinear(torch.autograd.Function):
-    """y_local = reduce_scatter_seq(x @ w^T), with the GEMM chunked and the scatter overlapped."""
+    """y_local = reduce_scatter_seq(sum_i x_i @ w_i^T), with the GEMMs chunked and each chunk's
+    reduce-scatter overlapped with the next chunk's GEMMs. Several (x_i, w_i) pairs share one
+    reduce-scatter (the parallel block's output projection and fc2)."""
 
     @staticmethod
-    def forward(ctx, x, weight, k, group):
+    def forward(ctx, k, group, *pairs):
+        xs, weights = pairs[0::2], pairs[1::2]
         tp = dist.get_world_size(group)
-        x_view = _tp_chunk_view(x, tp, k)
-        s_local = x.shape[0] // tp
+        x_views = [_tp_chunk_view(x, tp, k) for x in xs]
+        x0 = xs[0]
         out = torch.empty(
-            (s_local, *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device
+            (x0.shape[0] // tp, *x0.shape[1:-1], weights[0].shape[0]),
+            dtype=x0.dtype,
+            device=x0.device,
         )
         out_chunks = out.chunk(k, dim=0)
         handles = []
         for j in range(k):
-            partial = _matmul(x_view[:, j].reshape(-1, *x.shape[1:]), weight).contiguous()
-            trace.mark(f"tp.fc2.gemm_done.{j}")
+            partial = None
+            for x, x_view, w in zip(xs, x_views, weights, strict=True):
+                y = _matmul(x_view[:, j].reshape(-1, *x.shape[1:]), w)
+                partial = y if partial is None else partial + y
+            partial = partial.contiguous()
+            trace.mark(f"tp.rs.gemm_done.{j}")
             # Chunk j's reduce-scatter runs while chunk j+1's GEMM computes.
             handles.append(
                 (
@@ -149,22 +174,43 @@ class _ChunkedReduceScatterLinear(torch.autograd.Function):
             )
         for _, handle in handles:
             handle.wait()
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(*pairs)
         ctx.k, ctx.group = k, group
         return out
 
     @staticmethod
     def backward(ctx, grad_out_local):
-        x, weight = ctx.saved_tensors
+        pairs = ctx.saved_tensors
+        xs, weights = pairs[0::2], pairs[1::2]
         k, group = ctx.k, ctx.group
         tp = dist.get_world_size(group)
-        grad_x = torch.empty_like(x)
-        grad_x_view, x_view = _tp_chunk_view(grad_x, tp, k), _tp_chunk_view(x, tp, k)
-        grad_w = torch.zeros_like(weight)
+        grad_xs = [torch.empty_like(x) for x in xs]
+        grad_x_views = [_tp_chunk_view(g, tp, k) for g in grad_xs]
+        x_views = [_tp_chunk_view(x, tp, k) for x in xs]
+        grad_ws = [torch.zeros_like(w) for w in weights]
         for j, g in enumerate(_gathered_one_ahead(grad_out_local.contiguous(), k, group)):
-            grad_x_view[:, j] = torch.matmul(g, weight)
-            grad_w += g.reshape(-1, g.shape[-1]).t().matmul(x_view[:, j].reshape(-1, x.shape[-1]))
-        return grad_x, grad_w, None, None
+            g2 = g.reshape(-1, g.shape[-1]).t()
+            for x, x_view, grad_x_view, w, grad_w in zip(
+                xs, x_views, grad_x_views, weights, grad_ws, strict=True
+            ):
+                grad_x_view[:, j] = torch.matmul(g, w)
+                grad_w += g2.matmul(x_view[:, j].reshape(-1, x.shape[-1]))
+        grads = [t for pair in zip(grad_xs, grad_ws, strict=True) for t in pair]
+        return (None, None, *grads)
+
+
+def all_gather_linears(x_local: torch.Tensor, weights: list, k: int, group) -> tuple:
+    """Each ``all_gather_seq(x_local) @ w^T``, the gather chunked ``k`` ways and pipelined with the
+    GEMMs (one shared gather for every weight)."""
+    out = _ChunkedAllGatherLinear.apply(x_local, k, group, *weights)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def linears_reduce_scatter(pairs: list[tuple], k: int, group) -> torch.Tensor:
+    """``reduce_scatter_seq(sum of x @ w^T over (x, w) in pairs)``, the GEMMs chunked ``k`` ways
+    and each chunk's reduce-scatter overlapped with the next chunk's GEMMs."""
+    flat = [t for pair in pairs for t in pair]
+    return _ChunkedReduceScatterLinear.apply(k, group, *flat)
 
 
 def _chunks_for(module, seq_local: int) -> int:
@@ -184,7 +230,7 @@ class OverlappedColumnParallelLinear(ColumnParallelLinear):
         k = _chunks_for(self, input_.shape[0])
         if not (self.sequence_parallel and k > 1 and weight is None and not self.gather_output):
             return super().forward(input_, weight, runtime_gather_output)
-        output = _ChunkedAllGatherLinear.apply(input_, self.weight, k, self.tp_group)
+        (output,) = all_gather_linears(input_, [self.weight], k, self.tp_group)
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias
         return output, (self.bias if self.skip_bias_add else None)
@@ -203,7 +249,7 @@ class OverlappedRowParallelLinear(RowParallelLinear):
         k = _chunks_for(self, input_.shape[0] // max(tp, 1))
         if not (self.sequence_parallel and k > 1 and self.input_is_parallel):
             return super().forward(input_)
-        output = _ChunkedReduceScatterLinear.apply(input_, self.weight, k, self.tp_group)
+        output = linears_reduce_scatter([(input_, self.weight)], k, self.tp_group)
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias
         return output, (self.bias if self.skip_bias_add else None)
@@ -221,9 +267,15 @@ class GatheredInputColumnParallelLinear(ColumnParallelLinear):
         super().__init__(*args, **kwargs)
         self.sequence_parallel = False
         self.disable_grad_reduce = True
+        self.precomputed: torch.Tensor | None = None
+        """Set by the caller just before ``forward`` when it has run this GEMM itself (pipelined
+        with the gather); ``forward`` then returns it (plus bias) instead of its input's GEMM."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        output = _matmul(input_, self.weight if weight is None else weight)
+        if self.precomputed is not None:
+            output, self.precomputed = self.precomputed, None
+        else:
+            output = _matmul(input_, self.weight if weight is None else weight)
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias
         return output, (self.bias if self.skip_bias_add else None)
@@ -241,6 +293,11 @@ class PartialRowParallelLinear(RowParallelLinear):
         super().__init__(*args, **kwargs)
         if not self.skip_bias_add:
             raise ValueError("PartialRowParallelLinear needs skip_bias_add=True")
+        self.defer_gemm = False
+        """When set, ``forward`` returns its input unmultiplied: the caller runs the GEMM itself,
+        pipelined with the reduce-scatter (``linears_reduce_scatter``)."""
 
     def forward(self, input_):
+        if self.defer_gemm:
+            return input_, self.bias
         return _matmul(input_, self.weight), self.bias

@@ -1,18 +1,27 @@
-"""See overlap on any backend: record every collective and p2p call, and optionally make each one
-take a fixed extra latency, so that communication is costly relative to compute even on CPU.
+"""See overlap on any backend: record every collective and p2p call, and optionally give each one a
+modelled cost, so that communication is costly relative to compute even on CPU.
 
 ``CommTrace.install()`` wraps ``torch.distributed``'s collective and p2p functions (and the aliases
-megatron-core binds at import time) in this process. For each call it records an event (kind, issue
-time, when the caller started and stopped waiting) and, with ``latency_s > 0``, models a link with
-that latency:
+megatron-core binds at import time) in this process. For each call it records an event (kind, link
+class, bytes, modelled cost, issue time, when the caller started and stopped waiting). The cost of a
+call is ``CostModel.delay(op, bytes, group size, link)`` (``megascale.overlap.cost``): a fixed
+latency per call, or alpha + bytes / beta of a named fabric. With a non-zero cost, calls run on
+communication threads, one per process group (a FIFO, like a GPU's communication stream):
 
-* an asynchronous call returns at once; its handle's ``wait()`` returns no earlier than
-  ``issue time + latency`` — compute done in between hides the latency;
-* a synchronous call blocks for its own duration plus the latency.
+* the thread waits out the call's cost after the previous call of that group ended, then runs the
+  real call: an asynchronous call returns at once and its handle's ``wait()`` blocks until the
+  thread is done, so compute done in between hides the cost; a synchronous call waits at once;
+* a send carries the cost of its message (it reaches the peer only after it); a receive is posted
+  at once and costs nothing of its own — it completes when the delayed send arrives, so the
+  receiver waits exactly as long as the link and the sender's lateness make it.
 
-``exposed_s`` accumulates the time the caller spent blocked (synchronous calls and ``wait()``): the
-communication that computation did not hide. Ops issued together inside megatron-core's
-``_coalescing_manager`` (one bucket's collectives) count as one operation.
+``exposed_s`` accumulates the time the caller spent blocked (synchronous calls and ``wait()``);
+``exposed_by_link`` the part of it that the link's modelled transfers explain (``add_wait``): the
+communication that computation did not hide; ``comm_by_link`` sums the modelled cost of the calls
+issued. Ops issued together inside megatron-core's
+``_coalescing_manager`` (one bucket's collectives) or a ``batch_isend_irecv`` count as one operation;
+they run in the caller's thread after their group's queue drains (so every rank issues a group's
+calls in the same order), and their handle waits out their summed cost.
 
 This is a measurement tool for benchmarks and ordering tests; nothing in training depends on it.
 Which names are patched and why (megatron-core's aliases, P2POp's identity checks, re-entry through
@@ -24,13 +33,19 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
+from megascale.overlap.cost import CostModel
 from megascale.parallel.comm_hooks import COLLECTIVES, P2P_ASYNC, CommWrapper, Patches
 
 _ACTIVE: CommTrace | None = None
+_P2P = ("isend", "irecv", "send", "recv")
 
 
 def mark(name: str) -> None:
@@ -46,6 +61,9 @@ class CommEvent:
     wait_start: float | None = None
     wait_end: float | None = None
     coalesced: bool = False
+    link: str = "other"
+    nbytes: int = 0
+    cost_s: float = 0.0
 
 
 @dataclass
@@ -59,32 +77,91 @@ class _State:
     events: list[CommEvent] = field(default_factory=list)
     marks: list[Mark] = field(default_factory=list)
     exposed_s: float = 0.0
+    exposed_by_link: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    comm_by_link: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    busy: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+
+
+def _group_of(args, kwargs):
+    group = kwargs.get("group")
+    if group is None:
+        group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+    return group
+
+
+def _nbytes(args, kwargs) -> int:
+    """Bytes of the call's full tensor: the larger of output and input (all-gather: the output,
+    reduce-scatter: the input), or the sum of a tensor list."""
+    sizes = [0]
+    for value in (*args[:2], *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            sizes.append(value.numel() * value.element_size())
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            sizes.append(sum(t.numel() * t.element_size() for t in value))
+    return max(sizes)
+
+
+class _Lane:
+    """One process group's communication thread: calls run in issue order, each starting no
+    earlier than the previous one's modelled end plus its own cost."""
+
+    def __init__(self, on_busy: Callable[[float, float], None]) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megascale-comm")
+        self.busy_until = 0.0
+        self._on_busy = on_busy
+
+    def reserve(self, cost_s: float) -> float:
+        """The modelled end of a call of ``cost_s`` starting now or when the lane frees up."""
+        start = max(self.busy_until, time.perf_counter())
+        self.busy_until = start + cost_s
+        self._on_busy(start, self.busy_until)
+        return self.busy_until
+
+    def submit(self, cost_s: float, fn: Callable) -> Future:
+        def run():
+            remaining = self.reserve(cost_s) - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+            return fn()
+
+        return self.executor.submit(run)
+
+    def drain(self) -> None:
+        self.executor.submit(lambda: None).result()
 
 
 class _DelayedWork:
-    """A work handle whose ``wait()`` also waits out the modelled link latency."""
+    """A work handle whose ``wait()`` also waits for the communication thread and for the modelled
+    end of the call (``ready_at``). ``work`` is the real handle or a Future of it."""
 
     def __init__(self, work, event: CommEvent, ready_at: float, trace: CommTrace) -> None:
         self._work, self._event, self._ready_at, self._trace = work, event, ready_at, trace
 
+    def _real(self):
+        return self._work.result() if isinstance(self._work, Future) else self._work
+
     def wait(self, *args, **kwargs):
         start = time.perf_counter()
-        result = self._work.wait(*args, **kwargs) if self._work is not None else True
+        work = self._real()
+        result = work.wait(*args, **kwargs) if work is not None else True
         remaining = self._ready_at - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
         end = time.perf_counter()
         if self._event.wait_start is None:
             self._event.wait_start, self._event.wait_end = start, end
-        self._trace.state.exposed_s += end - start
+        self._trace.add_wait(self._event, start, end)
         return result
 
     def is_completed(self) -> bool:
-        done = self._work is None or self._work.is_completed()
+        if isinstance(self._work, Future) and not self._work.done():
+            return False
+        work = self._real()
+        done = work is None or work.is_completed()
         return done and time.perf_counter() >= self._ready_at
 
     def __getattr__(self, name):
-        return getattr(self._work, name)
+        return getattr(self._real(), name)
 
 
 class _Wrapped(CommWrapper):
@@ -100,36 +177,62 @@ class _Wrapped(CommWrapper):
             # torch's handle_torch_function (a TorchFunctionMode is active on CPU) calls the
             # function again through the patched module name: already recorded by the outer call.
             return self.original(*args, **kwargs)
+        event = trace.record(self.name, args, kwargs, coalesced=trace.passthrough)
         if trace.passthrough:  # inside a coalescing manager or batch: counted there
-            trace.state.events.append(CommEvent(self.name, time.perf_counter(), coalesced=True))
             with trace.entered():
                 return self.original(*args, **kwargs)
         is_async = self.name in P2P_ASYNC or kwargs.get("async_op", False)
-        issued = time.perf_counter()
-        event = CommEvent(self.name, issued)
-        trace.state.events.append(event)
-        with trace.entered():
-            result = self.original(*args, **kwargs)
+        result = None
+        if not trace.threaded or self.name in ("irecv", "recv"):
+            with trace.entered():
+                result = self.original(*args, **kwargs)
+            handle = result if hasattr(result, "wait") else None  # blocking recv: a rank
+            work = _DelayedWork(handle, event, event.issued + event.cost_s, trace)
+        else:
+            work = _DelayedWork(trace.run_on_lane(self, args, kwargs, event), event, 0.0, trace)
         if is_async:
-            return _DelayedWork(result, event, issued + trace.latency_s, trace)
-        remaining = issued + trace.latency_s - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
-        event.wait_start, event.wait_end = issued, time.perf_counter()
-        trace.state.exposed_s += event.wait_end - issued
-        return result
+            return work
+        if self.name in ("send", "recv") or trace.threaded:
+            work.wait()
+        else:  # unthreaded, synchronous: the call is done; wait out its modelled cost
+            remaining = event.issued + event.cost_s - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+            event.wait_start, event.wait_end = event.issued, time.perf_counter()
+            trace.add_wait(event, event.issued, event.wait_end)
+        return result if self.name == "recv" else work._real()
 
 
 class CommTrace:
-    """Records (and with ``latency_s`` delays) this process's communication. Install once per
-    process, after megatron-core is imported; ``uninstall`` restores everything."""
+    """Records (and with a cost model delays) this process's communication. Install once per
+    process, after megatron-core is imported; ``uninstall`` restores everything.
 
-    def __init__(self, latency_s: float = 0.0) -> None:
-        self.latency_s = latency_s
+    ``latency_s``: the fixed-latency model (every call costs that much); ``cost``: any
+    ``CostModel`` (overrides ``latency_s``). ``link_of(group) -> "tp" | "dp" | "pp" | "other"``
+    classifies collectives by their process group (p2p calls are always "pp").
+    """
+
+    def __init__(
+        self,
+        latency_s: float = 0.0,
+        *,
+        cost: CostModel | None = None,
+        link_of: Callable[[object], str] | None = None,
+    ) -> None:
+        self.cost = cost if cost is not None else CostModel.fixed(latency_s)
+        self.link_of = link_of or (lambda _group: "other")
+        self.threaded = self.cost.fabric is not None or self.cost.fixed_latency_s > 0
         self.state = _State()
         self._local = threading.local()
         self._patches = Patches()
+        self._lanes: dict[object, _Lane] = {}
+        self._lock = threading.Lock()
+        self.last_by_link: dict[str, tuple[float, float]] = {}
         self.installed = False
+
+    @property
+    def latency_s(self) -> float:
+        return self.cost.fixed_latency_s
 
     @property
     def passthrough(self) -> bool:
@@ -152,9 +255,95 @@ class CommTrace:
         self.state.marks.append(Mark(name, time.perf_counter()))
 
     def reset(self) -> tuple[list[CommEvent], list[Mark], float]:
-        """Return and clear (events, marks, exposed seconds) — e.g. once per training step."""
+        """Return and clear (events, marks, exposed seconds) — e.g. once per training step.
+        ``last_by_link`` then holds the cleared step's (comm, exposed) seconds per link class."""
+        for lane in list(self._lanes.values()):
+            lane.drain()
         state, self.state = self.state, _State()
+        self.last_by_link = {
+            link: (state.comm_by_link.get(link, 0.0), state.exposed_by_link.get(link, 0.0))
+            for link in sorted({*state.comm_by_link, *state.exposed_by_link})
+        }
         return state.events, state.marks, state.exposed_s
+
+    def add_wait(self, event: CommEvent | None, start: float, end: float, link: str = "") -> None:
+        """Account the caller's wait ``[start, end]`` for ``event`` (or for a drain of ``link``).
+
+        ``exposed_s`` counts all of it. ``exposed_by_link`` counts only the part the link's
+        modelled transfers explain: the wait's overlap with that link's busy intervals, or for a
+        receive (priced at its sender) at most the cost of the message — the rest of a wait is
+        a peer arriving late (a pipeline bubble, a slower rank), not communication.
+        """
+        link = event.link if event is not None else link
+        if event is not None and event.kind in ("irecv", "recv"):
+            size = dist.get_world_size() if dist.is_initialized() else 2
+            message = self.cost.delay("isend", event.nbytes, size, link)
+            explained = min(end - start, message)
+        else:
+            explained = self._busy_overlap(link, start, end)
+        with self._lock:
+            self.state.exposed_s += end - start
+            self.state.exposed_by_link[link] += explained
+
+    def _busy_overlap(self, link: str, start: float, end: float) -> float:
+        with self._lock:
+            spans = sorted(
+                (max(s, start), min(e, end)) for s, e in self.state.busy[link] if e > start
+            )
+        total, reach = 0.0, start
+        for s, e in spans:
+            if e > reach:
+                total += e - max(s, reach)
+                reach = e
+        return total
+
+    def _busy(self, link: str) -> Callable[[float, float], None]:
+        def on_busy(start: float, end: float) -> None:
+            with self._lock:
+                self.state.busy[link].append((start, end))
+
+        return on_busy
+
+    # -- pricing and lanes -------------------------------------------------------------------------
+
+    def record(self, kind: str, args=(), kwargs=None, *, coalesced=False, group=None) -> CommEvent:
+        """Append the event of one call, priced by the cost model (p2p receives cost nothing)."""
+        kwargs = kwargs or {}
+        group = group if group is not None else _group_of(args, kwargs)
+        link = "pp" if kind in _P2P or kind == "batch_isend_irecv" else self.link_of(group)
+        nbytes = _nbytes(args, kwargs)
+        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        cost = 0.0 if kind in ("irecv", "recv") else self.cost.delay(kind, nbytes, size, link)
+        event = CommEvent(kind, time.perf_counter(), coalesced=coalesced, link=link, nbytes=nbytes)
+        event.cost_s = cost
+        self.state.events.append(event)
+        if not coalesced:
+            self.state.comm_by_link[link] += cost
+        return event
+
+    def lane(self, group, link: str | None = None) -> _Lane:
+        key = id(group) if group is not None else None
+        if key not in self._lanes:
+            self._lanes[key] = _Lane(self._busy(link or self.link_of(group)))
+        return self._lanes[key]
+
+    def run_on_lane(self, wrapper: _Wrapped, args, kwargs, event: CommEvent) -> Future:
+        """Run the real call on its group's thread after its modelled cost; the Future yields
+        the real handle (collectives already waited for, a send only posted)."""
+        group = _group_of(args, kwargs)
+        collective = wrapper.name not in _P2P
+
+        grad_mode = torch.is_grad_enabled()  # thread-local: the caller's, not the thread's
+
+        def call():
+            with self.entered(), torch.set_grad_enabled(grad_mode):
+                work = wrapper.original(*args, **kwargs)
+            if collective and hasattr(work, "wait"):
+                work.wait()  # the thread is the collective's stream: it ends when the call does
+                return None
+            return work
+
+        return self.lane(group, event.link).submit(event.cost_s, call)
 
     # -- installation ------------------------------------------------------------------------------
 
@@ -175,6 +364,9 @@ class CommTrace:
         _ACTIVE = None
         self.installed = False
         self._patches.restore()
+        for lane in self._lanes.values():
+            lane.executor.shutdown(wait=True)
+        self._lanes.clear()
 
     @contextlib.contextmanager
     def _grouped(self):
@@ -184,14 +376,35 @@ class CommTrace:
         finally:
             self._local.depth -= 1
 
+    def _grouped_event(self, kind: str, inner: list[CommEvent], group) -> tuple[CommEvent, float]:
+        """One event for calls issued together: their summed cost, on their group's lane."""
+        link = inner[0].link if inner else self.link_of(group)
+        event = CommEvent(kind, time.perf_counter(), link=link)
+        event.nbytes = sum(e.nbytes for e in inner)
+        event.cost_s = sum(e.cost_s for e in inner)
+        self.state.events.append(event)
+        self.state.comm_by_link[link] += event.cost_s
+        ready_at = self.lane(group, link).reserve(event.cost_s) if self.threaded else event.issued
+        return event, ready_at
+
+    def _drain(self, group, link: str | None = None) -> None:
+        """Wait (exposed) until ``group``'s thread has run every call issued before this one."""
+        if not self.threaded:
+            return
+        start = time.perf_counter()
+        self.lane(group).drain()
+        self.add_wait(None, start, time.perf_counter(), link or self.link_of(group))
+
     def _batch(self, original):
         def batch_isend_irecv(p2p_op_list):
-            issued = time.perf_counter()
-            event = CommEvent("batch_isend_irecv", issued)
-            self.state.events.append(event)
+            group = p2p_op_list[0].group if p2p_op_list else None
+            self._drain(group, "pp")
+            first = len(self.state.events)
             with self._grouped():
                 works = original(p2p_op_list)
-            return [_DelayedWork(w, event, issued + self.latency_s, self) for w in works]
+            inner = self.state.events[first:]
+            event, ready_at = self._grouped_event("batch_isend_irecv", inner, group)
+            return [_DelayedWork(w, event, ready_at, self) for w in works]
 
         return batch_isend_irecv
 
@@ -200,14 +413,15 @@ class CommTrace:
 
         @contextlib.contextmanager
         def coalescing_manager(group=None, device=None, async_ops=False):
+            trace._drain(group)  # this group's earlier calls first, as on every rank
             proxy = _CoalescedHandle()
+            first = len(trace.state.events)
             with trace._grouped(), original(group, device, async_ops) as cm:
                 proxy.cm = cm
                 yield proxy
-            issued = time.perf_counter()  # the coalesced ops are issued on exiting the block
-            event = CommEvent("coalesced", issued)
-            trace.state.events.append(event)
-            proxy.delayed = _DelayedWork(cm, event, issued + trace.latency_s, trace)
+            inner = trace.state.events[first:]
+            event, ready_at = trace._grouped_event("coalesced", inner, group)
+            proxy.delayed = _DelayedWork(cm, event, ready_at, trace)
             if not async_ops:
                 proxy.delayed.wait()
 

@@ -108,8 +108,13 @@ def parallelize(
     return apply_ddp(chunks, config, job, groups)
 
 
-def forward_backward_func() -> Callable:
-    """megatron-core's schedule for the configured layout: no pipelining, 1F1B, or interleaved."""
+def forward_backward_func(job: JobConfig, groups: Groups) -> Callable:
+    """megatron-core's schedule for the configured layout: no pipelining, 1F1B, or interleaved;
+    plain 1F1B with ``overlap.pp`` runs with decoupled, posted-ahead p2p (``overlap.pp``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if job.overlap.pp_decoupled(job.parallel):
+        from megascale.overlap.pp import overlapped_1f1b
+
+        return overlapped_1f1b(groups)
     return get_forward_backward_func()

@@ -97,7 +97,7 @@ class Trainer:
         self.data = train_batches(
             job, train_data, groups.dp_rank, groups.layout.dp, needs_tokens=needs_tokens
         )
-        self.forward_backward = forward_backward_func()
+        self.forward_backward = forward_backward_func(job, groups)
         self.param_prefetch = ParamGatherPrefetch(self.model)
         self.tokens_per_step = job.train.global_batch_size * job.model.seq_length
         self.flops_per_token = flops_per_token(job.model).total

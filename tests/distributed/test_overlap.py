@@ -30,14 +30,22 @@ LAYOUTS = {
         {"tp": 2, "pp": 2, "vpp": 2, "sequence_parallel": True, "batch_p2p_comm": False},
     ),
     "pp4-vpp2": (4, {"pp": 4, "vpp": 2, "batch_p2p_comm": False}),
+    # Plain 1F1B (vpp 1): megascale.overlap.pp's decoupled, posted-ahead p2p.
+    "pp2": (2, {"pp": 2}),
 }
 
 
-def _job(parallel: dict):
+def _job(parallel: dict, parallel_block: bool = False):
     return with_changes(
         load("tiny"),
         parallel=parallel,
-        model={"num_layers": 8, "hidden_size": 32, "num_heads": 4, "seq_length": 32},
+        model={
+            "num_layers": 8,
+            "hidden_size": 32,
+            "num_heads": 4,
+            "seq_length": 32,
+            "parallel_block": parallel_block,
+        },
         train={"global_batch_size": 8, "micro_batch_size": 1},
         optim={"warmup_steps": 0, "lr": 3e-3},
         # Small buckets: several per chunk, so bucket-by-bucket overlap is exercised.
@@ -45,9 +53,10 @@ def _job(parallel: dict):
     )
 
 
-def _measure(world, parallel, variants, *, steps, keep_events=False):
+def _measure(world, parallel, variants, *, steps, keep_events=False, parallel_block=False):
     jobs = {
-        n: validate(with_overlap(_job(parallel), **v), world, "gloo") for n, v in variants.items()
+        n: validate(with_overlap(_job(parallel, parallel_block), **v), world, "gloo")
+        for n, v in variants.items()
     }
     fn = functools.partial(
         measure_rank, steps=steps, warmup=0, rounds=1, latency_s=0.0, keep_events=keep_events
@@ -55,10 +64,11 @@ def _measure(world, parallel, variants, *, steps, keep_events=False):
     return fn, jobs
 
 
+@pytest.mark.parametrize("block", ["serial", "parallel"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_overlap_keeps_loss_and_grad_norm(layout, data_dir):
+def test_every_overlap_keeps_loss_and_grad_norm(layout, block, data_dir):
     world, parallel = LAYOUTS[layout]
-    fn, jobs = _measure(world, parallel, VARIANTS, steps=3)
+    fn, jobs = _measure(world, parallel, VARIANTS, steps=3, parallel_block=block == "parallel")
     results = run_local(fn, world, (jobs, data_dir), timeout_s=600)[0]
     off = results["off"]
     for name in VARIANTS:
@@ -70,13 +80,18 @@ def test_every_overlap_keeps_loss_and_grad_norm(layout, data_dir):
     assert off[0]["loss"] != off[-1]["loss"]  # it trained
 
 
-@pytest.fixture(scope="module")
-def traced(data_dir):
-    """Two steps of the 8-rank layout with all overlap off and all on, with every comm event."""
-    world, parallel = LAYOUTS["tp2-pp2-dp2-sp-vpp2"]
+def _traced(layout, data_dir):
+    """Two steps of ``layout`` with all overlap off and all on, with every comm event per rank."""
+    world, parallel = LAYOUTS[layout]
     variants = {"off": VARIANTS["off"], "on": VARIANTS["on"]}
     fn, jobs = _measure(world, parallel, variants, steps=2, keep_events=True)
     return run_local(fn, world, (jobs, data_dir), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def traced(data_dir):
+    """The 8-rank layout (TP, interleaved PP, DP), traced."""
+    return _traced("tp2-pp2-dp2-sp-vpp2", data_dir)
 
 
 def _mark(row, name):
@@ -131,17 +146,51 @@ def test_tp_chunk_communication_is_interleaved_one_chunk_ahead_of_the_gemms(trac
             return sum(start < t < end for t in gathers)
 
         k = 4
-        starts = [marks[f"tp.fc1.gemm_start.{j}"] for j in range(k)]
-        dones = [marks[f"tp.fc1.gemm_done.{j}"] for j in range(k)]
-        assert issued(marks["tp.fc1.start"], starts[0]) == 2, rank
+        starts = [marks[f"tp.ag.gemm_start.{j}"] for j in range(k)]
+        dones = [marks[f"tp.ag.gemm_done.{j}"] for j in range(k)]
+        assert issued(marks["tp.ag.start"], starts[0]) == 2, rank
         for j in range(1, k):
             assert issued(dones[j - 1], starts[j]) == (1 if j + 1 < k else 0), (rank, j)
         assert not any(issued(starts[j], dones[j]) for j in range(k)), rank
         # fc2: chunk j's reduce-scatter is issued after its GEMM and before chunk j+1's GEMM ends.
         for j in range(3):
-            start, end = marks[f"tp.fc2.gemm_done.{j}"], marks[f"tp.fc2.gemm_done.{j + 1}"]
+            start, end = marks[f"tp.rs.gemm_done.{j}"], marks[f"tp.rs.gemm_done.{j + 1}"]
             assert any(e["kind"] in REDUCE_SCATTER and start < e["issued"] < end for e in direct), (
                 rank,
                 j,
             )
         assert not [m for m in result["off"][0]["marks"] if m["name"].startswith("tp.")]
+
+
+@pytest.fixture(scope="module")
+def traced_pp(data_dir):
+    """Plain 1F1B over two stages (8 micro-batches), traced."""
+    return _traced("pp2", data_dir)
+
+
+def _p2p(row, kind):
+    return [e for e in row["events"] if e["kind"] == kind]
+
+
+def _posted_ahead(row, stage):
+    """Whether each receive after the first was posted before the compute step before its use:
+    stage 1 (activations in) before micro-batch k-1's forward; stage 0 (gradients in, one warm-up
+    micro-batch) before micro-batch k+1's forward."""
+    forwards = [m["time"] for m in row["marks"] if m["name"] == "microbatch_forward"]
+    receives = sorted(e["issued"] for e in _p2p(row, "irecv"))
+    assert len(receives) == len(forwards) == 8, (len(receives), len(forwards))
+    before = [k - 1 if stage == 1 else k + 1 for k in range(1, 8)]
+    return [receives[k] < forwards[b] for k, b in zip(range(1, 8), before, strict=True) if b < 8]
+
+
+def test_pp_plain_1f1b_receives_are_posted_ahead_and_sends_are_not_waited(traced_pp):
+    for stage, result in enumerate(traced_pp):
+        on, off = result["on"][1], result["off"][1]
+        assert all(_posted_ahead(on, stage)), (stage, _posted_ahead(on, stage))
+        # Without overlap megatron-core receives each tensor only when it needs it.
+        assert not any(_posted_ahead(off, stage)), (stage, _posted_ahead(off, stage))
+        # Decoupled: no send is waited for until every receive of the step has been posted, so a
+        # stage never waits for its own send to be taken before receiving or computing.
+        sends, last_recv = _p2p(on, "isend"), max(e["issued"] for e in _p2p(on, "irecv"))
+        assert len(sends) == 8 and all(e["wait_start"] > last_recv for e in sends), stage
+        assert all(not e["coalesced"] for e in sends + _p2p(on, "irecv")), stage
