@@ -1,18 +1,16 @@
 """Progress file: what a worker tells its node agent, in ``RUN_DIR/progress/rank_NNNNN.json``.
 
 The worker rewrites the file (write to a temporary name, then ``os.replace``: a reader sees the old
-or the new content, never a torn one; no fsync) when a section starts and after every step::
-
-  {"version": 1, "rank": 3, "pid": 4242, "section": "step", "section_started": <wall>,
-   "section_started_mono": <monotonic>, "step": 120, "step_time_s": 0.41, "tokens_per_s": 9987.0,
-   "heartbeat": <wall>, "heartbeat_mono": <monotonic>, "durations": {"init": 12.5, "step": 0.41},
-   "compute_time_s": 0.30, "val_loss": 2.31}
+or the new content, never a torn one; no fsync) when a section starts and after every step. Its
+content is a ``megascale.messages.RankProgress`` (the fields, and the figures' meanings, are
+defined there once).
 
 ``val_loss`` (absent or None until the first evaluation) is the last validation loss.
 
 ``compute_time_s`` (absent or None until known) is the *previous* step's period (its start to
 this step's start) minus the time the rank was blocked in communication (the flight recorder's
-``blocked_s``): in synchronous training every rank's step takes as long as the slowest one's,
+``blocked_s``); ``comm_time_s`` splits that blocked time by group (dp, pp, tp, other) from
+the recorder's per-group totals. In synchronous training every rank's step takes as long as the slowest one's,
 and a straggler shows as the rank that computes longest while its peers wait for it.
 
 Sections (STYLE.md #9) are "init" (start of the process to the first step), "step", "checkpoint",
@@ -36,13 +34,12 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from megascale.messages import CheckpointFigures, RankProgress
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
 SECTIONS = ("init", "step", "checkpoint", "done")
 
 
@@ -52,54 +49,54 @@ def progress_path(run_dir: Path | str, rank: int) -> Path:
 
 
 class ProgressFile:
-    """This rank's progress file. Call from the training thread only."""
+    """This rank's progress file (a ``messages.RankProgress``). Call from the training thread."""
 
     def __init__(self, path: Path | str, rank: int) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        self._state: dict[str, Any] = {
-            "version": VERSION,
-            "rank": rank,
-            "pid": os.getpid(),
-            "section": "",
-            "section_started": 0.0,
-            "section_started_mono": 0.0,
-            "step": 0,
-            "step_time_s": None,
-            "tokens_per_s": None,
-            "heartbeat": 0.0,
-            "heartbeat_mono": 0.0,
-            "durations": {},
-            "compute_time_s": None,
-            "val_loss": None,
-        }
+        self.record = RankProgress(rank=rank, pid=os.getpid())
 
     def enter(self, section: str) -> None:
         """Start ``section`` (the previous one ends, and its duration is kept)."""
         if section not in SECTIONS:
             raise ValueError(f"section={section!r}; expected one of {', '.join(SECTIONS)}")
-        state, now = self._state, time.monotonic()
-        if state["section"] and state["section"] != "step":  # a step's duration is its step time
-            state["durations"][state["section"]] = now - state["section_started_mono"]
-        state["section"], state["section_started_mono"] = section, now
-        state["section_started"] = time.time()
+        record, now = self.record, time.monotonic()
+        if record.section and record.section != "step":  # a step's duration is its step time
+            record.durations[record.section] = now - record.section_started_mono
+        record.section, record.section_started_mono = section, now
+        record.section_started = time.time()
         self._write()
 
     def step(
-        self, step: int, step_time_s: float, tokens_per_s: float, val_loss: float | None = None
+        self,
+        step: int,
+        step_time_s: float,
+        tokens_per_s: float,
+        val_loss: float | None = None,
+        *,
+        mfu: float | None = None,
+        data_wait_s: float | None = None,
     ) -> None:
         """After step ``step``: its time and throughput (and validation loss if it evaluated)."""
-        state = self._state
-        state["step"], state["step_time_s"], state["tokens_per_s"] = step, step_time_s, tokens_per_s
+        record = self.record
+        record.step, record.step_time_s, record.tokens_per_s = step, step_time_s, tokens_per_s
+        record.mfu, record.data_wait_s = mfu, data_wait_s
         if val_loss is not None:
-            state["val_loss"] = val_loss
-        state["durations"]["step"] = step_time_s
+            record.val_loss = val_loss
+        record.durations["step"] = step_time_s
         self._write()
 
-    def compute_time(self, seconds: float) -> None:
-        """The last full step period's compute time (written with the next write)."""
-        self._state["compute_time_s"] = seconds
+    def compute_time(self, seconds: float, comm_s: dict[str, float] | None = None) -> None:
+        """The last full step period's compute time and exposed communication by group
+        (written with the next write)."""
+        self.record.compute_time_s = seconds
+        if comm_s is not None:
+            self.record.comm_time_s = comm_s
+
+    def checkpoint(self, figures: CheckpointFigures) -> None:
+        """The latest save's figures (written with the next write)."""
+        self.record.checkpoint = figures
 
     def beat(self) -> None:
         """Still moving inside a long section."""
@@ -109,9 +106,9 @@ class ProgressFile:
         self.enter("done")
 
     def _write(self) -> None:
-        state = self._state
-        state["heartbeat"], state["heartbeat_mono"] = time.time(), time.monotonic()
-        self._tmp.write_text(json.dumps(state))
+        record = self.record
+        record.heartbeat, record.heartbeat_mono = time.time(), time.monotonic()
+        self._tmp.write_text(json.dumps(record.encode()))
         os.replace(self._tmp, self.path)
 
 
@@ -123,12 +120,13 @@ class NullProgressFile:
     def enter(self, section: str) -> None:
         pass
 
-    def step(
-        self, step: int, step_time_s: float, tokens_per_s: float, val_loss: float | None = None
-    ) -> None:
+    def step(self, step: int, step_time_s: float, tokens_per_s: float, *args, **kwargs) -> None:
         pass
 
-    def compute_time(self, seconds: float) -> None:
+    def compute_time(self, seconds: float, comm_s: dict[str, float] | None = None) -> None:
+        pass
+
+    def checkpoint(self, figures: CheckpointFigures) -> None:
         pass
 
     def beat(self) -> None:
@@ -138,49 +136,13 @@ class NullProgressFile:
         pass
 
 
-@dataclass(frozen=True)
-class ProgressState:
-    """A progress file as the agent reads it."""
-
-    rank: int
-    pid: int
-    section: str
-    section_started: float
-    section_started_mono: float
-    step: int
-    step_time_s: float | None
-    tokens_per_s: float | None
-    heartbeat: float
-    heartbeat_mono: float
-    durations: dict[str, float] = field(default_factory=dict)
-    compute_time_s: float | None = None
-    val_loss: float | None = None
-
-
-def read_progress(path: Path | str) -> ProgressState:
+def read_progress(path: Path | str) -> RankProgress:
     """Read a progress file; ``ValueError`` naming the file and the problem if it is not one."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-        if data.get("version") != VERSION:
-            raise ValueError(f"version {data.get('version')!r}, this reader reads {VERSION}")
-        return ProgressState(
-            rank=int(data["rank"]),
-            pid=int(data["pid"]),
-            section=str(data["section"]),
-            section_started=float(data["section_started"]),
-            section_started_mono=float(data["section_started_mono"]),
-            step=int(data["step"]),
-            step_time_s=data["step_time_s"],
-            tokens_per_s=data["tokens_per_s"],
-            heartbeat=float(data["heartbeat"]),
-            heartbeat_mono=float(data["heartbeat_mono"]),
-            durations={str(k): float(v) for k, v in data["durations"].items()},
-            compute_time_s=data.get("compute_time_s"),
-            val_loss=data.get("val_loss"),
-        )
+        return RankProgress.decode(json.loads(path.read_text()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: not a megascale progress file ({e!r})") from None
+        raise ValueError(f"{path}: not a megascale progress file ({e})") from None
 
 
 class WorkerSignals:
@@ -196,7 +158,10 @@ class WorkerSignals:
     def __init__(self, recorder, progress) -> None:
         self.recorder, self.progress = recorder, progress
         self.current = ""
-        self._step_mark: tuple[float, float] | None = None  # (monotonic, blocked_s) at a start
+        self._step_mark: tuple[float, float, dict] | None = None  # monotonic, blocked_s, by group
+        self.progress_checkpoint: tuple | None = None  # the save figures last handed over
+        self.compute_time_s: float | None = None  # of the last full step period
+        self.comm_time_s: dict[str, float] = {}
 
     @classmethod
     def open(cls, run_dir: Path | str, rank: int, world_size: int) -> WorkerSignals:
@@ -234,17 +199,32 @@ class WorkerSignals:
         if self.current != "step":
             self.enter("step")
         now, blocked = time.monotonic(), float(self.recorder.blocked_s)
+        by_group = self.recorder.blocked_by_group()
         if self._step_mark is not None:
             period, waited = now - self._step_mark[0], blocked - self._step_mark[1]
-            self.progress.compute_time(max(0.0, period - waited))
-        self._step_mark = (now, blocked)
+            before = self._step_mark[2]
+            comm = {g: s - before.get(g, 0.0) for g, s in by_group.items()}
+            self.compute_time_s, self.comm_time_s = max(0.0, period - waited), comm
+            self.progress.compute_time(self.compute_time_s, comm)
+        self._step_mark = (now, blocked, by_group)
         self.recorder.set_step(step)
 
     def step_done(self, metrics) -> None:
-        """``metrics``: the trainer's ``StepMetrics`` (step, step_time_s, tokens_per_s, val_loss)."""
+        """``metrics``: the step's ``messages.StepMetrics``; the compute and communication
+        times of the last full step period are copied into it (None before the second step)."""
+        metrics.compute_time_s, metrics.comm_time_s = self.compute_time_s, self.comm_time_s
         self.progress.step(
-            metrics.step, metrics.step_time_s, metrics.tokens_per_s, metrics.val_loss
+            metrics.step,
+            metrics.step_time_s,
+            metrics.tokens_per_s,
+            metrics.val_loss,
+            mfu=metrics.mfu,
+            data_wait_s=metrics.data_wait_s,
         )
+
+    def checkpoint_saved(self, figures: CheckpointFigures) -> None:
+        """A save's figures (``stall_s`` now; ``durable_s`` again once its write finished)."""
+        self.progress.checkpoint(figures)
 
     def close(self) -> None:
         self.progress.close()

@@ -37,11 +37,12 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from queue import Empty, Queue
 from typing import Any
 
+from megascale.messages import Ack, Heartbeat, MessageError, Reported
 from megascale.robustness.controller import (
     Action,
     ControllerFSM,
@@ -125,6 +126,7 @@ class ControllerService:
         self._snapshot_at = -math.inf
         self._fed_exits: dict[tuple[int, int], int] = {}  # (generation, rank) -> code
         self._seen: dict[tuple[str, str, int], int] = {}  # (what, node, generation) -> last seq
+        self._unreadable: set[tuple[str, str]] = set()  # (message, node) logged as unreadable
         self._held: list[tuple[float, Evidence]] = []
         self._outage_since: float | None = None
         self._flight: dict[int, RankState] = {}  # rank -> flight state, this generation
@@ -303,13 +305,26 @@ class ControllerService:
             else:
                 self._act(self.fsm.on_node_lost(node, "lease expired", now))
         elif what == "hb" and event.kind == "put":
-            self._heartbeat(node, event.json(), now)
+            heartbeat = self._decode(Heartbeat, node, event)
+            if heartbeat is not None:
+                self._heartbeat(node, heartbeat, now)
         elif what == "ack" and event.kind == "put":
-            ack = event.json()
-            ok, detail = bool(ack.get("ok", True)), str(ack.get("detail", ""))
-            self._act(self.fsm.on_ack(node, str(ack.get("id")), ok, detail, now))
+            ack = self._decode(Ack, node, event)
+            if ack is not None:
+                self._act(self.fsm.on_ack(node, ack.id, ack.ok, ack.detail, now))
 
-    def _heartbeat(self, node: str, payload: Mapping[str, Any], now: float) -> None:
+    def _decode(self, kind: type, node: str, event: WatchEvent):
+        """``event``'s value as message ``kind``; None (logged once per node and kind) when this
+        controller cannot read it, e.g. an agent of another major version."""
+        try:
+            return kind.decode(event.json())
+        except (MessageError, ValueError) as e:
+            if (kind.__name__, node) not in self._unreadable:
+                self._unreadable.add((kind.__name__, node))
+                logger.error("node %s: ignoring its %s: %s", node, kind.__name__, e)
+            return None
+
+    def _heartbeat(self, node: str, payload: Heartbeat, now: float) -> None:
         assert self.fsm is not None
         before = self.fsm.step
         if self.metrics is not None:
@@ -317,65 +332,63 @@ class ControllerService:
         self._act(self.fsm.on_heartbeat(node, payload, now))
         if self.fsm.step is not None and self.fsm.step != before:
             self.effective.observe(self.fsm.step, now)
-        generation = int(payload.get("generation", -1))
+        generation = payload.generation
         if generation != self.fsm.generation or not self.fsm.in_order(node):
             return
         self._learn_step_time(payload, before)
         self._observe_straggler(node, payload, now)
         if self._flight_generation != generation:
             self._flight, self._flight_generation = {}, generation
-        for rank, state in (payload.get("flight") or {}).items():
+        for rank, state in payload.flight.items():
             try:
                 self._flight[int(rank)] = RankState.from_json(state)
             except (KeyError, TypeError, ValueError):
                 continue
-        for rank, worker in (payload.get("workers") or {}).items():
-            code = worker.get("exit_code")
+        for rank, worker in payload.workers.items():
+            code = worker.exit_code
             if code is None or (generation, int(rank)) in self._fed_exits:
                 continue
-            self._fed_exits[(generation, int(rank))] = int(code)
-            fatal = worker.get("fatal")
-            secondary = int(code) > 0 and bool(worker.get("peer")) and fatal is None
+            self._fed_exits[(generation, int(rank))] = code
+            secondary = code > 0 and worker.peer and worker.fatal is None
             ev = Evidence(
-                "worker_exit", node, int(rank), generation, int(code), "", secondary, fatal
+                "worker_exit", node, int(rank), generation, code, "", secondary, worker.fatal
             )
             self._evidence(ev, now)
-        for error in self._new(payload.get("error_events"), "error", node, generation):
-            text = f"{error.get('kind')}: {error.get('text', '')}"
-            secondary = bool(error.get("secondary"))
+        for error in self._new(payload.error_events, "error", node, generation):
+            text = f"{error.kind}: {error.text}"
             ev = Evidence(
-                "error_keyword", node, int(error["rank"]), generation, None, text, secondary
+                "error_keyword", node, error.rank, generation, None, text, error.secondary
             )
             self._evidence(ev, now)
-        for notice in self._new(payload.get("notices"), "notice", node, generation):
+        for notice in self._new(payload.notices, "notice", node, generation):
             self.events.append(
-                str(notice.get("kind", "notice")),
+                notice.kind,
                 generation=generation,
                 node=node,
-                rank=notice.get("rank"),
-                detail={"text": notice.get("text", "")},
+                rank=notice.rank,
+                detail={"text": notice.text},
             )
 
-    def _learn_step_time(self, payload: Mapping[str, Any], before: int | None) -> None:
+    def _learn_step_time(self, payload: Heartbeat, before: int | None) -> None:
         """Teach the FSM's step timeout the workers' own step times (the slowest rank's, from
         its progress file), one sample per step done since the last report (at most 4): the
         FSM alone sees progress only at heartbeat granularity, and with fast steps it would need
         many heartbeats before its timeout is learned rather than the default."""
-        step, seconds = payload.get("step"), payload.get("step_time_s")
+        step, seconds = payload.step, payload.step_time_s
         if before is None or step is None or not seconds or int(step) <= before:
             return
         for _ in range(min(int(step) - before, 4)):
             self.fsm.timeouts.observe("step", float(seconds))
 
-    def _observe_straggler(self, node: str, payload: Mapping[str, Any], now: float) -> None:
+    def _observe_straggler(self, node: str, payload: Heartbeat, now: float) -> None:
         """Feed the node's compute time (its slowest rank's, once per new step; the step time
         when the workers report none) to the straggler tracker; publish the scores; record a
         ``straggler`` event for a node slow in ``straggler_consecutive`` windows in a row, and
         under ``straggler_action="evict"`` hand it to the FSM to be replaced."""
         assert self.fsm is not None
-        step = payload.get("step")
-        seconds = payload.get("compute_time_s") or payload.get("step_time_s")
-        if step is None or not seconds or payload.get("section") != "step":
+        step = payload.step
+        seconds = payload.compute_time_s or payload.step_time_s
+        if step is None or not seconds or payload.section != "step":
             return
         if int(step) <= self._straggler_steps.get(node, -1):
             return
@@ -409,13 +422,13 @@ class ControllerService:
             if action == "evict":
                 self._act(self.fsm.on_straggler(slow, detail, now))
 
-    def _new(self, items: Any, what: str, node: str, generation: int) -> list[dict]:
+    def _new(self, items: list[Reported], what: str, node: str, generation: int) -> list[Reported]:
         """Items of a heartbeat list not seen before (by their ``seq``)."""
         key = (what, node, generation)
         seen = self._seen.get(key, -1)
-        fresh = [i for i in items or () if int(i.get("seq", -1)) > seen]
+        fresh = [i for i in items if i.seq > seen]
         if fresh:
-            self._seen[key] = max(int(i["seq"]) for i in fresh)
+            self._seen[key] = max(i.seq for i in fresh)
         return fresh
 
     def _evidence(self, ev: Evidence, now: float) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from megascale.data.dataset import ShardedBatches, build_splits, eval_batches
 from megascale.data.indexed import DataError
 from megascale.diagnostics.flops import flops_per_token
 from megascale.diagnostics.timers import NULL_TIMELINE, NullTimeline, Timeline
+from megascale.messages import StepMetrics
 from megascale.model.gpt import transformer_config, use_te_spec
 from megascale.overlap.dp import ParamGatherPrefetch
 from megascale.parallel.groups import Groups
@@ -30,29 +30,6 @@ from megascale.parallel.parallelize import forward_backward_func, parallelize
 from megascale.train.optimizer import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepMetrics:
-    """What one optimizer step reports; one line of ``metrics.jsonl``."""
-
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    tokens_per_s: float
-    mfu: float | None
-    """Model FLOPs utilisation against ``peak_tflops``; None when no peak is known (CPU)."""
-    val_loss: float | None = None
-    """Validation loss after this step (``Trainer.evaluate``); None on steps without evaluation."""
-
-    def to_dict(self) -> dict:
-        """The metrics.jsonl record; ``val_loss`` only on steps that evaluated."""
-        out = asdict(self)
-        if out["val_loss"] is None:
-            del out["val_loss"]
-        return out
 
 
 class Trainer:
@@ -116,6 +93,7 @@ class Trainer:
         self.param_prefetch.start()
         with self.timeline.span("megascale::data::load"):
             micro_batches = self.data.next_step()
+        data_wait_s = time.perf_counter() - start
         losses = self._schedule(micro_batches, forward_only=False)
         # finalize_model_grads (registered by apply_ddp) has synced grads over DP, SP and the tied
         # embedding; step() clips by the global norm and updates (all-gathering params if sharded).
@@ -142,6 +120,7 @@ class Trainer:
             step_time_s=elapsed,
             tokens_per_s=tokens_per_s,
             mfu=mfu,
+            data_wait_s=data_wait_s,
         )
 
     def evaluate(self) -> float:
