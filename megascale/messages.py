@@ -28,8 +28,9 @@ Figures and their one meaning at every hop (the dashboards, the report and the s
   (time reading the step's batches);
 * per save: ``CheckpointFigures``: ``stall_s`` (training blocked, stage 1) and ``durable_s``
   (from the save's start until its files were written; None while in flight);
-* per job: ``tokens_per_s`` and ``mfu`` are job-wide (global batch / step time): a heartbeat
-  carries its lowest rank's figure once (a spare, with no ranks, carries None), never a sum.
+* per job: ``tokens_per_s`` and ``mfu`` are job-wide (global batch / rank 0's step time), as
+  in ``metrics.jsonl``: only the heartbeat of the node running rank 0 carries them (others, spares
+  included, carry None), so no hop sums or averages them.
 """
 
 from __future__ import annotations
@@ -274,7 +275,7 @@ class Heartbeat(Message):
 
     ``step``: highest completed step of its ranks; ``section``: "init" | "step" | "checkpoint";
     ``step_time_s``/``compute_time_s``: its slowest rank's; ``tokens_per_s``/``mfu``: job-wide,
-    its lowest rank's figure; ``checkpoint``: its ranks' latest save (largest stall);
+    rank 0's figure, on rank 0's node only (None elsewhere); ``checkpoint``: its ranks' latest save (largest stall);
     ``flight``: rank -> the flight recorder's last record (``flight_format.RankState``);
     ``errors``: human-readable forms of ``error_events``; static: host, addr, pid, hardware;
     live: gpus (NVML; None without), network counters, selfchecks (how many ran).

@@ -34,9 +34,9 @@ megascale_productive_seconds                gauge      --                       
 
 Meanings: step/compute/comm times are the last completed step's, per rank (compute = forward +
 backward + optimizer kernels; comm = communication time *not* hidden behind compute, per group).
-Tokens/s and MFU are job-wide figures as a node's lowest rank computed them (global batch / step
-time; ``messages.Heartbeat``): every training node exports the same figure and a spare none, so
-dashboards average them over nodes rather than summing. The straggler score of a rank is its
+Tokens/s and MFU are job-wide figures (global batch / step time) exported once: by the agent of
+the node running rank 0 (``messages.Heartbeat``), the figure of ``metrics.jsonl``; dashboards
+aggregate with ``avg`` so that a series left by a previous rank-0 node does not add up. The straggler score of a rank is its
 step (or compute) time over the median of its peers (1.0 = median, 1.1 = 10% slow).
 """
 
@@ -121,13 +121,13 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             "megascale_tokens_per_second",
             Gauge,
-            "Job-wide training throughput as reported by this node's ranks.",
+            "Job-wide training throughput (rank 0's, exported by its node only).",
             ("node",),
         ),
         MetricSpec(
             "megascale_mfu_ratio",
             Gauge,
-            "Model FLOPs utilisation (0-1) as reported by this node's ranks.",
+            "Model FLOPs utilisation (0-1) of the job (rank 0's, exported by its node only).",
             ("node",),
         ),
         MetricSpec(
@@ -311,6 +311,13 @@ class AgentMetrics(_Exporter):
         this node's are removed."""
         self._metric("megascale_heartbeats_sent_total", node=self.node).inc()
         self.set_throughput(payload.tokens_per_s, payload.mfu)
+        if payload.ranks and "0" not in payload.ranks:  # rank 0 runs elsewhere now
+            with self._lock:
+                for name in ("megascale_tokens_per_second", "megascale_mfu_ratio"):
+                    try:
+                        self._m[name].remove(self.job, self.node)
+                    except KeyError:
+                        pass
         if payload.val_loss is not None:
             self.set_validation_loss(payload.val_loss)
         save = payload.checkpoint

@@ -137,13 +137,14 @@ def ack_message(command: dict[str, Any], ok: bool, detail: str) -> dict[str, Any
 
 def progress_figures(progress: dict[int, RankProgress]) -> dict[str, Any]:
     """The heartbeat's training fields from its ranks' progress records: per-rank figures as
-    they are; node figures once (the slowest rank's times, the lowest rank's job-wide tokens/s
-    and MFU, never a sum; none without ranks, as on a spare)."""
+    they are; the node's times are its slowest rank's; the job-wide tokens/s and MFU are rank
+    0's, carried only by the node that runs rank 0 (so a job figure is reported once, never
+    summed or averaged with a spare's or a slowed rank's)."""
     if not progress:
         return {"section": "init"}
     records = [progress[r] for r in sorted(progress)]
     sections = {p.section for p in records}
-    first = next((p for p in records if p.tokens_per_s is not None), None)
+    first = progress.get(0)
     saves = [p.checkpoint for p in records if p.checkpoint is not None]
     return {
         "step": max(p.step for p in records),

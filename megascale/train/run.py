@@ -218,6 +218,7 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
                 progress.update(metrics)
         with signals.section("checkpoint"):
             saver.finalize()  # the last save's files and manifest are written
+        report_checkpoint(saver, signals)  # its time until durable, with the "done" write
     finally:
         trainer.timeline.close()  # writes the last steps' segments
         if log is not None:
