@@ -140,7 +140,7 @@ def read_progress(path: Path | str) -> RankProgress:
     """Read a progress file; ``ValueError`` naming the file and the problem if it is not one."""
     path = Path(path)
     try:
-        return RankProgress.decode(json.loads(path.read_text()))
+        return RankProgress.from_json(path.read_bytes())
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a megascale progress file ({e})") from None
 

@@ -317,8 +317,8 @@ class ControllerService:
         """``event``'s value as message ``kind``; None (logged once per node and kind) when this
         controller cannot read it, e.g. an agent of another major version."""
         try:
-            return kind.decode(event.json())
-        except (MessageError, ValueError) as e:
+            return kind.from_json(event.value)
+        except MessageError as e:
             if (kind.__name__, node) not in self._unreadable:
                 self._unreadable.add((kind.__name__, node))
                 logger.error("node %s: ignoring its %s: %s", node, kind.__name__, e)

@@ -59,6 +59,10 @@ def test_worker_signals_report_compute_time_as_period_minus_blocked(monkeypatch)
 
     class Recorder:
         blocked_s = 0.0
+        by_group: dict = {}
+
+        def blocked_by_group(self):
+            return dict(self.by_group)
 
         def set_step(self, step):
             pass
@@ -73,18 +77,19 @@ def test_worker_signals_report_compute_time_as_period_minus_blocked(monkeypatch)
         def enter(self, section):
             pass
 
-        def compute_time(self, seconds):
+        def compute_time(self, seconds, comm_s=None):
             self.compute.append(seconds)
+            self.comm = comm_s
 
     recorder, prog = Recorder(), Progress()
     signals = progress.WorkerSignals(recorder, prog)
     signals.current = "step"
     signals.step_started(1)  # t=10
-    recorder.blocked_s = 2.0
+    recorder.blocked_s, recorder.by_group = 2.0, {"dp": 1.5, "tp": 0.5}
     signals.step_started(2)  # t=13: period 3 s, 2 s of it blocked
-    assert prog.compute == [1.0]
+    assert prog.compute == [1.0] and prog.comm == {"dp": 1.5, "tp": 0.5}
     signals.enter("checkpoint")  # a period with a checkpoint in it is not measured
     signals.enter("step")
     signals.step_started(3)  # t=14
     signals.step_started(4)  # t=20, nothing blocked
-    assert prog.compute == [1.0, 6.0]
+    assert prog.compute == [1.0, 6.0] and prog.comm == {"dp": 0.0, "tp": 0.0}
