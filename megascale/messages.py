@@ -58,7 +58,9 @@ class MessageError(ValueError):
     """A message that this version cannot read; the text names the message and the problem."""
 
 
-_JSON = msgspec.json.Decoder()  # parses JSON ~3x faster than json.loads (benchmarks/messages.py)
+_JSON = (
+    msgspec.json.Decoder()
+)  # parses JSON ~3x faster than json.loads (benchmarks/heartbeat_cost.py)
 
 
 _warned: set[tuple[str, frozenset[str]]] = set()

@@ -1,6 +1,6 @@
 """Controller cost per heartbeat, typed messages against plain dicts, side by side in one run.
 
-    python benchmarks/messages.py --baseline /work/main [--nodes 1250] [--rounds 5]
+    python benchmarks/scale.py heartbeat --baseline /work/main   (or benchmarks/heartbeat_cost.py)
 
 What the controller does with each heartbeat of a 1,250-node job (8 ranks per node, the agent's
 real payload: workers, flight records, per-rank figures, hardware, network counters): the
