@@ -73,6 +73,8 @@ class Message:
 
     __slots__ = ()
     NESTED: ClassVar[dict[str, tuple[type, str]]] = {}
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ()
+    """Fields left out of ``encode`` while None (figures of some steps only)."""
     _names: ClassVar[frozenset[str]]
     _order: ClassVar[tuple[str, ...]]
     _required: ClassVar[frozenset[str]]
@@ -101,6 +103,9 @@ class Message:
 
     def _body(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self._order}
+        for name in self.OMIT_NONE:
+            if out[name] is None:
+                del out[name]
         for name, (_, how) in self.NESTED.items():
             value = out[name]
             if value is None:
@@ -377,7 +382,10 @@ class StepMetrics(Message):
 
     ``tokens_per_s``/``mfu`` are job-wide; ``mfu`` is None when no peak is known. The timing
     figures are rank 0's (see the module docstring); ``checkpoint_stall_s`` is set on a step
-    that ended with a save; ``time`` is the wall clock when the line was written."""
+    that ended with a save; ``time`` is the wall clock when the line was written. ``val_loss``
+    and ``checkpoint_stall_s`` are absent from the line on the other steps."""
+
+    OMIT_NONE: ClassVar = ("val_loss", "checkpoint_stall_s")
 
     step: int
     loss: float

@@ -85,3 +85,10 @@ def test_metrics_lines_read_old_lines_and_skip_a_torn_one():
                       "tokens_per_s": 9.0, "mfu": None, "time": 5.0})  # fmt: skip
     new = json.dumps(StepMetrics(2, 1.9, 1.0, 0.1, 0.5, 9.0, time=6.0).encode())
     assert [m.step for m in read_metrics([old, new, '{"step": 3, "lo'])] == [1, 2]
+
+
+def test_a_metrics_line_names_val_loss_and_a_stall_only_on_their_steps():
+    plain = StepMetrics(1, 2.0, 1.0, 0.1, 0.5, 9.0).encode()
+    assert "val_loss" not in plain and "checkpoint_stall_s" not in plain
+    saved = StepMetrics(2, 2.0, 1.0, 0.1, 0.5, 9.0, val_loss=2.1, checkpoint_stall_s=0.2)
+    assert StepMetrics.decode(json.loads(json.dumps(saved.encode()))) == saved
