@@ -4,7 +4,7 @@ What it does, in its threads:
 
 * main loop: registers the node (``nodes/<node>`` under a lease of ``lease_ttl`` s), then every
   ``heartbeat_interval`` -- and at once when a worker exits -- writes ``heartbeats/<node>``
-  (``heartbeat()``; the payload is documented there and in ``keys.py``);
+  (``heartbeat()``: a ``messages.Heartbeat``);
 * command thread: runs what the controller writes to ``commands/<node>`` -- ``stop`` (stop the
   workers), ``selfcheck`` (the node self-check; its result is the ack), ``start`` (generation G
   with rank assignment R) -- and acks each under ``acks/<node>``. A command is run only if
