@@ -3,6 +3,7 @@ control plane (controller + N simulated agents against a real etcd).
 
     python benchmarks/scale.py rendezvous [--sizes 256,1024,2048,4096,10240]
     python benchmarks/scale.py control [--nodes 125,250,625,1250] [--kills 3] [--agents asyncio]
+    python benchmarks/scale.py heartbeat --baseline CHECKOUT    (benchmarks/heartbeat_cost.py)
 
 Prints what was compared, a table, and ratios / growth exponents. Numbers come from this machine
 (2 shared cores): quote the ratios, not the absolute times. See docs/scale.md for the model.
@@ -160,11 +161,21 @@ def main() -> None:
         default="asyncio",
         help="simulated agents as coroutines (hundreds per process) or as the agent's threads",
     )
+    h = sub.add_parser("heartbeat", help="controller cost per heartbeat vs another checkout")
+    h.add_argument("--baseline", required=True)
+    h.add_argument("--nodes", type=int, default=1250)
+    h.add_argument("--rounds", type=int, default=5)
     b = sub.add_parser("bytes")
     b.add_argument("--nodes", default="125,250,625,1250")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    if args.part == "bytes":
+    if args.part == "heartbeat":
+        import subprocess
+
+        script = str(Path(__file__).with_name("heartbeat_cost.py"))
+        extra = ["--nodes", str(args.nodes), "--rounds", str(args.rounds)]
+        subprocess.run([sys.executable, script, "--baseline", args.baseline, *extra], check=True)
+    elif args.part == "bytes":
         decision_sizes([int(s) for s in args.nodes.split(",")])
     elif args.part == "rendezvous":
         sizes = [int(s) for s in args.sizes.split(",")]

@@ -182,6 +182,9 @@ class TrainConfig:
     eval_steps: int = 2
     """Global batches per evaluation: the same first ``eval_steps * global_batch_size`` samples of
     the valid split every time."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one device that MFU is computed against (> 0); None: the dense bf16 peak
+    of a known GPU by name, and no MFU elsewhere."""
 
 
 @dataclass

@@ -197,20 +197,22 @@ def mfu_dashboard() -> dash_b.Dashboard:
             _series(
                 "Step-time breakdown (mean over ranks)",
                 "s",
-                "Compute, and communication not hidden behind compute, by group.",
+                "Compute, communication not hidden behind compute by group, and data wait.",
                 _q("avg by (megascale_job) (megascale_compute_time_seconds{JOB})", "compute"),
                 _q(
                     "avg by (megascale_job, group) (megascale_comm_time_seconds{JOB})",
                     "comm {{group}}",
                     ref="B",
                 ),
+                _q("avg by (megascale_job) (megascale_data_wait_seconds{JOB})", "data", ref="C"),
             )
         )
         .with_panel(
             _series(
                 "Checkpoint stall",
                 "s",
-                "Training time blocked by checkpoint saves: p90 over the interval, and the last.",
+                "Training time blocked by checkpoint saves (p90 over the interval, and the "
+                "last), and the last save's time until durable.",
                 _q(
                     "histogram_quantile(0.9, sum by (le, megascale_job) "
                     "(rate(megascale_checkpoint_stall_seconds_bucket{JOB}[$__rate_interval])))",
@@ -220,6 +222,11 @@ def mfu_dashboard() -> dash_b.Dashboard:
                     "max by (megascale_job) (megascale_checkpoint_stall_last_seconds{JOB})",
                     "last",
                     ref="B",
+                ),
+                _q(
+                    "max by (megascale_job) (megascale_checkpoint_durable_seconds{JOB})",
+                    "durable",
+                    ref="C",
                 ),
             )
         )

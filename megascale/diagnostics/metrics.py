@@ -14,12 +14,14 @@ metric                                      type       labels (+ megascale_job) 
 megascale_step                              gauge      node, rank                  agent
 megascale_step_time_seconds                 gauge      node, rank                  agent
 megascale_compute_time_seconds              gauge      node, rank                  agent
+megascale_data_wait_seconds                 gauge      node, rank                  agent
 megascale_comm_time_seconds                 gauge      node, rank, group           agent
 megascale_tokens_per_second                 gauge      node                        agent
 megascale_mfu_ratio                         gauge      node                        agent
 megascale_validation_loss                   gauge      node                        agent
 megascale_checkpoint_stall_seconds          histogram  node                        agent
 megascale_checkpoint_stall_last_seconds     gauge      node                        agent
+megascale_checkpoint_durable_seconds        gauge      node                        agent
 megascale_heartbeats_sent_total             counter    node                        agent
 megascale_heartbeats_total                  counter    node                        controller
 megascale_straggler_score                   gauge      node, rank                  controller
@@ -32,8 +34,9 @@ megascale_productive_seconds                gauge      --                       
 
 Meanings: step/compute/comm times are the last completed step's, per rank (compute = forward +
 backward + optimizer kernels; comm = communication time *not* hidden behind compute, per group).
-Tokens/s and MFU are job-wide figures as a rank computed them (global batch / step time), so
-dashboards average them over nodes rather than summing. The straggler score of a rank is its
+Tokens/s and MFU are job-wide figures (global batch / step time) exported once: by the agent of
+the node running rank 0 (``messages.Heartbeat``), the figure of ``metrics.jsonl``; dashboards
+aggregate with ``avg`` so that a series left by a previous rank-0 node does not add up. The straggler score of a rank is its
 step (or compute) time over the median of its peers (1.0 = median, 1.1 = 10% slow).
 """
 
@@ -46,6 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from megascale.messages import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +107,12 @@ METRICS: dict[str, MetricSpec] = {
             ("node", "rank"),
         ),
         MetricSpec(
+            "megascale_data_wait_seconds",
+            Gauge,
+            "Time the last step waited for its batches.",
+            ("node", "rank"),
+        ),
+        MetricSpec(
             "megascale_comm_time_seconds",
             Gauge,
             "Communication time not overlapped with compute in the last step, by group.",
@@ -110,13 +121,13 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec(
             "megascale_tokens_per_second",
             Gauge,
-            "Job-wide training throughput as reported by this node's ranks.",
+            "Job-wide training throughput (rank 0's, exported by its node only).",
             ("node",),
         ),
         MetricSpec(
             "megascale_mfu_ratio",
             Gauge,
-            "Model FLOPs utilisation (0-1) as reported by this node's ranks.",
+            "Model FLOPs utilisation (0-1) of the job (rank 0's, exported by its node only).",
             ("node",),
         ),
         MetricSpec(
@@ -135,6 +146,12 @@ METRICS: dict[str, MetricSpec] = {
             "megascale_checkpoint_stall_last_seconds",
             Gauge,
             "Training time blocked by the last checkpoint save.",
+            ("node",),
+        ),
+        MetricSpec(
+            "megascale_checkpoint_durable_seconds",
+            Gauge,
+            "From the start of the last finished save until its files were written.",
             ("node",),
         ),
         MetricSpec(
@@ -238,6 +255,7 @@ class AgentMetrics(_Exporter):
         self.node = node
         self._ranks: set[str] = set()
         self._groups: dict[str, set[str]] = {}
+        self._saved_step: int | None = None  # the save whose stall was observed last
 
     def set_step(
         self,
@@ -246,6 +264,7 @@ class AgentMetrics(_Exporter):
         step_time_s: float | None = None,
         compute_time_s: float | None = None,
         comm_time_s: float | Mapping[str, float] | None = None,
+        data_wait_s: float | None = None,
     ) -> None:
         """One rank's last completed step and its timings (``comm_time_s`` by group or total)."""
         r, n = str(rank), self.node
@@ -256,6 +275,8 @@ class AgentMetrics(_Exporter):
                 self._metric("megascale_step_time_seconds", node=n, rank=r).set(step_time_s)
             if compute_time_s is not None:
                 self._metric("megascale_compute_time_seconds", node=n, rank=r).set(compute_time_s)
+            if data_wait_s is not None:
+                self._metric("megascale_data_wait_seconds", node=n, rank=r).set(data_wait_s)
             if comm_time_s is not None:
                 by_group = comm_time_s if isinstance(comm_time_s, Mapping) else {"all": comm_time_s}
                 for group, seconds in by_group.items():
@@ -283,29 +304,43 @@ class AgentMetrics(_Exporter):
             self._metric("megascale_checkpoint_stall_seconds", node=self.node).observe(seconds)
             self._metric("megascale_checkpoint_stall_last_seconds", node=self.node).set(seconds)
 
-    def observe_heartbeat(self, payload: Mapping[str, Any]) -> None:
-        """Export what a heartbeat carries; call once per heartbeat the agent sends.
-
-        ``payload`` is the agent's HEARTBEAT (``robustness/keys.py``); fields read when present:
-        ``tokens_per_s``, ``mfu``, ``val_loss``, ``checkpoint_stall_s`` (a save that finished since the last
-        heartbeat), and ``ranks``: ``{"<rank>": {"step", "step_time_s", "compute_time_s",
-        "comm_time_s": float | {"dp"|"pp"|"tp": float}}}``. Missing fields are left unchanged.
-        """
+    def observe_heartbeat(self, payload: Heartbeat) -> None:
+        """Export what a heartbeat (``messages.Heartbeat``) carries; call once per heartbeat the
+        agent sends. Job-wide figures (tokens/s, MFU) are set when the node has ranks (a spare
+        exports none); a save's stall is observed once per saved step; ranks that are no longer
+        this node's are removed."""
         self._metric("megascale_heartbeats_sent_total", node=self.node).inc()
-        self.set_throughput(_num(payload.get("tokens_per_s")), _num(payload.get("mfu")))
-        if _num(payload.get("val_loss")) is not None:
-            self.set_validation_loss(float(payload["val_loss"]))
-        if payload.get("checkpoint_stall_s") is not None:
-            self.observe_checkpoint_stall(float(payload["checkpoint_stall_s"]))
-        for rank, info in (payload.get("ranks") or {}).items():
-            if info.get("step") is None:
+        self.set_throughput(payload.tokens_per_s, payload.mfu)
+        if payload.ranks and "0" not in payload.ranks:  # rank 0 runs elsewhere now
+            with self._lock:
+                for name in ("megascale_tokens_per_second", "megascale_mfu_ratio"):
+                    try:
+                        self._m[name].remove(self.job, self.node)
+                    except KeyError:
+                        pass
+        if payload.val_loss is not None:
+            self.set_validation_loss(payload.val_loss)
+        save = payload.checkpoint
+        if save is not None and save.step != self._saved_step:
+            self._saved_step = save.step
+            self.observe_checkpoint_stall(save.stall_s)
+        if save is not None and save.durable_s is not None:
+            with self._lock:
+                self._metric("megascale_checkpoint_durable_seconds", node=self.node).set(
+                    save.durable_s
+                )
+        for rank in self._ranks - set(payload.ranks):
+            self.remove_rank(int(rank))
+        for rank, info in payload.ranks.items():
+            if info.step is None:
                 continue
             self.set_step(
                 int(rank),
-                int(info["step"]),
-                _num(info.get("step_time_s")),
-                _num(info.get("compute_time_s")),
-                info.get("comm_time_s"),
+                info.step,
+                info.step_time_s,
+                info.compute_time_s,
+                info.comm_time_s or None,
+                info.data_wait_s,
             )
 
     def remove_rank(self, rank: int) -> None:
@@ -317,6 +352,7 @@ class AgentMetrics(_Exporter):
                 "megascale_step",
                 "megascale_step_time_seconds",
                 "megascale_compute_time_seconds",
+                "megascale_data_wait_seconds",
             ):
                 try:
                     self._m[name].remove(self.job, n, r)
@@ -338,8 +374,8 @@ class ControllerMetrics(_Exporter):
             self._metric("megascale_faults_total", kind=kind)
         self._metric("megascale_restarts_total")
 
-    def observe_heartbeat(self, node: str, payload: Mapping[str, Any] | None = None) -> None:
-        """A heartbeat from ``node`` arrived (``payload`` is not read yet; it may be None)."""
+    def observe_heartbeat(self, node: str, payload: Heartbeat | None = None) -> None:
+        """A heartbeat from ``node`` arrived (its job figures reach the agent's exporter)."""
         self._metric("megascale_heartbeats_total", node=node).inc()
 
     def record_fault(self, kind: str) -> None:

@@ -24,8 +24,10 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+from megascale import config
 from megascale.diagnostics import straggler
 from megascale.diagnostics.timeline import breakdowns, load_run, read_jsonl
+from megascale.messages import StepMetrics, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -332,8 +334,8 @@ def _verdict(report: straggler.StragglerReport | None) -> str:
     )
 
 
-def _loss_section(metrics: list[dict[str, Any]]) -> str:
-    points = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
+def _loss_section(metrics: list[StepMetrics]) -> str:
+    points = [(m.step, m.loss) for m in metrics]
     if not points:
         return _section("Training loss", "No metrics.jsonl in this run.", "", "loss")
     chart = line_chart(
@@ -428,7 +430,39 @@ def _breakdown_rows(run_ranks, report: straggler.StragglerReport) -> list:
     return rows
 
 
-def _events_section(events: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> str:
+def _figures_section(metrics: list[StepMetrics]) -> str:
+    """Rank 0's figures from metrics.jsonl (no timeline needed): mean step time and its parts,
+    job-wide tokens/s and MFU, and the checkpoint stalls."""
+    timed = [m for m in metrics if m.compute_time_s is not None]
+    if not timed:
+        return ""
+
+    def mean(values: list[float]) -> str:
+        return f"{1e3 * statistics.fmean(values):.1f} ms" if values else "-"
+
+    groups = sorted({g for m in timed for g in m.comm_time_s})
+    rows = [("step time", mean([m.step_time_s for m in timed]))]
+    rows.append(("compute", mean([m.compute_time_s or 0.0 for m in timed])))
+    rows += [
+        (f"exposed comm {g}", mean([m.comm_time_s.get(g, 0.0) for m in timed])) for g in groups
+    ]
+    rows.append(("data wait", mean([m.data_wait_s for m in timed if m.data_wait_s is not None])))
+    stalls = [m.checkpoint_stall_s for m in metrics if m.checkpoint_stall_s is not None]
+    rows.append((f"checkpoint stall ({len(stalls)} saves)", mean(stalls)))
+    rows.append(("tokens / s", f"{statistics.fmean(m.tokens_per_s for m in timed):,.0f}"))
+    mfus = [m.mfu for m in timed if m.mfu is not None]
+    rows.append(("MFU", f"{100 * statistics.fmean(mfus):.1f}%" if mfus else "n/a (no peak)"))
+    body = "".join(f"<tr><td>{esc(k)}</td><td class=num>{esc(v)}</td></tr>" for k, v in rows)
+    return _section(
+        "Step figures (rank 0)",
+        "Means over the steps of metrics.jsonl that report them: the step's compute, the "
+        "communication it waited for by group, data wait, checkpoint stalls, throughput and MFU.",
+        f'<table id="figures-table"><tr><th>figure</th><th class=num>mean</th></tr>{body}</table>',
+        "figures",
+    )
+
+
+def _events_section(events: list[dict[str, Any]], metrics: list[StepMetrics]) -> str:
     title = "Faults and recoveries"
     if not events:
         return _section(
@@ -439,12 +473,10 @@ def _events_section(events: list[dict[str, Any]], metrics: list[dict[str, Any]])
             "events.jsonl).</div>",
             "events",
         )
-    timed = [m for m in metrics if "time" in m and "step_time_s" in m]
-    starts = [m["time"] - m["step_time_s"] for m in timed] + [
-        e["time"] for e in events if "time" in e
-    ]
+    timed = [m for m in metrics if m.time is not None]
+    starts = [m.time - m.step_time_s for m in timed] + [e["time"] for e in events if "time" in e]
     t0 = min(starts)
-    series = [("step time", _BLUE, [(m["time"] - t0, m["step_time_s"]) for m in timed])]
+    series = [("step time", _BLUE, [(m.time - t0, m.step_time_s) for m in timed])]
     markers = []
     for e in events:
         if "time" in e:
@@ -480,11 +512,28 @@ def _events_section(events: list[dict[str, Any]], metrics: list[dict[str, Any]])
     )
 
 
+def _read_metrics(path: Path) -> list[StepMetrics]:
+    try:
+        return read_metrics(path.read_text().splitlines())
+    except FileNotFoundError:
+        return []
+
+
+def _configured_peak(run_dir: Path) -> float | None:
+    """``train.peak_tflops`` of the run's ``config.toml`` (None: not set, or no config)."""
+    try:
+        return config.load(run_dir / "config.toml").train.peak_tflops
+    except (OSError, config.ConfigError):
+        return None
+
+
 def build(run_dir: str | Path, peak_tflops: float | None = None) -> str:
     """The report's HTML for ``run_dir``."""
     run_dir = Path(run_dir)
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = _read_metrics(run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
+    if peak_tflops is None:
+        peak_tflops = _configured_peak(run_dir)
     try:
         run_ranks = load_run(run_dir)
         report = straggler.analyze_run(run_dir, peak_tflops=peak_tflops)
@@ -498,7 +547,7 @@ def build(run_dir: str | Path, peak_tflops: float | None = None) -> str:
         cards.append(_card("ranks / machines", f"{lay.world_size} / {len(nodes)}"))
         cards.append(_card("device", run_ranks[0].device_name))
     if metrics:
-        cards.append(_card("final loss", f"{metrics[-1]['loss']:.4f}"))
+        cards.append(_card("final loss", f"{metrics[-1].loss:.4f}"))
     if report is not None and report.mfu:
         cards.append(
             _card(
@@ -508,11 +557,15 @@ def build(run_dir: str | Path, peak_tflops: float | None = None) -> str:
         )
         mfus = [m.mfu for m in report.mfu if m.mfu is not None]
         cards.append(_card("MFU", f"{100 * statistics.median(mfus):.1f}%" if mfus else "n/a (CPU)"))
+    elif any(m.mfu is not None for m in metrics):
+        mfus = [m.mfu for m in metrics if m.mfu is not None]
+        cards.append(_card("MFU", f"{100 * statistics.median(mfus):.1f}%"))
     parts = [
         f'<section id="summary"><h2>Summary</h2><div class="cards">{"".join(cards)}</div>'
         f"{_verdict(report)}</section>",
         _loss_section(metrics),
         _throughput_section(report),
+        _figures_section(metrics),
     ]
     if report is not None:
         parts.append(

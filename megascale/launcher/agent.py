@@ -4,7 +4,7 @@ What it does, in its threads:
 
 * main loop: registers the node (``nodes/<node>`` under a lease of ``lease_ttl`` s), then every
   ``heartbeat_interval`` -- and at once when a worker exits -- writes ``heartbeats/<node>``
-  (``heartbeat()``; the payload is documented there and in ``keys.py``);
+  (``heartbeat()``: a ``messages.Heartbeat``);
 * command thread: runs what the controller writes to ``commands/<node>`` -- ``stop`` (stop the
   workers), ``selfcheck`` (the node self-check; its result is the ack), ``start`` (generation G
   with rank assignment R) -- and acks each under ``acks/<node>``. A command is run only if
@@ -42,6 +42,14 @@ from megascale.launcher import neighbour_check
 from megascale.launcher.logscan import DEVICE_ERRORS, error_kind
 from megascale.launcher.nodeinfo import gpu_status, hardware_info, network_counters
 from megascale.launcher.workers import WorkerPool, Zygote, free_port
+from megascale.messages import (
+    Ack,
+    Heartbeat,
+    RankFigures,
+    RankProgress,
+    Reported,
+    WorkerStatus,
+)
 from megascale.robustness import inject
 from megascale.robustness.fatal import EXIT_JOB_FATAL, RUN_DIR_ENV, read_exit_error, read_fatal
 from megascale.robustness.keys import JobKeys, is_current
@@ -123,14 +131,50 @@ class _Reported:
 
 
 def ack_message(command: dict[str, Any], ok: bool, detail: str) -> dict[str, Any]:
-    """The ``acks/<node>`` value answering ``command``: its id, generation and kind, whether it
-    succeeded, and ``detail`` (cut to 2,000 characters)."""
+    """The ``acks/<node>`` value (``messages.Ack``, encoded) answering ``command``: its id,
+    generation and kind, whether it succeeded, and ``detail`` (cut to 2,000 characters)."""
+    ack = Ack(
+        id=str(command["id"]),
+        generation=int(command["generation"]),
+        kind=str(command["kind"]),
+        ok=ok,
+        detail=detail[:2000],
+    )
+    return ack.encode()
+
+
+def progress_figures(progress: dict[int, RankProgress]) -> dict[str, Any]:
+    """The heartbeat's training fields from its ranks' progress records: per-rank figures as
+    they are; the node's times are its slowest rank's; the job-wide tokens/s and MFU are rank
+    0's, carried only by the node that runs rank 0 (so a job figure is reported once, never
+    summed or averaged with a spare's or a slowed rank's)."""
+    if not progress:
+        return {"section": "init"}
+    records = [progress[r] for r in sorted(progress)]
+    sections = {p.section for p in records}
+    first = progress.get(0)
+    saves = [p.checkpoint for p in records if p.checkpoint is not None]
     return {
-        "id": command["id"],
-        "generation": command["generation"],
-        "kind": command["kind"],
-        "ok": ok,
-        "detail": detail[:2000],
+        "step": max(p.step for p in records),
+        "section": next((s for s in ("init", "checkpoint") if s in sections), "step"),
+        "tokens_per_s": first.tokens_per_s if first else None,
+        "mfu": first.mfu if first else None,
+        "step_time_s": max((p.step_time_s or 0.0 for p in records), default=0.0),
+        "compute_time_s": max((p.compute_time_s or 0.0 for p in records), default=0.0) or None,
+        "val_loss": next((p.val_loss for p in records if p.val_loss is not None), None),
+        "checkpoint": max(saves, key=lambda c: (c.step, c.stall_s)) if saves else None,
+        "ranks": {
+            str(r): RankFigures(
+                step=p.step,
+                step_time_s=p.step_time_s,
+                compute_time_s=p.compute_time_s,
+                compute_step=p.compute_step,
+                stage=p.stage,
+                comm_time_s=p.comm_time_s,
+                data_wait_s=p.data_wait_s,
+            )
+            for r, p in progress.items()
+        },
     }
 
 
@@ -280,7 +324,7 @@ class Agent:
         if self.metrics is not None:
             self.metrics.observe_heartbeat(payload)
         try:
-            self.store.put(self.keys.heartbeat(self.opts.node), payload, lease=self._lease)
+            self.store.put(self.keys.heartbeat(self.opts.node), payload.encode(), lease=self._lease)
         except LeaseNotFound:
             logger.warning("lease gone: registering again")
             self._need_register.set()
@@ -306,25 +350,8 @@ class Agent:
 
     # -- the heartbeat ----------------------------------------------------------------------------
 
-    def heartbeat(self) -> dict[str, Any]:
-        """The ``heartbeats/<node>`` value. Fields (the controller reads the first group)::
-
-        node, time, generation, step, section, tokens_per_s, workers, flight, errors
-        workers: {"<rank>": {"pid", "alive", "exit_code", "peer", "fatal", "error"}}; ``fatal``
-        is the reason a rank gave for a job-fatal exit (``robustness.fatal``), ``error`` the
-        uncaught exception of another failed exit ({"text", "signature"}), None otherwise
-        error_events: [{"seq", "rank", "kind", "text", "secondary"}]  (this generation)
-        notices: [{"seq", "rank", "kind", "text"}]        e.g. a checkpoint skipped
-        host, addr, pid, hardware (static), gpus (NVML, live; None without NVML),
-        network: {iface: {rx_bytes, tx_bytes, rx_packets, tx_packets, rx_errs, tx_errs}},
-        selfchecks (how many run)
-        ranks: {"<rank>": {"step", "step_time_s", "compute_time_s", "compute_step", "stage"}}
-        (current workers'): compute_time_s is step compute_step's forward and backward compute
-        on the device, stage the rank's pipeline stage; the controller's straggler model
-        compares each rank with its stage's (``robustness.stragglers``)
-        compute_time_s: the slowest rank's compute time (None: not known yet)
-        val_loss: the last validation loss its ranks computed (None: no evaluation yet)
-        """
+    def heartbeat(self) -> Heartbeat:
+        """The ``heartbeats/<node>`` value (``messages.Heartbeat`` defines every field once)."""
         # Exits before output: a worker seen exited here has written all of its output, so the
         # scan reads all of it (a peer's failure included) before its exit is reported.
         workers = self.pool.status(self.generation)
@@ -333,54 +360,29 @@ class Agent:
         self._collect_output()
         self._mark_peer_failures(workers)
         progress = self._progress()
-        steps = [p["step"] for p in progress.values() if p.get("step") is not None]
-        sections = {p.get("section") for p in progress.values()}
-        section = next((s for s in ("init", "checkpoint") if s in sections), "step")
-        if not progress:
-            section = "init"
         with self._lock:
             current = [e for e in self._reported.errors if e["generation"] == self.generation]
             errors = current[-50:]
             notices = [n for n in self._reported.notices if n["generation"] == self.generation]
             notices = notices[-20:]
-        return {
-            "node": self.opts.node,
-            "time": time.time(),
-            "generation": self.generation,
-            "step": max(steps) if steps else None,
-            "section": section,
-            "tokens_per_s": sum(p.get("tokens_per_s") or 0.0 for p in progress.values()),
-            "step_time_s": max((p.get("step_time_s") or 0.0 for p in progress.values()), default=0),
-            "compute_time_s": max(
-                (p["compute_time_s"] for p in progress.values() if p.get("compute_time_s")),
-                default=None,
-            ),
-            "val_loss": next(
-                (p["val_loss"] for p in progress.values() if p.get("val_loss") is not None), None
-            ),
-            "workers": workers,
-            "flight": self._flight(),
-            "errors": [f"rank {e['rank']}: {e['kind']}: {e['text']}" for e in errors],
-            "error_events": errors,
-            "notices": notices,
-            "host": socket.gethostname(),
-            "addr": self.opts.addr,
-            "pid": os.getpid(),
-            "hardware": self.hardware,
-            "gpus": gpu_status(),
-            "network": network_counters(),
-            "selfchecks": self.selfchecks,
-            "ranks": {
-                str(r): {
-                    "step": p.get("step"),
-                    "step_time_s": p.get("step_time_s"),
-                    "compute_time_s": p.get("compute_time_s"),
-                    "compute_step": p.get("compute_step"),
-                    "stage": p.get("stage"),
-                }
-                for r, p in progress.items()
-            },
-        }
+        return Heartbeat(
+            node=self.opts.node,
+            time=time.time(),
+            generation=self.generation,
+            workers={r: WorkerStatus(**w) for r, w in workers.items()},
+            flight=self._flight(),
+            errors=[f"rank {e['rank']}: {e['kind']}: {e['text']}" for e in errors],
+            error_events=[Reported(**e) for e in errors],
+            notices=[Reported(**n) for n in notices],
+            host=socket.gethostname(),
+            addr=self.opts.addr,
+            pid=os.getpid(),
+            hardware=self.hardware,
+            gpus=gpu_status(),
+            network=network_counters(),
+            selfchecks=self.selfchecks,
+            **progress_figures(progress),
+        )
 
     def _exit_reasons(self, rank: int, status: dict[str, Any]) -> None:
         """Add to a worker's ``status`` why it exited: ``fatal``, the reason of a job-fatal exit;
@@ -452,17 +454,17 @@ class Agent:
             (r, w) for r, w in list(self.pool.workers.items()) if w.generation == self.generation
         ]
 
-    def _progress(self) -> dict[int, dict[str, Any]]:
+    def _progress(self) -> dict[int, RankProgress]:
         """Per current worker: its progress file (``megascale.robustness.progress``), if this
         worker (not an earlier one of the same rank) wrote it."""
-        out: dict[int, dict[str, Any]] = {}
+        out: dict[int, RankProgress] = {}
         for rank, worker in self._current_workers():
             try:
                 state = read_progress(progress_path(self.opts.run_dir, rank))
             except (OSError, ValueError):
                 continue
             if state.pid == worker.pid:
-                out[rank] = dataclasses.asdict(state)
+                out[rank] = state
         return out
 
     def _flight(self) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from megascale.launcher.signals import StopSignals, reset_in_child
 from megascale.launcher.supervise import Supervisor
 from megascale.machine_check import check_machine
 from megascale.machine_check import gpu_count as _gpu_count
+from megascale.messages import read_metrics
 from megascale.robustness import inject
 
 logger = logging.getLogger("megascale.launch")
@@ -493,19 +494,14 @@ class Monitor:
         return "timeout"
 
     def _show(self) -> None:
-        for line in self.metrics.lines():
-            try:
-                m = json.loads(line)
-            except ValueError:
-                continue
-            if m.get("time", 0.0) <= self.shown:
+        for m in read_metrics(self.metrics.lines()):
+            if (m.time or 0.0) <= self.shown:
                 continue  # kept lines of a metrics.jsonl rewritten by a restart
-            self.shown = m.get("time", 0.0)
-            if m["step"] % self.log_interval == 0 or m["step"] == self.steps:
+            self.shown = m.time or 0.0
+            if m.step % self.log_interval == 0 or m.step == self.steps:
                 logger.info(
-                    "step %d/%d loss %.4f %.0f tok/s", m["step"], self.steps, m["loss"],
-                    m["tokens_per_s"],
-                )  # fmt: skip
+                    "step %d/%d loss %.4f %.0f tok/s", m.step, self.steps, m.loss, m.tokens_per_s
+                )
         for line in self.events.lines():
             try:
                 text = describe_event(json.loads(line))

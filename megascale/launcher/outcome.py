@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megascale.messages import read_metrics
 from megascale.robustness import inject
 from megascale.robustness.events import read_events
 
@@ -73,7 +74,7 @@ def fault_timings(run_dir: Path, events: list[dict[str, Any]]) -> list[dict[str,
     ``DECISIONS``) and until training next completed a step (``metrics.jsonl``)."""
     metrics = []
     try:
-        metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+        metrics = read_metrics((run_dir / "metrics.jsonl").read_text().splitlines())
     except (OSError, ValueError):
         pass
     out = []
@@ -83,7 +84,7 @@ def fault_timings(run_dir: Path, events: list[dict[str, Any]]) -> list[dict[str,
         decided = found[0] if found else None
         # The rank that names the cause: every rank reports a checkpoint it skipped, one says why.
         named = next((e for e in found if "another rank" not in str(e.get("detail"))), decided)
-        resumed = next((m["time"] for m in metrics if m.get("time", 0) > t0), None)
+        resumed = next((m.time for m in metrics if (m.time or 0) > t0), None)
         row = {"fault": fault["spec"], "fired_at": t0, "step": fault.get("step")}
         if decided is not None:
             row.update(

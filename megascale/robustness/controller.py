@@ -60,6 +60,7 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from megascale.messages import Heartbeat
 from megascale.parallel.layout import Layout
 from megascale.robustness import controller_snapshot
 from megascale.robustness.controller_elastic import RestartBudget, resize_detail, shrink_nodes
@@ -343,16 +344,13 @@ class ControllerFSM:
             actions += self._maybe_phase_done()
         return actions
 
-    def on_heartbeat(self, node: str, payload: Mapping[str, Any], now: float) -> list[Action]:
-        """``heartbeats/<node>`` changed (see ``keys.py`` for the payload)."""
+    def on_heartbeat(self, node: str, payload: Heartbeat, now: float) -> list[Action]:
+        """``heartbeats/<node>`` changed (``messages.Heartbeat``)."""
         self._begin(E.HEARTBEAT, now)
-        if (
-            node not in self._in_order
-            or int(payload.get("generation", self.generation)) != self.generation
-        ):
+        if node not in self._in_order or payload.generation != self.generation:
             return []
         self.last_seen[node] = now
-        section = str(payload.get("section", "step"))
+        section = payload.section
         counts = self._section_nodes
         was_checkpointing = counts["checkpoint"] > 0
         previous = self.sections.get(node)
@@ -367,10 +365,10 @@ class ControllerFSM:
             if self.checkpoint_since is not None:
                 self.timeouts.observe("checkpoint", now - self.checkpoint_since)
             self.checkpoint_since = None
-        for rank, record in (payload.get("flight") or {}).items():
+        for rank, record in payload.flight.items():
             self.flight[int(rank)] = record  # parsed only if a stall is declared
-        step = payload.get("step")
-        if step is not None and (self.step is None or int(step) > self.step):
+        step = payload.step
+        if step is not None and (self.step is None or step > self.step):
             if self.step is not None:
                 if self.stepped:  # the gap after init; the first one includes start-up
                     self.timeouts.observe("step", now - self.step_at)

@@ -158,6 +158,21 @@ class Channel:
     gid: int
     offset: int  # of its group-table entry in the file; -1 when the table was full
     seq: int = 0
+    kind: str = "other"  # dp, pp, tp or other (``group_kind``)
+    blocked_s: float = 0.0  # time callers were blocked in its ops
+
+
+def group_kind(label: str) -> str:
+    """``dp``, ``pp``, ``tp`` or ``other`` for a group's description (megatron-core's
+    ``group_desc``, e.g. ``TENSOR_MODEL_PARALLEL_GROUP``; ``p2p `` + it for a p2p channel)."""
+    label = label.upper()
+    if "TENSOR" in label and "PIPELINE" not in label and "DATA" not in label:
+        return "tp"
+    if "PIPELINE" in label and "TENSOR" not in label:
+        return "pp"
+    if "DATA_PARALLEL" in label and "TENSOR" not in label and "PIPELINE" not in label:
+        return "dp"
+    return "other"
 
 
 class _Local(Reentry):
@@ -245,6 +260,15 @@ class FlightRecorder:
         self.blocked_s = 0.0
         """Seconds spent blocked in synchronous ops and ``wait()`` (on CPU the trainer's
         ``ComputeMeter`` subtracts what falls inside a compute span)."""
+        self._channels: list[Channel] = []
+
+    def blocked_by_group(self) -> dict[str, float]:
+        """``blocked_s`` split by group kind (``group_kind``): totals since install; kinds with
+        no op yet are absent. Cheap: one pass over this rank's channels (a few dozen)."""
+        out: dict[str, float] = {}
+        for channel in list(self._channels):
+            out[channel.kind] = out.get(channel.kind, 0.0) + channel.blocked_s
+        return out
 
     @property
     def written(self) -> int:
@@ -421,7 +445,10 @@ class FlightRecorder:
             ranks = tuple(sorted({self.rank, peer})) if peer >= 0 else (self.rank,)
             label, what = f"p2p {desc}", "p2p"
         gid = _group_id(what, pg.group_name, ranks)
-        return self.add_group(gid, ranks, label, p2p=peer is not None)
+        channel = self.add_group(gid, ranks, label, p2p=peer is not None)
+        channel.kind = group_kind(desc)
+        self._channels.append(channel)
+        return channel
 
     def add_group(
         self, gid: int, ranks: tuple[int, ...], label: str, *, p2p: bool = False
@@ -457,7 +484,7 @@ class FlightRecorder:
             local = recorder.local
             if local.inside or not recorder.active:
                 return original(p2p_op_list)
-            indices = []
+            indices, channels = [], []
             for op in p2p_op_list:
                 name = getattr(op.op, "name", None) or getattr(op.op, "__name__", "")
                 channel = recorder.pair(op.group, op.peer)
@@ -466,6 +493,7 @@ class FlightRecorder:
                     flags = ASYNC | P2P | BATCH
                     nbytes = _nbytes(op.tensor)
                     indices.append(recorder.enter(kind, channel, nbytes, flags, op.peer))
+                    channels.append(channel)
             local.inside = True
             try:
                 works = original(p2p_op_list)
@@ -476,9 +504,11 @@ class FlightRecorder:
                 local.inside = False
             if len(works) == len(indices):
                 return [
-                    _RecordedWork(w, recorder, (i,)) for w, i in zip(works, indices, strict=True)
+                    _RecordedWork(w, recorder, (i,), c)
+                    for w, i, c in zip(works, indices, channels, strict=True)
                 ]
-            return [_RecordedWork(w, recorder, tuple(indices)) for w in works]  # coalesced (NCCL)
+            first = channels[0] if channels else None
+            return [_RecordedWork(w, recorder, tuple(indices), first) for w in works]  # NCCL
 
         return batch_isend_irecv
 
@@ -508,6 +538,7 @@ class FlightRecorder:
                             pending.kind, channel, pending.nbytes, flags, count=pending.count
                         )
                         handle.indices = indices = (index,)
+                        handle.channel = channel
             except BaseException:
                 recorder.mark(indices, _FAILED)
                 raise
@@ -522,6 +553,9 @@ class NullFlightRecorder:
 
     path = None
     blocked_s = 0.0
+
+    def blocked_by_group(self) -> dict[str, float]:
+        return {}
 
     def install(self) -> NullFlightRecorder:
         return self
@@ -596,10 +630,11 @@ class _OpWrapper(CommWrapper):
         if index is None:
             return result
         if is_async and result is not None:
-            return _RecordedWork(result, recorder, (index,))
+            return _RecordedWork(result, recorder, (index,), channel)
         left = _monotonic()  # the record's leave time, and the end of the blocked interval
         recorder.leave(index, left)
         recorder.blocked_s += left - started
+        channel.blocked_s += left - started
         return result
 
     def _peer(self, args, kwargs, group) -> int:
@@ -616,8 +651,15 @@ class _OpWrapper(CommWrapper):
 class _RecordedWork:
     """A work handle (or megatron-core's coalescing handle) whose ``wait()`` marks its records."""
 
-    def __init__(self, work, recorder: FlightRecorder, indices: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        work,
+        recorder: FlightRecorder,
+        indices: tuple[int, ...],
+        channel: Channel | None = None,
+    ) -> None:
         self._work, self._recorder, self.indices, self._done = work, recorder, indices, False
+        self.channel = channel  # whose blocked time the wait adds to
 
     def wait(self, *args, **kwargs):
         if self._done:
@@ -635,6 +677,8 @@ class _RecordedWork:
         left = _monotonic()
         recorder.mark(indices, _LEFT, left)
         recorder.blocked_s += left - started
+        if self.channel is not None:
+            self.channel.blocked_s += left - started
         return result
 
     def __getattr__(self, name):

@@ -10,10 +10,9 @@ key (under /megascale/<job>/)   lease     written by              value (JSON)
 ``nodes/<node>``                agent's   agent, at registration  ``{"node", "host", "nproc",
                                                                   "pid", "hardware": {...},
                                                                   "registered_at"}``
-``heartbeats/<node>``           agent's   agent, every interval   ``HEARTBEAT`` below
+``heartbeats/<node>``           agent's   agent, every interval   ``messages.Heartbeat``
 ``commands/<node>``             --        controller (fenced)     ``make_command(...)`` below
-``acks/<node>``                 --        agent                   ``{"id", "generation", "kind",
-                                                                  "ok", "detail"}``: the command
+``acks/<node>``                 --        agent                   ``messages.Ack``: the command
                                                                   ``id`` it finished
 ``blocklist/<node>``            --        controller (fenced)     ``{"reason", "generation",
                                                                   "time"}``: never used again
@@ -34,15 +33,8 @@ decision costs every agent a few bytes of watch traffic, not the whole snapshot.
 key is deleted is lost. "Fenced" writes are transactions guarded by the leader key's create
 revision (``Election.guard``), so a deposed controller cannot write.
 
-HEARTBEAT, the fields the controller reads (agents may add more, e.g. network counters)::
-
-    {"node": str, "time": float (agent's wall clock), "generation": int,
-     "step": int | None (highest completed training step of its ranks),
-     "section": "init" | "step" | "checkpoint" (what its ranks are doing),
-     "workers": {"<rank>": {"pid": int, "alive": bool, "exit_code": int | None, "peer": bool,
-                            "fatal": str | None (a job-fatal exit's reason, robustness/fatal.py)}},
-     "flight": {"<rank>": {"seq": int, "kind": str, "left": bool, "group": [int] | None}},
-     "tokens_per_s": float, "errors": [str]}
+The heartbeat and the ack are typed messages of ``megascale.messages`` (``Heartbeat``, ``Ack``):
+their fields are declared there once, and each value carries its schema version.
 
 A command (controller -> agent) is acted on only if ``is_current(command, job_id, generation)``:
 it is for this job and not for a generation older than the agent's. ``kind`` is ``"stop"`` (stop

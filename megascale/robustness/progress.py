@@ -1,21 +1,20 @@
 """Progress file: what a worker tells its node agent, in ``RUN_DIR/progress/rank_NNNNN.json``.
 
 The worker rewrites the file (write to a temporary name, then ``os.replace``: a reader sees the old
-or the new content, never a torn one; no fsync) when a section starts and after every step::
-
-  {"version": 1, "rank": 3, "pid": 4242, "section": "step", "section_started": <wall>,
-   "section_started_mono": <monotonic>, "step": 120, "step_time_s": 0.41, "tokens_per_s": 9987.0,
-   "heartbeat": <wall>, "heartbeat_mono": <monotonic>, "durations": {"init": 12.5, "step": 0.41},
-   "compute_time_s": 0.30, "compute_step": 119, "stage": 0, "val_loss": 2.31}
+or the new content, never a torn one; no fsync) when a section starts and after every step. Its
+content is a ``megascale.messages.RankProgress`` (the fields, and the figures' meanings, are
+defined there once).
 
 ``val_loss`` (absent or None until the first evaluation) is the last validation loss.
 
-``compute_time_s`` (absent or None until known) is the forward and backward compute time of a recent
-step (``compute_step``), measured on the device (``megascale.diagnostics.compute_time``: CUDA events
+``compute_time_s`` (None until known) is the forward and backward compute time of a recent step
+(``compute_step``), measured on the device (``megascale.diagnostics.compute_time``: CUDA events
 on a GPU, the host clock less time blocked in communication on CPU): pipeline bubbles and waiting
 for peers are not in it, so a straggler shows as the rank that computes longest. ``stage`` (None
 until known) is the rank's pipeline stage (its ``pp`` coordinate): the straggler model compares a
-rank only with the ranks of its stage, which do the same work.
+rank only with the ranks of its stage, which do the same work. ``comm_time_s`` is the time the
+rank was blocked in communication during the previous step period, by group (dp, pp, tp, other;
+the flight recorder's per-group totals).
 
 Sections (STYLE.md #9) are "init" (start of the process to the first step), "step", "checkpoint",
 and "done" (written by ``close``). ``durations`` holds the last observed length of each finished
@@ -38,13 +37,12 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from megascale.messages import CheckpointFigures, RankProgress
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
 SECTIONS = ("init", "step", "checkpoint", "done")
 
 
@@ -54,60 +52,60 @@ def progress_path(run_dir: Path | str, rank: int) -> Path:
 
 
 class ProgressFile:
-    """This rank's progress file. Call from the training thread only."""
+    """This rank's progress file (a ``messages.RankProgress``). Call from the training thread."""
 
     def __init__(self, path: Path | str, rank: int) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        self._state: dict[str, Any] = {
-            "version": VERSION,
-            "rank": rank,
-            "pid": os.getpid(),
-            "section": "",
-            "section_started": 0.0,
-            "section_started_mono": 0.0,
-            "step": 0,
-            "step_time_s": None,
-            "tokens_per_s": None,
-            "heartbeat": 0.0,
-            "heartbeat_mono": 0.0,
-            "durations": {},
-            "compute_time_s": None,
-            "compute_step": None,
-            "stage": None,
-            "val_loss": None,
-        }
+        self.record = RankProgress(rank=rank, pid=os.getpid())
 
     def enter(self, section: str) -> None:
         """Start ``section`` (the previous one ends, and its duration is kept)."""
         if section not in SECTIONS:
             raise ValueError(f"section={section!r}; expected one of {', '.join(SECTIONS)}")
-        state, now = self._state, time.monotonic()
-        if state["section"] and state["section"] != "step":  # a step's duration is its step time
-            state["durations"][state["section"]] = now - state["section_started_mono"]
-        state["section"], state["section_started_mono"] = section, now
-        state["section_started"] = time.time()
+        record, now = self.record, time.monotonic()
+        if record.section and record.section != "step":  # a step's duration is its step time
+            record.durations[record.section] = now - record.section_started_mono
+        record.section, record.section_started_mono = section, now
+        record.section_started = time.time()
         self._write()
 
     def step(
-        self, step: int, step_time_s: float, tokens_per_s: float, val_loss: float | None = None
+        self,
+        step: int,
+        step_time_s: float,
+        tokens_per_s: float,
+        val_loss: float | None = None,
+        *,
+        mfu: float | None = None,
+        data_wait_s: float | None = None,
     ) -> None:
         """After step ``step``: its time and throughput (and validation loss if it evaluated)."""
-        state = self._state
-        state["step"], state["step_time_s"], state["tokens_per_s"] = step, step_time_s, tokens_per_s
+        record = self.record
+        record.step, record.step_time_s, record.tokens_per_s = step, step_time_s, tokens_per_s
+        record.mfu, record.data_wait_s = mfu, data_wait_s
         if val_loss is not None:
-            state["val_loss"] = val_loss
-        state["durations"]["step"] = step_time_s
+            record.val_loss = val_loss
+        record.durations["step"] = step_time_s
         self._write()
 
     def compute_time(self, step: int, seconds: float) -> None:
         """Step ``step``'s compute time (written with the next write)."""
-        self._state["compute_step"], self._state["compute_time_s"] = step, seconds
+        self.record.compute_step, self.record.compute_time_s = step, seconds
+
+    def comm_time(self, comm_s: dict[str, float]) -> None:
+        """The last full step period's exposed communication by group (written with the next
+        write)."""
+        self.record.comm_time_s = comm_s
 
     def stage(self, pp_rank: int) -> None:
         """This rank's pipeline stage (written with the next write)."""
-        self._state["stage"] = pp_rank
+        self.record.stage = pp_rank
+
+    def checkpoint(self, figures: CheckpointFigures) -> None:
+        """The latest save's figures (written with the next write)."""
+        self.record.checkpoint = figures
 
     def beat(self) -> None:
         """Still moving inside a long section."""
@@ -117,9 +115,9 @@ class ProgressFile:
         self.enter("done")
 
     def _write(self) -> None:
-        state = self._state
-        state["heartbeat"], state["heartbeat_mono"] = time.time(), time.monotonic()
-        self._tmp.write_text(json.dumps(state))
+        record = self.record
+        record.heartbeat, record.heartbeat_mono = time.time(), time.monotonic()
+        self._tmp.write_text(json.dumps(record.encode()))
         os.replace(self._tmp, self.path)
 
 
@@ -131,15 +129,19 @@ class NullProgressFile:
     def enter(self, section: str) -> None:
         pass
 
-    def step(
-        self, step: int, step_time_s: float, tokens_per_s: float, val_loss: float | None = None
-    ) -> None:
+    def step(self, step: int, step_time_s: float, tokens_per_s: float, *args, **kwargs) -> None:
         pass
 
     def compute_time(self, step: int, seconds: float) -> None:
         pass
 
+    def comm_time(self, comm_s: dict[str, float]) -> None:
+        pass
+
     def stage(self, pp_rank: int) -> None:
+        pass
+
+    def checkpoint(self, figures: CheckpointFigures) -> None:
         pass
 
     def beat(self) -> None:
@@ -149,53 +151,13 @@ class NullProgressFile:
         pass
 
 
-@dataclass(frozen=True)
-class ProgressState:
-    """A progress file as the agent reads it."""
-
-    rank: int
-    pid: int
-    section: str
-    section_started: float
-    section_started_mono: float
-    step: int
-    step_time_s: float | None
-    tokens_per_s: float | None
-    heartbeat: float
-    heartbeat_mono: float
-    durations: dict[str, float] = field(default_factory=dict)
-    compute_time_s: float | None = None
-    compute_step: int | None = None
-    stage: int | None = None
-    val_loss: float | None = None
-
-
-def read_progress(path: Path | str) -> ProgressState:
+def read_progress(path: Path | str) -> RankProgress:
     """Read a progress file; ``ValueError`` naming the file and the problem if it is not one."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-        if data.get("version") != VERSION:
-            raise ValueError(f"version {data.get('version')!r}, this reader reads {VERSION}")
-        return ProgressState(
-            rank=int(data["rank"]),
-            pid=int(data["pid"]),
-            section=str(data["section"]),
-            section_started=float(data["section_started"]),
-            section_started_mono=float(data["section_started_mono"]),
-            step=int(data["step"]),
-            step_time_s=data["step_time_s"],
-            tokens_per_s=data["tokens_per_s"],
-            heartbeat=float(data["heartbeat"]),
-            heartbeat_mono=float(data["heartbeat_mono"]),
-            durations={str(k): float(v) for k, v in data["durations"].items()},
-            compute_time_s=data.get("compute_time_s"),
-            compute_step=data.get("compute_step"),
-            stage=data.get("stage"),
-            val_loss=data.get("val_loss"),
-        )
+        return RankProgress.from_json(path.read_bytes())
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: not a megascale progress file ({e!r})") from None
+        raise ValueError(f"{path}: not a megascale progress file ({e})") from None
 
 
 class WorkerSignals:
@@ -203,8 +165,7 @@ class WorkerSignals:
     recorder (``RUN_DIR/flight/``) and the progress file (``RUN_DIR/progress/``).
 
     Lifecycle: ``open`` before ``init_distributed`` (section "init" starts, the recorder is
-    installed); ``stage(pp)`` once the layout is known; ``step_started(k)`` before step k and
-    ``step_done(metrics, compute)`` after it;
+    installed); ``step_started(k)`` before step k and ``step_done(metrics)`` after it;
     ``with section("checkpoint"):`` around a checkpoint save; ``close()`` at the end. Either part
     is a null object when disabled: ``MEGASCALE_FLIGHT_RECORDER=0`` / ``MEGASCALE_PROGRESS=0``.
     """
@@ -212,6 +173,9 @@ class WorkerSignals:
     def __init__(self, recorder, progress) -> None:
         self.recorder, self.progress = recorder, progress
         self.current = ""
+        self._step_mark: dict[str, float] | None = None  # blocked seconds by group, step start
+        self.comm_time_s: dict[str, float] = {}  # of the last full step period
+        self.progress_checkpoint: tuple | None = None  # the save figures last handed over
 
     @classmethod
     def open(cls, run_dir: Path | str, rank: int, world_size: int) -> WorkerSignals:
@@ -230,6 +194,8 @@ class WorkerSignals:
         return signals
 
     def enter(self, section: str) -> None:
+        if section != "step":
+            self._step_mark = None  # a period with a checkpoint in it is not a step's
         self.current = section
         self.progress.enter(section)
         self.recorder.set_section(section)
@@ -246,6 +212,12 @@ class WorkerSignals:
     def step_started(self, step: int) -> None:
         if self.current != "step":
             self.enter("step")
+        by_group = self.recorder.blocked_by_group()
+        if self._step_mark is not None:
+            before = self._step_mark
+            self.comm_time_s = {g: s - before.get(g, 0.0) for g, s in by_group.items()}
+            self.progress.comm_time(self.comm_time_s)
+        self._step_mark = by_group
         self.recorder.set_step(step)
 
     def stage(self, pp_rank: int) -> None:
@@ -253,14 +225,26 @@ class WorkerSignals:
         self.progress.stage(pp_rank)
 
     def step_done(self, metrics, compute: tuple[int, float] | None = None) -> None:
-        """``metrics``: the trainer's ``StepMetrics`` (step, step_time_s, tokens_per_s, val_loss);
-        ``compute``: (step, seconds) of the newest step whose compute time is known, or None
-        (``Trainer.compute.latest``)."""
+        """``metrics``: the step's ``messages.StepMetrics``; ``compute``: (step, seconds) of the
+        newest step whose compute time is known, or None (``Trainer.compute.latest``). The
+        compute time and the last full step period's communication by group are copied into
+        ``metrics``."""
         if compute is not None:
             self.progress.compute_time(*compute)
+        metrics.compute_time_s = compute[1] if compute is not None else None
+        metrics.comm_time_s = self.comm_time_s
         self.progress.step(
-            metrics.step, metrics.step_time_s, metrics.tokens_per_s, metrics.val_loss
+            metrics.step,
+            metrics.step_time_s,
+            metrics.tokens_per_s,
+            metrics.val_loss,
+            mfu=metrics.mfu,
+            data_wait_s=metrics.data_wait_s,
         )
+
+    def checkpoint_saved(self, figures: CheckpointFigures) -> None:
+        """A save's figures (``stall_s`` now; ``durable_s`` again once its write finished)."""
+        self.progress.checkpoint(figures)
 
     def close(self) -> None:
         self.progress.close()

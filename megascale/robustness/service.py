@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from queue import Empty, Queue
 from typing import Any
 
+from megascale.messages import Ack, Heartbeat, MessageError, Reported
 from megascale.robustness.controller import (
     Action,
     ControllerFSM,
@@ -136,6 +137,7 @@ class ControllerService:
         self._snapshot_at = -math.inf
         self._fed_exits: dict[tuple[int, int], int] = {}  # (generation, rank) -> code
         self._seen: dict[tuple[str, str, int], int] = {}  # (what, node, generation) -> last seq
+        self._unreadable: set[tuple[str, str]] = set()  # (message, node) logged as unreadable
         self._held: list[tuple[float, Evidence]] = []
         self._errors: dict[tuple[int, int], str] = {}  # (generation, rank) -> exit's signature
         self._outage_since: float | None = None
@@ -323,13 +325,26 @@ class ControllerService:
             else:
                 self._act(self.fsm.on_node_lost(node, "lease expired", now))
         elif what == "hb" and event.kind == "put":
-            self._heartbeat(node, event.json(), now)
+            heartbeat = self._decode(Heartbeat, node, event)
+            if heartbeat is not None:
+                self._heartbeat(node, heartbeat, now)
         elif what == "ack" and event.kind == "put":
-            ack = event.json()
-            ok, detail = bool(ack.get("ok", True)), str(ack.get("detail", ""))
-            self._act(self.fsm.on_ack(node, str(ack.get("id")), ok, detail, now))
+            ack = self._decode(Ack, node, event)
+            if ack is not None:
+                self._act(self.fsm.on_ack(node, ack.id, ack.ok, ack.detail, now))
 
-    def _heartbeat(self, node: str, payload: Mapping[str, Any], now: float) -> None:
+    def _decode(self, kind: type, node: str, event: WatchEvent):
+        """``event``'s value as message ``kind``; None (logged once per node and kind) when this
+        controller cannot read it, e.g. an agent of another major version."""
+        try:
+            return kind.from_json(event.value)
+        except MessageError as e:
+            if (kind.__name__, node) not in self._unreadable:
+                self._unreadable.add((kind.__name__, node))
+                logger.error("node %s: ignoring its %s: %s", node, kind.__name__, e)
+            return None
+
+    def _heartbeat(self, node: str, payload: Heartbeat, now: float) -> None:
         assert self.fsm is not None
         before = self.fsm.step
         if self.metrics is not None:
@@ -337,80 +352,74 @@ class ControllerService:
         self._act(self.fsm.on_heartbeat(node, payload, now))
         if self.fsm.step is not None and self.fsm.step != before:
             self.effective.observe(self.fsm.step, now)
-        generation = int(payload.get("generation", -1))
+        generation = payload.generation
         if generation != self.fsm.generation or not self.fsm.in_order(node):
             return
         self._learn_step_time(payload, before)
         self._observe_straggler(node, payload, now)
         if self._flight_generation != generation:
             self._flight, self._flight_generation = {}, generation
-        for rank, state in (payload.get("flight") or {}).items():
+        for rank, state in payload.flight.items():
             try:
                 self._flight[int(rank)] = RankState.from_json(state)
             except (KeyError, TypeError, ValueError):
                 continue
-        for rank, worker in (payload.get("workers") or {}).items():
-            code = worker.get("exit_code")
+        for rank, worker in payload.workers.items():
+            code = worker.exit_code
             if code is None or (generation, int(rank)) in self._fed_exits:
                 continue
-            self._fed_exits[(generation, int(rank))] = int(code)
-            fatal = worker.get("fatal")
-            secondary = int(code) > 0 and bool(worker.get("peer")) and fatal is None
-            error = None if secondary else worker.get("error")  # a symptom is never the job's
+            self._fed_exits[(generation, int(rank))] = code
+            fatal = worker.fatal
+            secondary = code > 0 and worker.peer and fatal is None
+            error = None if secondary else worker.error  # a symptom is never the job's
             ev = Evidence(
-                "worker_exit", node, int(rank), generation, int(code), "", secondary, fatal, error
+                "worker_exit", node, int(rank), generation, code, "", secondary, fatal, error
             )
             self._evidence(ev, now)
-        for error in self._new(payload.get("error_events"), "error", node, generation):
-            if (
-                error.get("kind") == "traceback"
-                and (generation, int(error["rank"])) in self._errors
-            ):
+        for error in self._new(payload.error_events, "error", node, generation):
+            if error.kind == "traceback" and (generation, error.rank) in self._errors:
                 continue  # the exception its exit reported, with its signature
-            text = f"{error.get('kind')}: {error.get('text', '')}"
-            secondary = bool(error.get("secondary"))
+            text = f"{error.kind}: {error.text}"
             ev = Evidence(
-                "error_keyword", node, int(error["rank"]), generation, None, text, secondary
+                "error_keyword", node, error.rank, generation, None, text, error.secondary
             )
             self._evidence(ev, now)
-        for notice in self._new(payload.get("notices"), "notice", node, generation):
+        for notice in self._new(payload.notices, "notice", node, generation):
             self.events.append(
-                str(notice.get("kind", "notice")),
+                notice.kind,
                 generation=generation,
                 node=node,
-                rank=notice.get("rank"),
-                detail={"text": notice.get("text", "")},
+                rank=notice.rank,
+                detail={"text": notice.text},
             )
 
-    def _learn_step_time(self, payload: Mapping[str, Any], before: int | None) -> None:
+    def _learn_step_time(self, payload: Heartbeat, before: int | None) -> None:
         """Teach the FSM's step timeout the workers' own step times (the slowest rank's, from
         its progress file), one sample per step done since the last report (at most 4): the
         FSM alone sees progress only at heartbeat granularity, and with fast steps it would need
         many heartbeats before its timeout is learned rather than the default."""
-        step, seconds = payload.get("step"), payload.get("step_time_s")
+        step, seconds = payload.step, payload.step_time_s
         if before is None or step is None or not seconds or int(step) <= before:
             return
         for _ in range(min(int(step) - before, 4)):
             self.fsm.timeouts.observe("step", float(seconds))
 
-    def _observe_straggler(self, node: str, payload: Mapping[str, Any], now: float) -> None:
+    def _observe_straggler(self, node: str, payload: Heartbeat, now: float) -> None:
         """Feed each rank's new compute time (once per step it was measured in; its pipeline
         stage with it) to the straggler model; publish the per-rank scores; record a
         ``straggler`` event naming the node (and its slowest rank) slow in
         ``straggler_consecutive`` windows in a row, and under ``straggler_action="evict"`` hand
         it to the FSM to be replaced."""
         assert self.fsm is not None
-        if payload.get("section") != "step":
+        if payload.section != "step":
             return
         flagged: list[str] = []
-        for key, info in (payload.get("ranks") or {}).items():
-            rank, step = int(key), info.get("compute_step")
+        for key, info in payload.ranks.items():
+            rank, step = int(key), info.compute_step
             if step is None or int(step) <= self._straggler_steps.get(rank, -1):
                 continue
             self._straggler_steps[rank] = int(step)
-            flagged += self.stragglers.observe(
-                rank, node, info.get("stage"), info.get("compute_time_s")
-            )
+            flagged += self.stragglers.observe(rank, node, info.stage, info.compute_time_s)
         if self.metrics is not None and self.stragglers.rank_scores:
             nodes = self.stragglers.rank_nodes()
             self.metrics.set_straggler_scores(
@@ -440,13 +449,13 @@ class ControllerService:
             if action == "evict":
                 self._act(self.fsm.on_straggler(slow, detail, now))
 
-    def _new(self, items: Any, what: str, node: str, generation: int) -> list[dict]:
+    def _new(self, items: list[Reported], what: str, node: str, generation: int) -> list[Reported]:
         """Items of a heartbeat list not seen before (by their ``seq``)."""
         key = (what, node, generation)
         seen = self._seen.get(key, -1)
-        fresh = [i for i in items or () if int(i.get("seq", -1)) > seen]
+        fresh = [i for i in items if i.seq > seen]
         if fresh:
-            self._seen[key] = max(int(i["seq"]) for i in fresh)
+            self._seen[key] = max(i.seq for i in fresh)
         return fresh
 
     def _evidence(self, ev: Evidence, now: float) -> None:

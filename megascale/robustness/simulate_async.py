@@ -468,7 +468,7 @@ class AsyncSimAgent(SimAgent):
     async def _beat_async(self) -> None:
         """As ``Agent._beat``: put ``heartbeat()`` under the lease."""
         assert self._lease is not None
-        payload = self.heartbeat()
+        payload = self.heartbeat().encode()
         try:
             await self.etcd.put(self.keys.heartbeat(self.opts.node), payload, self._lease.id)
         except LeaseNotFound:

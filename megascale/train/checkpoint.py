@@ -204,6 +204,9 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.last_stall_s = self.last_wait_s = self.total_stall_s = self.last_write_s = 0.0
         self.saves = 0
+        self.last_save: tuple[int, float, float | None] | None = None
+        """(step, stall_s, durable_s) of the latest save: durable_s (from the save's start until
+        its files were written) is None while the write is in flight; set by the writer."""
         if cfg.interval > 0:
             try:
                 self.storage.check_writable()  # now, not at the first save hours from now
@@ -235,17 +238,21 @@ class Checkpointer:
         step, tree = trainer.step_num, _tree(*snapshot(trainer))
         if self.cfg.async_save:
             host = self._copier.copy(tree)  # stage 1: training may change the live tensors now
+            # the stall is over once the thread starts: set before the writer may replace it
+            self.last_save = (step, time.perf_counter() - start, None)
             self._thread = threading.Thread(
                 target=self._stage2,
-                args=(step, host),
+                args=(step, host, start),
                 name=f"megascale::checkpoint::write::{step}",
                 daemon=True,  # a crashing rank must not wait for its write: no manifest then
             )
             self._thread.start()
         else:
-            self._stage2(step, tree)
+            self._stage2(step, tree, start)
             self.wait()
         self.last_stall_s = time.perf_counter() - start
+        if not self.cfg.async_save:  # written and durable before training goes on
+            self.last_save = (step, self.last_stall_s, self.last_stall_s)
         self.total_stall_s += self.last_stall_s
         self.saves += 1
         logger.info(
@@ -275,13 +282,16 @@ class Checkpointer:
                 self.total_stall_s,
             )
 
-    def _stage2(self, step: int, tree: dict) -> None:
+    def _stage2(self, step: int, tree: dict, save_started: float) -> None:
         start = time.perf_counter()
         if threading.current_thread() is not threading.main_thread():
             _lower_thread_priority()  # training first when they compete for a core
         try:
             self._write(step, tree)
-            self.last_write_s = time.perf_counter() - start
+            done = time.perf_counter()
+            self.last_write_s = done - start
+            stall = self.last_save[1] if self.last_save and self.last_save[0] == step else 0.0
+            self.last_save = (step, stall, done - save_started)  # one assignment: never torn
         except BaseException as e:  # reported by the next save/wait on the training thread
             mine = f"{step_name(step)}/{rank_dir(self.groups.rank)}"
             self.storage.remove(mine, recursive=True)  # no partial files left (a full disk)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megascale.config import JobConfig, to_toml
+from megascale.config import ConfigError, JobConfig, to_toml
 from megascale.data.blend import parse_blend
 from megascale.data.corpus import default_token_file
 from megascale.data.indexed import bin_path, idx_path, tokenizer_copy_path
@@ -25,13 +25,14 @@ from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
 from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
 from megascale.machine_check import resolve_device
+from megascale.messages import CheckpointFigures, StepMetrics
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.robustness import inject
 from megascale.robustness.fatal import RUN_DIR_ENV, fail_job
 from megascale.robustness.progress import WorkerSignals
 from megascale.train import checkpoint
-from megascale.train.trainer import StepMetrics, Trainer
+from megascale.train.trainer import Trainer
 
 logger = logging.getLogger("megascale")
 
@@ -61,7 +62,12 @@ class Progress:
             self.stream.flush()
 
 
-def peak_tflops_for_device(device: str) -> float | None:
+def peak_tflops_for_device(device: str, override: float | None = None) -> float | None:
+    """``train.peak_tflops`` when set, else the dense bf16 peak of a known GPU, else None."""
+    if override is not None:
+        if not override > 0:
+            raise ConfigError(f"train.peak_tflops = {override!r}: expected a number > 0")
+        return float(override)
     if device != "cuda":
         return None
     name = torch.cuda.get_device_name()
@@ -96,7 +102,8 @@ class MetricsLog:
         self._file = open(path, "a")
 
     def write(self, metrics: StepMetrics) -> None:
-        self._file.write(json.dumps({**metrics.to_dict(), "time": time.time()}) + "\n")
+        metrics.time = time.time()
+        self._file.write(json.dumps(metrics.encode()) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -130,7 +137,7 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
         groups,
         device,
         data_cache_dir=data_dir,
-        peak_tflops=peak_tflops_for_device(device),
+        peak_tflops=peak_tflops_for_device(device, job.train.peak_tflops),
         timeline=build_timeline(job.diagnostics, run_dir, groups, device),  # null when off
     )
     if job.checkpoint.resume:
@@ -196,20 +203,23 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
             metrics = trainer.step()
             if is_eval_step(job, trainer.step_num):
                 metrics.val_loss = trainer.evaluate()  # collective: every rank evaluates
-            signals.step_done(metrics, trainer.compute.latest)
-            history.append(metrics)
-            if log is not None and progress is not None:
-                log.write(metrics)
-                progress.update(metrics)
             step = trainer.step_num
             if interval and (step % interval == 0 or step == job.train.steps):
                 with (
                     signals.section("checkpoint"),
                     trainer.timeline.span("megascale::checkpoint::save"),
                 ):
-                    saver.save(trainer)  # stage 1 only; the write goes on in the background
+                    # stage 1 only; the write goes on in the background
+                    metrics.checkpoint_stall_s = saver.save(trainer)
+            report_checkpoint(saver, signals)
+            signals.step_done(metrics, trainer.compute.latest)
+            history.append(metrics)
+            if log is not None and progress is not None:
+                log.write(metrics)
+                progress.update(metrics)
         with signals.section("checkpoint"):
             saver.finalize()  # the last save's files and manifest are written
+        report_checkpoint(saver, signals)  # its time until durable, with the "done" write
     finally:
         trainer.timeline.close()  # writes the last steps' segments
         if log is not None:
@@ -217,6 +227,15 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
         signals.close()
     destroy_groups()
     return history
+
+
+def report_checkpoint(saver: checkpoint.Checkpointer, signals: WorkerSignals) -> None:
+    """Hand the latest save's figures (stall, and time until durable once written) to the
+    progress record whenever they changed."""
+    last = saver.last_save
+    if last is not None and last != signals.progress_checkpoint:
+        signals.progress_checkpoint = last
+        signals.checkpoint_saved(CheckpointFigures(*last))
 
 
 def is_eval_step(job: JobConfig, step: int) -> bool:

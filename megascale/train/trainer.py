@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from megascale.data.node_loader import train_batches
 from megascale.diagnostics.compute_time import ComputeMeter
 from megascale.diagnostics.flops import flops_per_token
 from megascale.diagnostics.timers import NULL_TIMELINE, NullTimeline, Timeline
+from megascale.messages import StepMetrics
 from megascale.model.gpt import transformer_config, use_te_spec
 from megascale.overlap.dp import ParamGatherPrefetch
 from megascale.overlap.tp_plan import init_te_userbuffers, plan_for_this_rank
@@ -33,32 +33,6 @@ from megascale.parallel.parallelize import forward_backward_func, parallelize
 from megascale.train.optimizer import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepMetrics:
-    """What one optimizer step reports; one line of ``metrics.jsonl``."""
-
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    tokens_per_s: float
-    mfu: float | None
-    """Model FLOPs utilisation against ``peak_tflops``; None when no peak is known (CPU)."""
-    data_wait_s: float = 0.0
-    """Seconds the step waited for its micro-batches (read them, or copy them from the machine's
-    shared memory once its loader has them ready)."""
-    val_loss: float | None = None
-    """Validation loss after this step (``Trainer.evaluate``); None on steps without evaluation."""
-
-    def to_dict(self) -> dict:
-        """The metrics.jsonl record; ``val_loss`` only on steps that evaluated."""
-        out = asdict(self)
-        if out["val_loss"] is None:
-            del out["val_loss"]
-        return out
 
 
 class Trainer:

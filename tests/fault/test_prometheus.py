@@ -1,14 +1,16 @@
-"""Every Grafana dashboard query, executed by a real Prometheus scraping real exporter processes.
+"""Every Grafana dashboard query, executed by a real Prometheus scraping a live ``megascale launch``.
 
-The test starts Debian's ``prometheus`` (2.42) on loopback with a 0.5 s scrape interval and a
-temporary TSDB, scraping three HTTP endpoints of one exporter process: two node agents
-(``AgentMetrics``, ranks 0-3 and 4-7) and the controller (``ControllerMetrics``), fed with
-synchronous-training figures in which rank 6 on node-b computes 20% slower than its peers.
-Once data is present it runs each panel's PromQL through the HTTP API (``query_range`` for
-time series and heat maps, ``query`` for instant tables) and fails on any query error or empty
-result; then it checks that the straggler table names node-b first.
-
-This file is also the exporter: ``python tests/fault/test_prometheus.py PORTS_FILE``.
+The test launches a real job on this machine -- 2 nodes x 2 CPU ranks, TP2, rank 2 (on node-1)
+slowed 1.5x (``slow-rank``), a checkpoint every 5 steps, rank 1 killed once (``kill-worker``, so
+the job restarts from its checkpoint), MFU against ``train.peak_tflops`` -- and starts Debian's
+``prometheus`` (2.42) on loopback with a 0.5 s scrape interval, scraping the agents and the
+controller found through ``RUN_DIR/metrics/*.url``. While the job trains it runs each panel's
+PromQL through the HTTP API (``query_range`` for time series and heat maps, ``query`` for
+instant tables) and fails on any query error or empty result; then it checks what a person would
+read off the dashboards: the slow node first in the straggler table, the slow rank's compute time
+highest, MFU in (0, 1), tokens/s equal to ``metrics.jsonl``'s. The same live run proves the
+message contract (every field of the heartbeat, the progress record and the metrics line that a
+consumer reads is produced) and that its HTML report shows MFU and the communication breakdown.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
+import re
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -29,10 +33,17 @@ from pathlib import Path
 import pytest
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-JOB = "gpt-175b-demo"
 SCRAPE = "500ms"
 RATE_INTERVAL = "5s"  # Grafana's $__rate_interval: >= 4 scrape intervals
-STRAGGLER_RANK, SLOWDOWN = 6, 1.2
+SLOW_RANK, SLOW_NODE = 2, "node-1"
+LAUNCH = [
+    "--nodes", "2", "--nproc-per-node", "2", "--heartbeat-interval", "0.5",
+    "--selfcheck", "builtin", "--timeout", "300",
+    "--set", "parallel.tp=2", "--set", "train.steps=2000", "--set", "checkpoint.interval=5",
+    "--set", "train.peak_tflops=0.05", "--set", "train.log_interval=50",
+    "--set", "train.eval_interval=10",
+    "--inject", f"slow-rank:rank={SLOW_RANK},factor=1.5", "--inject", "kill-worker:rank=1,step=8",
+]  # fmt: skip
 
 pytestmark = [
     pytest.mark.slow,
@@ -42,67 +53,6 @@ pytestmark = [
         "(apt-get install --no-install-recommends prometheus)",
     ),
 ]
-
-
-# -- the exporter process -------------------------------------------------------------------------
-
-
-def feed(ports_file: str, lifetime_s: float = 300.0) -> None:
-    """Serve two agents and a controller and update them every 0.25 s, like a running job."""
-    from megascale.diagnostics.metrics import AgentMetrics, ControllerMetrics
-
-    rng = random.Random(0)
-    nodes = {"node-a": range(0, 4), "node-b": range(4, 8)}
-    agents = {node: AgentMetrics(JOB, node) for node in nodes}
-    controller = ControllerMetrics(JOB)
-    servers = {node: agent.serve() for node, agent in agents.items()}
-    servers["controller"] = controller.serve()
-    tmp = ports_file + ".tmp"
-    Path(tmp).write_text(json.dumps({name: s.port for name, s in servers.items()}))
-    os.replace(tmp, ports_file)  # the test reads a complete file or none
-    controller.record_fault("worker_exit")
-    controller.record_restart(generation=1)
-    parent, start, step = os.getppid(), time.monotonic(), 100
-    while os.getppid() == parent and time.monotonic() - start < lifetime_s:
-        step += 1
-        compute = {
-            r: 0.80 * (SLOWDOWN if r == STRAGGLER_RANK else 1.0) * rng.uniform(0.99, 1.01)
-            for r in range(8)
-        }
-        step_time = max(compute.values()) + 0.06  # synchronous: everyone waits for the slowest
-        median = sorted(compute.values())[4]
-        for node, ranks in nodes.items():
-            exposed = {r: step_time - compute[r] for r in ranks}  # waiting shows up as comm
-            agents[node].observe_heartbeat(
-                {
-                    "node": node,
-                    "step": step,
-                    "tokens_per_s": 8 * 4096 / step_time,
-                    "mfu": 0.42 * 0.96 / step_time,
-                    "checkpoint_stall_s": rng.uniform(0.5, 2.0) if step % 4 == 0 else None,
-                    "ranks": {
-                        str(r): {
-                            "step": step,
-                            "step_time_s": step_time,
-                            "compute_time_s": compute[r],
-                            "comm_time_s": {"dp": 0.6 * exposed[r], "tp": 0.4 * exposed[r]},
-                        }
-                        for r in ranks
-                    },
-                }
-            )
-            controller.observe_heartbeat(node)
-        controller.set_straggler_scores(
-            {(node, r): compute[r] / median for node, ranks in nodes.items() for r in ranks}
-        )
-        elapsed = time.monotonic() - start + 100.0
-        controller.set_effective_training_time(0.93 * elapsed, elapsed)
-        if step % 40 == 0:
-            controller.record_fault("stall")
-        time.sleep(0.25)
-
-
-# -- the test -------------------------------------------------------------------------------------
 
 
 def _get(base: str, path: str, **params: str) -> dict:
@@ -126,52 +76,6 @@ def _wait(what: str, predicate, timeout_s: float):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.2)
-
-
-@pytest.fixture
-def exporter(tmp_path):
-    ports_file = tmp_path / "ports.json"
-    proc = subprocess.Popen([sys.executable, __file__, str(ports_file)])
-    try:
-        ports = _wait(
-            "the exporter's ports",
-            lambda: ports_file.exists() and json.loads(ports_file.read_text()),
-            60,
-        )
-        yield ports
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture
-def prometheus(tmp_path, exporter):
-    targets = [f"127.0.0.1:{port}" for port in exporter.values()]
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        json.dumps(  # YAML is a superset of JSON
-            {
-                "global": {"scrape_interval": SCRAPE, "scrape_timeout": "400ms"},
-                "scrape_configs": [
-                    {"job_name": "megascale", "static_configs": [{"targets": targets}]}
-                ],
-            }
-        )
-    )
-    proc, base = _start_prometheus(tmp_path, config)
-    try:
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(f"prometheus exited {proc.returncode}: see {tmp_path}")
-            result = _get(base, "/api/v1/query", query="up == 1")
-            return len(result.get("data", {}).get("result", [])) == len(targets)
-
-        _wait("prometheus to scrape every target", up, 60)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def _start_prometheus(tmp_path: Path, config: Path) -> tuple[subprocess.Popen, str]:
@@ -227,10 +131,89 @@ def _run(base: str, expr: str, instant: bool) -> dict:
     )
 
 
-def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus):
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """A running ``megascale launch`` (see the module docstring): (run_dir, job id, etcd
+    endpoint, metrics URLs by name), once it restarted after the killed worker and trains again."""
+    run_dir = tmp_path_factory.mktemp("live")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("MEGASCALE_INJECT", None)
+    cmd = [sys.executable, "-m", "megascale.cli", "launch", *LAUNCH, "--run-dir", str(run_dir)]
+    log = open(run_dir.parent / "launch.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+
+        def started():
+            if proc.poll() is not None:
+                raise AssertionError(f"launch exited {proc.returncode}: {_tail(log)}")
+            found = re.search(r"job (\S+): .* etcd at (\S+);", Path(log.name).read_text())
+            urls = {p.stem: p.read_text().strip() for p in (run_dir / "metrics").glob("*.url")}
+            return found and len(urls) == 3 and (found.group(1), found.group(2), urls)
+
+        job, endpoint, urls = _wait("the job's metrics URLs", started, 120)
+        _wait("the restart after the killed worker", lambda: _restarted(run_dir, proc, log), 180)
+        yield run_dir, job, endpoint, urls
+    finally:
+        proc.send_signal(signal.SIGTERM)  # its agents, controller and etcd die with it
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _tail(log) -> str:
+    return Path(log.name).read_text()[-3000:]
+
+
+def _restarted(run_dir: Path, proc: subprocess.Popen, log) -> bool:
+    if proc.poll() is not None:
+        raise AssertionError(f"launch exited {proc.returncode}: {_tail(log)}")
+    from megascale.messages import read_metrics
+
+    text = Path(log.name).read_text()
+    if "generation 2 running" not in text:
+        return False
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return len([m for m in read_metrics(lines) if m.checkpoint_stall_s is not None]) >= 2
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory, live):
+    tmp_path = tmp_path_factory.mktemp("prometheus")
+    targets = [urllib.parse.urlsplit(url).netloc for url in live[3].values()]
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        json.dumps(  # YAML is a superset of JSON
+            {
+                "global": {"scrape_interval": SCRAPE, "scrape_timeout": "400ms"},
+                "scrape_configs": [
+                    {"job_name": "megascale", "static_configs": [{"targets": targets}]}
+                ],
+            }
+        )
+    )
+    proc, base = _start_prometheus(tmp_path, config)
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"prometheus exited {proc.returncode}: see {tmp_path}")
+            result = _get(base, "/api/v1/query", query="up == 1")
+            return len(result.get("data", {}).get("result", [])) == len(targets)
+
+        _wait("prometheus to scrape every target", up, 60)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _panel_failures(base: str, job: str) -> dict[str, str]:
+    """Each dashboard variable and panel query that errs or stays empty (retried for 60 s)."""
     from megascale.diagnostics import dashboards
 
-    base = prometheus
     pending = []
     for uid, model in dashboards.build_all().items():
         for name, query in dashboards.variable_queries(model):
@@ -242,12 +225,11 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus):
                 ).get("data"),
                 30,
             )
-            assert JOB in values, (uid, name, values)
+            assert job in values, (uid, name, values)
         for title, ref, expr, instant in dashboards.panel_queries(model):
-            rendered = dashboards.render(expr, {"megascale_job": JOB}, RATE_INTERVAL)
+            rendered = dashboards.render(expr, {"megascale_job": job}, RATE_INTERVAL)
             pending.append((f"{uid} / {title} / {ref}", rendered, instant))
     assert len(pending) >= 20
-
     failures: dict[str, str] = {}
     deadline = time.monotonic() + 60  # rate() needs a few scrapes: retry empty results a while
     while pending:
@@ -264,27 +246,104 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(prometheus):
             break
         if pending:
             time.sleep(0.5)
+    return failures
+
+
+def _instant(base: str, expr: str) -> list[dict]:
+    return _run(base, expr, True)["data"]["result"]
+
+
+def test_every_dashboard_query_returns_data_from_a_live_launch(prometheus, live):
+    from megascale.diagnostics import dashboards
+    from megascale.messages import read_metrics
+
+    base, (run_dir, job, _, _) = prometheus, live
+    failures = _panel_failures(base, job)
     assert not failures, "\n".join(f"{w}: {why}" for w, why in failures.items())
 
-    # What a person would read off the straggler dashboard: node-b first, about 20% slow.
-    top = _run(
-        base, f'topk(10, max by (node) (megascale_straggler_score{{megascale_job="{JOB}"}}))', True
+    # What a person reads off the straggler dashboard: the slow node first, its slow rank.
+    top = _instant(
+        base, f'topk(10, max by (node) (megascale_straggler_score{{megascale_job="{job}"}}))'
     )
-    rows = sorted(top["data"]["result"], key=lambda s: -float(s["value"][1]))
-    assert rows[0]["metric"]["node"] == "node-b"
-    assert float(rows[0]["value"][1]) == pytest.approx(SLOWDOWN, abs=0.05)
-    assert float(rows[1]["value"][1]) == pytest.approx(1.0, abs=0.05)
+    rows = sorted(top, key=lambda s: -float(s["value"][1]))
+    assert rows[0]["metric"]["node"] == SLOW_NODE and float(rows[0]["value"][1]) > 1.1, rows
     slowdown_query = next(
-        dashboards.render(e, {"megascale_job": JOB})
+        dashboards.render(e, {"megascale_job": job})
         for t, _, e, _ in dashboards.panel_queries(dashboards.build_all()["megascale-stragglers"])
         if t == "Compute time over the job median"
     )
-    ranks = _run(base, slowdown_query, True)["data"]["result"]
+    ranks = _instant(base, slowdown_query)
     slowest = max(ranks, key=lambda s: float(s["value"][1]))
-    assert slowest["metric"] == {"node": "node-b", "rank": str(STRAGGLER_RANK)}
+    assert slowest["metric"] == {"node": SLOW_NODE, "rank": str(SLOW_RANK)}, ranks
+
+    # MFU a fraction; tokens/s one job-wide figure, as metrics.jsonl has it (over the same time).
+    mfu = _instant(base, f'avg by (megascale_job) (megascale_mfu_ratio{{megascale_job="{job}"}})')
+    assert 0 < float(mfu[0]["value"][1]) < 1, mfu
+    end = time.time()
+    tokens = _get(
+        base, "/api/v1/query_range", step="0.5", start=str(end - 20), end=str(end),
+        query=f'avg by (megascale_job) (megascale_tokens_per_second{{megascale_job="{job}"}})',
+    )["data"]["result"]  # fmt: skip
+    panel = statistics.median(float(v) for _, v in tokens[0]["values"])
+    lines = read_metrics((run_dir / "metrics.jsonl").read_text().splitlines())
+    logged = statistics.median(m.tokens_per_s for m in lines if m.time and m.time > end - 20)
+    assert panel == pytest.approx(logged, rel=0.10), (panel, logged)
     # Our job label survives scraping untouched: nothing was renamed to exported_job.
     assert _get(base, "/api/v1/label/exported_job/values")["data"] == []
 
 
-if __name__ == "__main__":
-    feed(sys.argv[1])
+def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
+    """The message contract on the live run's own messages: the heartbeats in etcd, the
+    progress records and metrics.jsonl decode (schema checked, no undeclared field), and every
+    declared field is produced -- except the few this CPU run cannot have, named here."""
+    from megascale.messages import Heartbeat, RankProgress, read_metrics
+    from megascale.robustness.keys import JobKeys
+    from megascale.robustness.progress import read_progress
+    from megascale.robustness.store import Store, StoreConfig
+
+    run_dir, job, endpoint, _ = live
+    store = Store(StoreConfig.parse(endpoint, retry_s=5.0))
+    try:
+        beats = [
+            Heartbeat.decode(kv.json()) for kv in store.get_prefix(JobKeys(job).heartbeats_prefix)
+        ]
+    finally:
+        store.close()
+    assert {b.node for b in beats} == {"node-0", "node-1"}
+    absent_on_cpu = {"gpus"}  # NVML only
+    quiet = {"errors", "error_events", "notices"}  # none in this generation unless a fault
+    job_wide = {"tokens_per_s", "mfu"}  # carried by rank 0's node only
+    for beat in beats:
+        _assert_produced(beat, absent_on_cpu | quiet | (set() if "0" in beat.ranks else job_wide))
+        if "0" not in beat.ranks:
+            assert beat.tokens_per_s is None and beat.mfu is None, beat
+        for figures in beat.ranks.values():
+            _assert_produced(figures, set())
+            assert {"dp", "tp"} <= set(figures.comm_time_s)
+    for path in sorted((run_dir / "progress").glob("rank_*.json")):
+        record: RankProgress = read_progress(path)
+        _assert_produced(record, set())
+    lines = read_metrics((run_dir / "metrics.jsonl").read_text().splitlines())
+    for field in ("val_loss", "checkpoint_stall_s"):  # on their steps only
+        assert any(getattr(m, field) is not None for m in lines), field
+    _assert_produced(lines[-1], {"val_loss", "checkpoint_stall_s"})
+
+
+def _assert_produced(message, allowed_empty: set[str]) -> None:
+    empty = {
+        name
+        for name in message.field_names()
+        if getattr(message, name) in (None, {}, [], "") and name not in allowed_empty
+    }
+    assert not empty, f"{type(message).__name__}: never produced: {sorted(empty)}"
+
+
+def test_the_live_runs_report_shows_mfu_and_the_comm_breakdown(live):
+    from megascale.diagnostics import report
+
+    page = report.build(live[0])
+    figures = page[page.index('id="figures-table"') :]
+    for row in ("exposed comm dp", "exposed comm tp", "data wait", "checkpoint stall", "MFU"):
+        assert row in figures, row
+    mfu = re.search(r"<td>MFU</td><td class=num>([0-9.]+)%</td>", figures)
+    assert mfu and 0 < float(mfu.group(1)) < 100, figures[:2000]

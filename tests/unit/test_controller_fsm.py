@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from megascale.messages import Heartbeat
 from megascale.robustness.controller import (
     TRANSITIONS,
     ControllerFSM,
@@ -86,9 +87,9 @@ def running(nodes=("n0", "n1", "n2"), **kw):
 def beat(fsm, clock, step, advance=1.0, section="step", flight=None, nodes=None):
     now = clock(advance)
     for n in nodes or fsm.order:
-        payload = {"generation": fsm.generation, "step": step, "section": section}
+        payload = Heartbeat(node=n, generation=fsm.generation, step=step, section=section)
         if flight:
-            payload["flight"] = {str(r): rec for r, rec in flight.items() if fsm.node_of(r) == n}
+            payload.flight = {str(r): rec for r, rec in flight.items() if fsm.node_of(r) == n}
         fsm.on_heartbeat(n, payload, now)
     return now
 
@@ -266,7 +267,9 @@ def test_checkpoint_lasts_until_the_last_node_leaves_it():
     end = beat(fsm, clock, step=3, section="step", nodes=["n1"])
     assert fsm.section() == "step" and fsm.checkpoint_since is None
     assert list(fsm.timeouts.samples["checkpoint"]) == [pytest.approx(end - start)]
-    fsm.on_heartbeat("n2", {"generation": fsm.generation, "section": "checkpoint"}, clock())
+    fsm.on_heartbeat(
+        "n2", Heartbeat(node="n2", generation=fsm.generation, section="checkpoint"), clock()
+    )
     assert fsm.section() == "step"  # n2 is a spare: not in the generation
 
 
@@ -396,8 +399,8 @@ def test_start_timeout_names_the_node_that_did_not_ack():
     out = fsm.on_start(now=clock())
     ack_all(fsm, out, clock, skip=("n1",))
     for _ in range(4):  # both heartbeat, but n1 never acks its start
-        fsm.on_heartbeat("n0", {"generation": 1}, clock(3.0))
-        fsm.on_heartbeat("n1", {"generation": 1}, clock())
+        fsm.on_heartbeat("n0", Heartbeat(node="n0", generation=1), clock(3.0))
+        fsm.on_heartbeat("n1", Heartbeat(node="n1", generation=1), clock())
         out = fsm.on_tick(clock())
     (fault,) = records(out, "fault")
     assert fault.detail["fault"] == "start_timeout" and fault.node == "n1"
@@ -407,7 +410,7 @@ def test_stale_messages_are_ignored():
     fsm, clock = running()
     beat(fsm, clock, step=3)
     assert fsm.on_ack("n0", "g0-start-999", now=clock()) == []
-    fsm.on_heartbeat("n0", {"generation": 0, "step": 99}, clock())
+    fsm.on_heartbeat("n0", Heartbeat(node="n0", generation=0, step=99), clock())
     assert fsm.step == 3
     assert fsm.on_worker_exit("n0", 0, 1, generation=0, now=clock()) == []
     assert fsm.on_worker_exit("n2", 4, 1, now=clock()) == []  # a spare runs no ranks

@@ -27,6 +27,7 @@ from megascale.diagnostics.metrics import (
     MetricSpec,
     metric_names,
 )
+from megascale.messages import CheckpointFigures, Heartbeat, RankFigures
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = dashboards.build_all()
@@ -174,18 +175,18 @@ def _samples(registry) -> dict[tuple[str, frozenset], float]:
 def test_agent_exports_a_heartbeat_and_forgets_a_departed_rank():
     agent = AgentMetrics("job-1", "node-a")
     agent.observe_heartbeat(
-        {
-            "node": "node-a",
-            "step": 7,
-            "tokens_per_s": 5000.0,
-            "mfu": 0.42,
-            "val_loss": 2.5,
-            "checkpoint_stall_s": 2.0,
-            "ranks": {
-                "0": {"step": 7, "step_time_s": 1.5, "compute_time_s": 1.2, "comm_time_s": 0.2},
-                "1": {"step": 7, "step_time_s": 1.6, "comm_time_s": {"dp": 0.1, "tp": 0.3}},
+        Heartbeat(
+            node="node-a",
+            step=7,
+            tokens_per_s=5000.0,
+            mfu=0.42,
+            val_loss=2.5,
+            checkpoint=CheckpointFigures(step=6, stall_s=2.0, durable_s=3.5),
+            ranks={
+                "0": RankFigures(7, 1.5, 1.2, {"dp": 0.2}, data_wait_s=0.01),
+                "1": RankFigures(7, 1.6, None, {"dp": 0.1, "tp": 0.3}),
             },
-        }
+        )
     )
     s = _samples(agent.registry)
     job, node = ("megascale_job", "job-1"), ("node", "node-a")
@@ -196,9 +197,15 @@ def test_agent_exports_a_heartbeat_and_forgets_a_departed_rank():
     assert s[("megascale_mfu_ratio", frozenset({job, node}))] == 0.42
     assert s[("megascale_validation_loss", frozenset({job, node}))] == 2.5
     assert s[("megascale_checkpoint_stall_seconds_count", frozenset({job, node}))] == 1
-    assert s[("megascale_heartbeats_sent_total", frozenset({job, node}))] == 1
-    agent.remove_rank(1)
-    assert not [k for k in _samples(agent.registry) if ("rank", "1") in k[1]]
+    assert s[("megascale_checkpoint_durable_seconds", frozenset({job, node}))] == 3.5
+    assert s[("megascale_data_wait_seconds", frozenset({job, node, ("rank", "0")}))] == 0.01
+    agent.observe_heartbeat(  # the same save again (observed once), and no ranks any more
+        Heartbeat(node="node-a", checkpoint=CheckpointFigures(step=6, stall_s=2.0))
+    )
+    s = _samples(agent.registry)
+    assert s[("megascale_checkpoint_stall_seconds_count", frozenset({job, node}))] == 1
+    assert s[("megascale_heartbeats_sent_total", frozenset({job, node}))] == 2
+    assert not [k for k in s if ("rank", "1") in k[1]]
     assert {name for name, _ in s if not name.endswith("_created")} <= set(metric_names("agent"))
 
 
@@ -206,7 +213,7 @@ def test_controller_counts_faults_by_kind_and_replaces_straggler_scores():
     ctl = ControllerMetrics("job-1")
     ctl.record_fault("stall")
     ctl.record_restart(generation=2)
-    ctl.observe_heartbeat("node-a", {})
+    ctl.observe_heartbeat("node-a", Heartbeat(node="node-a"))
     ctl.set_straggler_scores({("node-a", 0): 1.0, ("node-b", 5): 1.3})
     ctl.set_straggler_scores({("node-b", 5): 1.25})
     ctl.set_effective_training_time(95.0, 100.0)

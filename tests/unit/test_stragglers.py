@@ -93,19 +93,46 @@ def test_worker_signals_write_the_compute_time_and_stage(tmp_path):
     signals.stage(1)
     signals.step_started(1)
 
-    class Metrics:
-        step, step_time_s, tokens_per_s, val_loss = 1, 0.5, 100.0, None
-
-    signals.step_done(Metrics(), None)  # nothing measured yet
+    signals.step_done(_metrics(), None)  # nothing measured yet
     state = progress.read_progress(path)
     assert (state.stage, state.compute_time_s, state.compute_step) == (1, None, None)
-    signals.step_done(Metrics(), (1, 0.25))
+    signals.step_done(metrics := _metrics(), (1, 0.25))
     state = progress.read_progress(path)
     assert (state.stage, state.compute_time_s, state.compute_step) == (1, 0.25, 1)
+    assert metrics.compute_time_s == 0.25
+
+
+def test_worker_signals_report_the_step_periods_blocked_time_by_group(tmp_path):
+    from megascale.robustness import progress
+
+    path = progress.progress_path(tmp_path, 0)
+    recorder = _Recorder()
+    signals = progress.WorkerSignals(recorder, progress.ProgressFile(path, 0))
+    signals.step_started(1)
+    recorder.by_group = {"dp": 1.5, "tp": 0.5}
+    signals.step_started(2)  # the period of step 1: 1.5 s blocked in dp, 0.5 s in tp
+    signals.step_done(metrics := _metrics(), None)
+    assert metrics.comm_time_s == {"dp": 1.5, "tp": 0.5}
+    assert progress.read_progress(path).comm_time_s == {"dp": 1.5, "tp": 0.5}
+    signals.enter("checkpoint")  # a period with a checkpoint in it is not a step's
+    signals.step_started(3)
+    recorder.by_group = {"dp": 2.0, "tp": 0.5}
+    signals.step_started(4)
+    assert signals.comm_time_s == {"dp": 0.5, "tp": 0.0}
+
+
+def _metrics():
+    from megascale.messages import StepMetrics
+
+    return StepMetrics(step=1, loss=2.0, grad_norm=1.0, lr=0.1, step_time_s=0.5, tokens_per_s=1.0)
 
 
 class _Recorder:
     blocked_s = 0.0
+    by_group: dict = {}
+
+    def blocked_by_group(self):
+        return dict(self.by_group)
 
     def set_step(self, step):
         pass
