@@ -71,6 +71,16 @@ def write_secret(path: Path, text: str) -> None:
         os.close(fd)
 
 
+def local_store_config(run_dir: Path | str, endpoint: str, **kwargs: Any) -> Any:
+    """A ``StoreConfig`` for the embedded etcd of the local cluster that runs in ``run_dir``:
+    its endpoint (the launcher logs it) and the job's credentials (``ETCD_PASSWORD_FILE``), for
+    tools that read the job's keys (``megascale.robustness.keys``) while it runs."""
+    from megascale.robustness.store import StoreConfig
+
+    password = (Path(run_dir) / ETCD_PASSWORD_FILE).read_text().strip()
+    return StoreConfig.parse(endpoint, username=ETCD_USER, password=password, **kwargs)
+
+
 class LaunchError(ValueError):
     """A ``megascale launch`` argument is invalid; the message names it and what is accepted."""
 

@@ -296,13 +296,14 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
     """The message contract on the live run's own messages: the heartbeats in etcd, the
     progress records and metrics.jsonl decode (schema checked, no undeclared field), and every
     declared field is produced -- except the few this CPU run cannot have, named here."""
+    from megascale.launcher.cluster import local_store_config
     from megascale.messages import Heartbeat, RankProgress, read_metrics
     from megascale.robustness.keys import JobKeys
     from megascale.robustness.progress import read_progress
-    from megascale.robustness.store import Store, StoreConfig
+    from megascale.robustness.store import Store
 
     run_dir, job, endpoint, _ = live
-    store = Store(StoreConfig.parse(endpoint, retry_s=5.0))
+    store = Store(local_store_config(run_dir, endpoint, retry_s=5.0))
     try:
         beats = [
             Heartbeat.decode(kv.json()) for kv in store.get_prefix(JobKeys(job).heartbeats_prefix)
