@@ -173,6 +173,11 @@ class TrainConfig:
     eval_steps: int = 2
     """Global batches per evaluation: the same first ``eval_steps * global_batch_size`` samples of
     the valid split every time."""
+    peak_tflops: float | None = None
+    """Dense TFLOP/s per device that MFU is measured against, on any device. None: on a GPU the
+    dense bf16 peak of its name (an unknown GPU reports no MFU); on CPU a peak measured at start by
+    a short matmul benchmark in ``model.params_dtype``, cached per machine
+    (``megascale.diagnostics.peak``). Every MFU figure is labelled with where its peak came from."""
 
 
 @dataclass

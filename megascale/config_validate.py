@@ -130,6 +130,11 @@ def _ranges(cfg: JobConfig) -> list[str]:
         ("checkpoint.interval", c.interval),
     ]:
         at_least(name, value, 0)
+    if t.peak_tflops is not None and not t.peak_tflops > 0:
+        problems.append(
+            f"train.peak_tflops = {t.peak_tflops}: must be > 0 (dense TFLOP/s per device), "
+            "or left out to use the GPU's table peak or a measured CPU peak"
+        )
     for name, value in [
         ("optim.lr", o.lr),
         ("optim.eps", o.eps),

@@ -383,7 +383,7 @@ def _throughput_section(report: straggler.StragglerReport | None) -> str:
             f'<div class="note" id="mfu-absent"><strong>MFU not available:</strong> '
             f"{esc(report.mfu_note)}.</div>"
         )
-        note = "MFU needs the GPU's dense bf16 peak."
+        note = "MFU needs a peak: the GPU's dense bf16 peak, or the CPU peak the run measured."
     content = f'<div class="grid2"><div>{tps}</div><div>{mfu}</div></div>'
     return _section(
         "Throughput and model FLOPs utilisation (MFU)",
@@ -507,7 +507,7 @@ def build(run_dir: str | Path, peak_tflops: float | None = None) -> str:
             )
         )
         mfus = [m.mfu for m in report.mfu if m.mfu is not None]
-        cards.append(_card("MFU", f"{100 * statistics.median(mfus):.1f}%" if mfus else "n/a (CPU)"))
+        cards.append(_card("MFU", f"{100 * statistics.median(mfus):.1f}%" if mfus else "n/a"))
     parts = [
         f'<section id="summary"><h2>Summary</h2><div class="cards">{"".join(cards)}</div>'
         f"{_verdict(report)}</section>",

@@ -21,7 +21,7 @@ from megascale.config import JobConfig, to_toml
 from megascale.data.blend import parse_blend
 from megascale.data.corpus import default_token_file
 from megascale.data.indexed import bin_path, idx_path, tokenizer_copy_path
-from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
+from megascale.diagnostics.peak import Peak, run_peak
 from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
 from megascale.machine_check import resolve_device
@@ -44,7 +44,9 @@ class Progress:
         self.tty = stream.isatty()
 
     def update(self, m: StepMetrics) -> None:
-        mfu = f" mfu {m.mfu:.1%}" if m.mfu is not None else ""
+        mfu = ""
+        if m.mfu is not None:  # labelled: a measured CPU peak is not a data-sheet GPU peak
+            mfu = f" mfu {m.mfu:.1%} [peak {m.mfu_peak_tflops:.3g} TFLOP/s {m.mfu_peak_source}]"
         val = f" val_loss {m.val_loss:.4f}" if m.val_loss is not None else ""
         text = (
             f"step {m.step}/{self.total} loss {m.loss:.4f}{val} grad_norm {m.grad_norm:.3f} "
@@ -61,19 +63,15 @@ class Progress:
             self.stream.flush()
 
 
-def peak_tflops_for_device(device: str) -> float | None:
-    if device != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    try:
-        return lookup_peak(name)[1]
-    except ValueError:
-        logger.warning(
-            "no dense bf16 peak known for %r (known: %s); MFU not reported",
-            name,
-            ", ".join(PEAK_TFLOPS),
-        )
-        return None
+def agreed_peak(job: JobConfig, device: str) -> Peak | None:
+    """The MFU peak every rank uses: rank 0's (``diagnostics.peak.run_peak``: measured once on
+    CPU, cached per machine), broadcast so that all ranks report one MFU. Collective; before the
+    first step, never on the step path."""
+    found = [None]
+    if torch.distributed.get_rank() == 0:
+        found[0] = run_peak(device, job.model.params_dtype, job.train.peak_tflops)
+    torch.distributed.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 class MetricsLog:
@@ -130,7 +128,7 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
         groups,
         device,
         data_cache_dir=data_dir,
-        peak_tflops=peak_tflops_for_device(device),
+        peak=agreed_peak(job, device),
         timeline=build_timeline(job.diagnostics, run_dir, groups, device),  # null when off
     )
     if job.checkpoint.resume:

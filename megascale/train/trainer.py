@@ -22,6 +22,7 @@ from megascale.data.corpus import default_token_file
 from megascale.data.dataset import ShardedBatches, build_splits, eval_batches
 from megascale.data.indexed import DataError
 from megascale.diagnostics.flops import flops_per_token
+from megascale.diagnostics.peak import Peak
 from megascale.diagnostics.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.model.gpt import transformer_config, use_te_spec
 from megascale.overlap.dp import ParamGatherPrefetch
@@ -43,7 +44,13 @@ class StepMetrics:
     step_time_s: float
     tokens_per_s: float
     mfu: float | None
-    """Model FLOPs utilisation against ``peak_tflops``; None when no peak is known (CPU)."""
+    """Model FLOPs utilisation against ``mfu_peak_tflops``; None when no peak is known (a GPU
+    missing from the peak table without ``train.peak_tflops``)."""
+    mfu_peak_tflops: float | None = None
+    """The per-device peak ``mfu`` divides by (``diagnostics.peak``)."""
+    mfu_peak_source: str | None = None
+    """Where that peak came from: ``train.peak_tflops``, ``gpu:<name> dense bf16`` or
+    ``measured:cpu <dtype>`` (a matmul benchmark on this machine)."""
     val_loss: float | None = None
     """Validation loss after this step (``Trainer.evaluate``); None on steps without evaluation."""
 
@@ -66,7 +73,7 @@ class Trainer:
         device: str,
         *,
         data_cache_dir: Path,
-        peak_tflops: float | None = None,
+        peak: Peak | None = None,
         timeline: Timeline | NullTimeline = NULL_TIMELINE,
     ) -> None:
         self.job, self.groups, self.device = job, groups, device
@@ -96,7 +103,8 @@ class Trainer:
         self.param_prefetch = ParamGatherPrefetch(self.model)
         self.tokens_per_step = job.train.global_batch_size * job.model.seq_length
         self.flops_per_token = flops_per_token(job.model).total
-        self.peak_tflops = peak_tflops
+        self.peak = peak
+        """What MFU is measured against (None: MFU not reported)."""
         self.step_num = 0
         self.resumed_from: int | None = None
         """The step of the checkpoint this trainer was loaded from (None: trained from scratch)."""
@@ -131,9 +139,9 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / elapsed
         mfu = None
-        if self.peak_tflops:
+        if self.peak is not None:
             world = self.groups.layout.world_size
-            mfu = tokens_per_s * self.flops_per_token / (world * self.peak_tflops * 1e12)
+            mfu = tokens_per_s * self.flops_per_token / (world * self.peak.tflops * 1e12)
         return StepMetrics(
             step=self.step_num,
             loss=loss,
@@ -142,6 +150,8 @@ class Trainer:
             step_time_s=elapsed,
             tokens_per_s=tokens_per_s,
             mfu=mfu,
+            mfu_peak_tflops=None if self.peak is None else self.peak.tflops,
+            mfu_peak_source=None if self.peak is None else self.peak.source,
         )
 
     def evaluate(self) -> float:

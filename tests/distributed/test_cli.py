@@ -83,14 +83,18 @@ def test_train_writes_the_resolved_config(default_run):
 
 
 def test_train_writes_one_metrics_line_per_step(default_run):
-    _, run_dir = default_run
+    proc, run_dir = default_run
+    assert re.search(r"mfu \d+\.\d% \[peak \S+ TFLOP/s measured:cpu fp32\]", proc.stdout), (
+        proc.stdout
+    )
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for m in metrics:
         assert METRIC_KEYS <= m.keys(), m
         assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
         assert m["step_time_s"] > 0 and m["tokens_per_s"] > 0
-        assert m["mfu"] is None  # CPU: no peak, no MFU
+        assert 0 < m["mfu"] < 1, m  # CPU: against the peak this machine measured
+        assert m["mfu_peak_source"] == "measured:cpu fp32" and m["mfu_peak_tflops"] > 0, m
     assert metrics[-1]["loss"] < metrics[0]["loss"], [m["loss"] for m in metrics]
 
 
