@@ -44,6 +44,7 @@ from megascale.robustness.fatal import EXIT_JOB_FATAL, RUN_DIR_ENV, read_fatal
 from megascale.robustness.keys import JobKeys, is_current
 from megascale.robustness.progress import progress_path, read_progress
 from megascale.robustness.service_main import (
+    add_metrics_arguments,
     add_store_arguments,
     setup_logging,
     store_config,
@@ -88,7 +89,9 @@ class AgentOptions:
     stop_grace_s: float = 3.0
     rendezvous_timeout_s: float = 60.0
     metrics_port: int = 0
-    """Port of this agent's Prometheus ``/metrics`` on 127.0.0.1 (0: a free one; -1: none)."""
+    """Port of this agent's Prometheus ``/metrics`` on ``metrics_addr`` (0: a free one; -1: none)."""
+    metrics_addr: str = "127.0.0.1"
+    """Address ``/metrics`` listens on: loopback locally, the pod's IP in Kubernetes."""
 
     @property
     def lease_ttl(self) -> int:
@@ -156,7 +159,7 @@ class Agent:
             from megascale.diagnostics.metrics import AgentMetrics
 
             self.metrics = AgentMetrics(opts.job_id, opts.node)
-            self.metrics_server = self.metrics.serve(opts.metrics_port)
+            self.metrics_server = self.metrics.serve(opts.metrics_port, opts.metrics_addr)
             logger.info("node %s metrics at %s", opts.node, self.metrics_server.url)
             write_metrics_url(opts.run_dir, opts.node, self.metrics_server.url)
 
@@ -608,12 +611,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--inject", action="append", default=[], metavar="SPEC", help="faults (tests, demos)"
     )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="Prometheus /metrics port on 127.0.0.1 (0: a free one, -1: disabled)",
-    )
+    add_metrics_arguments(parser)
     add_store_arguments(parser)
 
 
@@ -631,6 +629,7 @@ def options_from_args(args: argparse.Namespace) -> AgentOptions:
         faults=tuple(faults),
         selfcheck=args.selfcheck,
         metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
     )
 
 

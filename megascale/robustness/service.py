@@ -143,7 +143,7 @@ class ControllerService:
         from megascale.diagnostics.metrics import ControllerMetrics
 
         self.metrics = self.metrics or ControllerMetrics(self.opts.job_id)
-        self.metrics_server = self.metrics.serve(self.opts.metrics_port)
+        self.metrics_server = self.metrics.serve(self.opts.metrics_port, self.opts.metrics_addr)
         logger.info("controller metrics at %s", self.metrics_server.url)
         write_metrics_url(self.opts.run_dir, self.opts.candidate_id, self.metrics_server.url)
 
