@@ -44,8 +44,13 @@ class Peak:
     source: str
 
     def label(self) -> str:
-        """E.g. ``"of 0.153 TFLOP/s measured:cpu fp32"``: what the progress line prints."""
-        return f"of {self.tflops:.4g} TFLOP/s {self.source}"
+        """E.g. ``"0.153 TFLOP/s measured:cpu fp32"`` (``peak_label``)."""
+        return peak_label(self.tflops, self.source)
+
+
+def peak_label(tflops: float | None, source: str | None) -> str:
+    """A peak in words, as every MFU figure is labelled: ``"0.153 TFLOP/s measured:cpu fp32"``."""
+    return f"{tflops:.4g} TFLOP/s {source}" if tflops else "no peak"
 
 
 def cache_path() -> Path:

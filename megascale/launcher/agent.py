@@ -42,7 +42,7 @@ from megascale.launcher.workers import WorkerPool, Zygote, free_port
 from megascale.robustness import inject
 from megascale.robustness.fatal import EXIT_JOB_FATAL, RUN_DIR_ENV, read_fatal
 from megascale.robustness.keys import JobKeys, is_current
-from megascale.robustness.progress import progress_path, read_progress
+from megascale.robustness.progress import JOB_FIGURES, progress_path, read_progress
 from megascale.robustness.service_main import (
     add_metrics_arguments,
     add_store_arguments,
@@ -309,7 +309,9 @@ class Agent:
         host, addr, pid, hardware (static), gpus (NVML, live; None without NVML),
         network: {iface: {rx_bytes, tx_bytes, rx_packets, tx_packets, rx_errs, tx_errs}},
         selfchecks (how many run)
-        ranks: {"<rank>": {"step", "step_time_s", "compute_time_s"}}  (current workers')
+        ranks: {"<rank>": {"step", "step_time_s", "compute_time_s", "tokens_per_s", "mfu",
+        "mfu_peak", "checkpoint"}}  (current workers'; the last four are job-wide figures as that
+        rank computed them, and its newest durable checkpoint: ``robustness.progress``)
         compute_time_s: the slowest rank's compute time of its last full step period (None:
         not known yet); the controller's straggler scores compare nodes by it
         val_loss: the last validation loss its ranks computed (None: no evaluation yet)
@@ -367,6 +369,7 @@ class Agent:
                     "step": p.get("step"),
                     "step_time_s": p.get("step_time_s"),
                     "compute_time_s": p.get("compute_time_s"),
+                    **{k: p.get(k) for k in JOB_FIGURES},
                 }
                 for r, p in progress.items()
             },

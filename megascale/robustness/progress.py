@@ -9,6 +9,10 @@ or the new content, never a torn one; no fsync) when a section starts and after 
    "compute_time_s": 0.30, "val_loss": 2.31}
 
 ``val_loss`` (absent or None until the first evaluation) is the last validation loss.
+``mfu`` and ``mfu_peak`` (absent or None without a peak) are the last step's job-wide MFU and the
+peak it is against, in words (``diagnostics.peak.peak_label``). ``checkpoint`` (absent or None
+until one is durable; rank 0 only) is the newest checkpoint this process saved completely:
+``{"step", "time", "url"}``, written when the rank learns that its manifest is written.
 
 ``compute_time_s`` (absent or None until known) is the *previous* step's period (its start to
 this step's start) minus the time the rank was blocked in communication (the flight recorder's
@@ -44,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 VERSION = 1
 SECTIONS = ("init", "step", "checkpoint", "done")
+JOB_FIGURES = ("tokens_per_s", "mfu", "mfu_peak", "checkpoint")
+"""The fields of a progress file that the agent passes on per rank in its heartbeat's ``ranks``
+(the controller's job summary reads them: ``robustness.job_summary``)."""
 
 
 def progress_path(run_dir: Path | str, rank: int) -> Path:
@@ -73,6 +80,9 @@ class ProgressFile:
             "durations": {},
             "compute_time_s": None,
             "val_loss": None,
+            "mfu": None,
+            "mfu_peak": None,
+            "checkpoint": None,
         }
 
     def enter(self, section: str) -> None:
@@ -87,19 +97,32 @@ class ProgressFile:
         self._write()
 
     def step(
-        self, step: int, step_time_s: float, tokens_per_s: float, val_loss: float | None = None
+        self,
+        step: int,
+        step_time_s: float,
+        tokens_per_s: float,
+        val_loss: float | None = None,
+        mfu: tuple[float, str] | None = None,
     ) -> None:
-        """After step ``step``: its time and throughput (and validation loss if it evaluated)."""
+        """After step ``step``: its time and throughput (and validation loss if it evaluated;
+        ``mfu``: (MFU, its peak in words) when a peak is known)."""
         state = self._state
         state["step"], state["step_time_s"], state["tokens_per_s"] = step, step_time_s, tokens_per_s
         if val_loss is not None:
             state["val_loss"] = val_loss
+        if mfu is not None:
+            state["mfu"], state["mfu_peak"] = mfu
         state["durations"]["step"] = step_time_s
         self._write()
 
     def compute_time(self, seconds: float) -> None:
         """The last full step period's compute time (written with the next write)."""
         self._state["compute_time_s"] = seconds
+
+    def checkpoint(self, record: dict[str, Any]) -> None:
+        """A checkpoint became durable: ``{"step", "time", "url"}`` (written now)."""
+        self._state["checkpoint"] = dict(record)
+        self._write()
 
     def beat(self) -> None:
         """Still moving inside a long section."""
@@ -124,11 +147,19 @@ class NullProgressFile:
         pass
 
     def step(
-        self, step: int, step_time_s: float, tokens_per_s: float, val_loss: float | None = None
+        self,
+        step: int,
+        step_time_s: float,
+        tokens_per_s: float,
+        val_loss: float | None = None,
+        mfu: tuple[float, str] | None = None,
     ) -> None:
         pass
 
     def compute_time(self, seconds: float) -> None:
+        pass
+
+    def checkpoint(self, record: dict[str, Any]) -> None:
         pass
 
     def beat(self) -> None:
@@ -155,6 +186,9 @@ class ProgressState:
     durations: dict[str, float] = field(default_factory=dict)
     compute_time_s: float | None = None
     val_loss: float | None = None
+    mfu: float | None = None
+    mfu_peak: str | None = None
+    checkpoint: dict[str, Any] | None = None
 
 
 def read_progress(path: Path | str) -> ProgressState:
@@ -178,6 +212,9 @@ def read_progress(path: Path | str) -> ProgressState:
             durations={str(k): float(v) for k, v in data["durations"].items()},
             compute_time_s=data.get("compute_time_s"),
             val_loss=data.get("val_loss"),
+            mfu=data.get("mfu"),
+            mfu_peak=data.get("mfu_peak"),
+            checkpoint=data.get("checkpoint"),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}: not a megascale progress file ({e!r})") from None
@@ -196,6 +233,7 @@ class WorkerSignals:
     def __init__(self, recorder, progress) -> None:
         self.recorder, self.progress = recorder, progress
         self.current = ""
+        self._checkpoint: dict[str, Any] | None = None  # the last one reported
         self._step_mark: tuple[float, float] | None = None  # (monotonic, blocked_s) at a start
 
     @classmethod
@@ -241,10 +279,23 @@ class WorkerSignals:
         self.recorder.set_step(step)
 
     def step_done(self, metrics) -> None:
-        """``metrics``: the trainer's ``StepMetrics`` (step, step_time_s, tokens_per_s, val_loss)."""
+        """``metrics``: the trainer's ``StepMetrics`` (step, step_time_s, tokens_per_s, val_loss,
+        mfu and its peak)."""
+        from megascale.diagnostics.peak import peak_label
+
+        mfu = None
+        if metrics.mfu is not None:
+            mfu = (metrics.mfu, peak_label(metrics.mfu_peak_tflops, metrics.mfu_peak_source))
         self.progress.step(
-            metrics.step, metrics.step_time_s, metrics.tokens_per_s, metrics.val_loss
+            metrics.step, metrics.step_time_s, metrics.tokens_per_s, metrics.val_loss, mfu
         )
+
+    def checkpoint_durable(self, record: dict[str, Any] | None) -> None:
+        """The newest durable checkpoint (``Checkpointer.durable``); written when it changed.
+        Cheap when it did not: call after every step."""
+        if record is not None and record != self._checkpoint:
+            self._checkpoint = dict(record)
+            self.progress.checkpoint(record)
 
     def close(self) -> None:
         self.progress.close()

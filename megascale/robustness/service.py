@@ -55,6 +55,7 @@ from megascale.robustness.effective import EffectiveTime
 from megascale.robustness.election import Election
 from megascale.robustness.events import EventLog
 from megascale.robustness.flight_format import RankState, stall_suspects
+from megascale.robustness.job_summary import JobSummary
 from megascale.robustness.keys import JobKeys
 from megascale.robustness.service_main import (  # noqa: F401  (re-exported)
     add_arguments,
@@ -134,6 +135,7 @@ class ControllerService:
         )
         self._straggler_steps: dict[str, int] = {}  # node -> step of its last sample
         self.effective = EffectiveTime(self.clock())
+        self.summary = JobSummary()  # the job's figures, for the ``summary`` key
         self.metrics: Any = None
         self.metrics_server: Any = None
 
@@ -317,9 +319,11 @@ class ControllerService:
         self._act(self.fsm.on_heartbeat(node, payload, now))
         if self.fsm.step is not None and self.fsm.step != before:
             self.effective.observe(self.fsm.step, now)
+            self.summary.changed = True
         generation = int(payload.get("generation", -1))
         if generation != self.fsm.generation or not self.fsm.in_order(node):
             return
+        self.summary.observe(payload.get("ranks") or {})
         self._learn_step_time(payload, before)
         self._observe_straggler(node, payload, now)
         if self._flight_generation != generation:
@@ -504,6 +508,7 @@ class ControllerService:
                 }
             elif isinstance(action, StartGeneration):
                 self.effective.new_generation()
+                self.summary.new_generation()
                 self.stragglers.reset()
                 self._straggler_steps.clear()
                 if self.metrics is not None:
@@ -517,7 +522,7 @@ class ControllerService:
                     "assignment": {n: list(r) for n, r in action.assignment.items()},
                 }
         if actions or snapshot:
-            self._dirty = True
+            self._dirty = self.summary.changed = True
 
     def _flush(self, force: bool = False) -> None:
         """Write the outbox, then the queued events.
@@ -530,6 +535,9 @@ class ControllerService:
         ``snapshot_s`` has passed (or ``force``)."""
         assert self.fsm is not None
         now = self.clock()
+        # the job's figures (small): with any decision's writes, like the snapshot, else rate-limited
+        if self.summary.due(now, self.opts.snapshot_s, force or bool(self._outbox)):
+            self._outbox[self.keys.summary] = self.summary.to_json(self.fsm, self.effective, now)
         if self._dirty and (
             force or self._outbox or now - self._snapshot_at >= self.opts.snapshot_s
         ):

@@ -21,7 +21,7 @@ from megascale.config import JobConfig, to_toml
 from megascale.data.blend import parse_blend
 from megascale.data.corpus import default_token_file
 from megascale.data.indexed import bin_path, idx_path, tokenizer_copy_path
-from megascale.diagnostics.peak import Peak, run_peak
+from megascale.diagnostics.peak import Peak, peak_label, run_peak
 from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
 from megascale.machine_check import resolve_device
@@ -46,7 +46,7 @@ class Progress:
     def update(self, m: StepMetrics) -> None:
         mfu = ""
         if m.mfu is not None:  # labelled: a measured CPU peak is not a data-sheet GPU peak
-            mfu = f" mfu {m.mfu:.1%} [peak {m.mfu_peak_tflops:.3g} TFLOP/s {m.mfu_peak_source}]"
+            mfu = f" mfu {m.mfu:.1%} [peak {peak_label(m.mfu_peak_tflops, m.mfu_peak_source)}]"
         val = f" val_loss {m.val_loss:.4f}" if m.val_loss is not None else ""
         text = (
             f"step {m.step}/{self.total} loss {m.loss:.4f}{val} grad_norm {m.grad_norm:.3f} "
@@ -194,6 +194,7 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
                 metrics.val_loss = trainer.evaluate()  # collective: every rank evaluates
             faults.after_step(metrics.step_time_s)  # slow-rank sleeps here
             signals.step_done(metrics)
+            signals.checkpoint_durable(saver.durable)  # a background save may have finished
             history.append(metrics)
             if log is not None and progress is not None:
                 log.write(metrics)
@@ -207,6 +208,7 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
                     saver.save(trainer)  # stage 1 only; the write goes on in the background
         with signals.section("checkpoint"):
             saver.finalize()  # the last save's files and manifest are written
+        signals.checkpoint_durable(saver.durable)
     finally:
         trainer.timeline.close()  # writes the last steps' segments
         if log is not None:

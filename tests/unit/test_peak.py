@@ -44,7 +44,7 @@ def test_override_wins_on_every_device(cache_home):
     assert peak.run_peak("cpu", "fp32", 2.5) == peak.Peak(2.5, "train.peak_tflops")
     assert peak.run_peak("cuda", "bf16", 700.0) == peak.Peak(700.0, "train.peak_tflops")
     assert not (cache_home / "megascale").exists()  # nothing measured
-    assert peak.Peak(2.5, "train.peak_tflops").label() == "of 2.5 TFLOP/s train.peak_tflops"
+    assert peak.Peak(2.5, "train.peak_tflops").label() == "2.5 TFLOP/s train.peak_tflops"
 
 
 def test_benchmark_refuses_an_unknown_dtype():

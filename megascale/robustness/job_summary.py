@@ -1,0 +1,107 @@
+"""The job's figures as the controller publishes them in etcd's ``summary`` key, for readers
+that are not the controller (the Kubernetes operator's ``.status``, ``kubectl``).
+
+The controller's ``state`` snapshot holds what a standby needs to continue and is written when
+the controller decides something; the figures of a healthy job change with every step, when the
+controller decides nothing. ``JobSummary`` collects them from the heartbeats (``observe``: the
+agents pass each rank's ``robustness.progress.JOB_FIGURES`` in ``ranks``), and the controller
+writes ``to_json`` at most every ``ServiceOptions.snapshot_s`` while they change. One small key:
+O(1) bytes whatever the number of nodes. The value (version 1)::
+
+    {"version": 1, "time": <wall>, "state": str, "generation": int,
+     "step": int | None            the job's highest completed step (the controller's view),
+     "tokens_per_s": float | None  job-wide, as the rank with the newest step computed it,
+     "mfu": float | None, "mfu_peak": str | None   job-wide MFU and its peak in words,
+     "last_checkpoint": {"step", "time" (wall), "url"} | None   newest durable checkpoint,
+     "faults": int, "restarts": int,
+     "effective": {"productive_s", "wall_s", "ratio"}   effective training time (effective.py)}
+
+Figures are job-wide as one rank computed them (global batch over its step time): they are taken
+from one rank, never summed over ranks or nodes. A new generation drops the previous one's
+throughput (its ranks' steps restart from a checkpoint) until its own first step is reported.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megascale.robustness.controller import ControllerFSM
+    from megascale.robustness.effective import EffectiveTime
+
+VERSION = 1
+
+
+class JobSummary:
+    """The figures seen so far; ``changed`` is set when an observation changed one."""
+
+    def __init__(self) -> None:
+        self.tokens_per_s: float | None = None
+        self.mfu: float | None = None
+        self.mfu_peak: str | None = None
+        self.checkpoint: dict[str, Any] | None = None
+        self.changed = False
+        self._figures_step = -1  # step of the rank the figures came from, this generation
+        self._written_at = -math.inf
+
+    def new_generation(self) -> None:
+        """A generation starts: the next reported step's figures replace the old ones."""
+        self._figures_step = -1
+
+    def observe(self, ranks: Mapping[str, Any]) -> None:
+        """A heartbeat's ``ranks`` (rank -> its progress figures) of the current generation."""
+        for entry in ranks.values():
+            if not isinstance(entry, Mapping):
+                continue
+            step = entry.get("step")
+            if step is not None and step > self._figures_step and entry.get("tokens_per_s"):
+                self._figures_step = int(step)
+                self.tokens_per_s = float(entry["tokens_per_s"])
+                self.mfu = None if entry.get("mfu") is None else float(entry["mfu"])
+                self.mfu_peak = entry.get("mfu_peak")
+                self.changed = True
+            mark = entry.get("checkpoint")
+            if isinstance(mark, Mapping) and _newer(mark, self.checkpoint):
+                self.checkpoint = {k: mark.get(k) for k in ("step", "time", "url")}
+                self.changed = True
+
+    def due(self, now: float, interval_s: float, force: bool = False) -> bool:
+        """Whether to write now: something changed, and ``interval_s`` has passed since the last
+        write or ``force`` (the controller forces it when it writes a decision, so that the
+        summary is never older than the ``state`` snapshot). ``now``: its monotonic clock."""
+        return self.changed and (force or now - self._written_at >= interval_s)
+
+    def to_json(self, fsm: ControllerFSM, effective: EffectiveTime, now: float) -> dict[str, Any]:
+        """The ``summary`` value (module docstring) at ``now`` (the clock ``effective`` uses);
+        clears ``changed``."""
+        self.changed, self._written_at = False, now
+        wall_s = now - effective.start
+        return {
+            "version": VERSION,
+            "time": time.time(),
+            "state": fsm.state.value,
+            "generation": fsm.generation,
+            "step": fsm.step,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "mfu_peak": self.mfu_peak,
+            "last_checkpoint": self.checkpoint,
+            "faults": len(fsm.faults),
+            "restarts": fsm.restarts,
+            "effective": {
+                "productive_s": effective.productive_s,
+                "wall_s": wall_s,
+                "ratio": effective.productive_s / wall_s if wall_s > 0 else 0.0,
+            },
+        }
+
+
+def _newer(mark: Mapping[str, Any], current: Mapping[str, Any] | None) -> bool:
+    """A checkpoint record is newer by its completion time (after a restart from an older
+    checkpoint, a lower step can be the newest)."""
+    if mark.get("step") is None or mark.get("time") is None:
+        return False
+    return current is None or float(mark["time"]) > float(current["time"])
