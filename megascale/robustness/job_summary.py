@@ -10,15 +10,16 @@ O(1) bytes whatever the number of nodes. The value (version 1)::
 
     {"version": 1, "time": <wall>, "state": str, "generation": int,
      "step": int | None            the job's highest completed step (the controller's view),
-     "tokens_per_s": float | None  job-wide, as the rank with the newest step computed it,
+     "tokens_per_s": float | None  job-wide, as the job's lowest rank computed it at
+     "figures_step": int | None    this step (rank 0's line of metrics.jsonl has the same),
      "mfu": float | None, "mfu_peak": str | None   job-wide MFU and its peak in words,
      "last_checkpoint": {"step", "time" (wall), "url"} | None   newest durable checkpoint,
      "faults": int, "restarts": int,
      "effective": {"productive_s", "wall_s", "ratio"}   effective training time (effective.py)}
 
 Figures are job-wide as one rank computed them (global batch over its step time): they are taken
-from one rank, never summed over ranks or nodes. A new generation drops the previous one's
-throughput (its ranks' steps restart from a checkpoint) until its own first step is reported.
+from one rank, the lowest reporting (rank 0, which writes ``metrics.jsonl``), never summed over
+ranks or nodes. A new generation's figures replace the previous one's from its first reported step.
 """
 
 from __future__ import annotations
@@ -44,21 +45,23 @@ class JobSummary:
         self.mfu_peak: str | None = None
         self.checkpoint: dict[str, Any] | None = None
         self.changed = False
-        self._figures_step = -1  # step of the rank the figures came from, this generation
+        self.figures_step: int | None = None  # the step the figures are of
+        self._rank = math.inf  # the rank they come from: the lowest seen this generation
         self._written_at = -math.inf
 
     def new_generation(self) -> None:
-        """A generation starts: the next reported step's figures replace the old ones."""
-        self._figures_step = -1
+        """A generation starts: its first reported step's figures replace the old ones."""
+        self._rank, self.figures_step = math.inf, None
 
     def observe(self, ranks: Mapping[str, Any]) -> None:
         """A heartbeat's ``ranks`` (rank -> its progress figures) of the current generation."""
-        for entry in ranks.values():
+        for rank, entry in ranks.items():
             if not isinstance(entry, Mapping):
                 continue
-            step = entry.get("step")
-            if step is not None and step > self._figures_step and entry.get("tokens_per_s"):
-                self._figures_step = int(step)
+            step, rank = entry.get("step"), int(rank)
+            newer = rank < self._rank or (step or 0) > (self.figures_step or 0)
+            if step is not None and entry.get("tokens_per_s") and rank <= self._rank and newer:
+                self._rank, self.figures_step = rank, int(step)
                 self.tokens_per_s = float(entry["tokens_per_s"])
                 self.mfu = None if entry.get("mfu") is None else float(entry["mfu"])
                 self.mfu_peak = entry.get("mfu_peak")
@@ -86,6 +89,7 @@ class JobSummary:
             "generation": fsm.generation,
             "step": fsm.step,
             "tokens_per_s": self.tokens_per_s,
+            "figures_step": self.figures_step,
             "mfu": self.mfu,
             "mfu_peak": self.mfu_peak,
             "last_checkpoint": self.checkpoint,
