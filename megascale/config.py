@@ -254,6 +254,22 @@ class DiagnosticsConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Optional sinks for the per-step figures of ``metrics.jsonl`` (``diagnostics.sinks``)."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files (needs the ``tensorboard`` package: ``megascale[tensorboard]``)."""
+    tensorboard_dir: str = "tensorboard"
+    """Where, relative to the run directory."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs the ``wandb`` package, not installed by megascale)."""
+    wandb_project: str = "megascale"
+    """The W&B project; the run is named after the run directory."""
+    wandb_mode: str = "online"
+    """``"online"`` or ``"offline"`` (files under the run directory, ``wandb sync`` later)."""
+
+
+@dataclass
 class FaultToleranceConfig:
     """What the controller does when the job loses nodes, and how often it may restart.
 
@@ -288,6 +304,7 @@ class JobConfig:
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-from megascale.config import JobConfig, to_toml
+from megascale.config import ConfigError, JobConfig, to_dict, to_toml
 from megascale.data.blend import parse_blend
 from megascale.data.corpus import default_token_file
 from megascale.data.indexed import bin_path, idx_path, tokenizer_copy_path
 from megascale.diagnostics.peak import Peak, peak_label, run_peak
+from megascale.diagnostics.sinks import Sinks, open_sinks
 from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
 from megascale.machine_check import resolve_device
@@ -79,9 +80,11 @@ class MetricsLog:
 
     On open it keeps only the lines up to ``resumed_step`` (0 for a fresh run), so steps redone after
     a restart from an older checkpoint appear once, and a fresh run in an old directory starts clean.
+    Each record also goes to ``sinks`` (TensorBoard, W&B: ``diagnostics.sinks``; none by default).
     """
 
-    def __init__(self, path: Path, resumed_step: int) -> None:
+    def __init__(self, path: Path, resumed_step: int, sinks: Sinks | None = None) -> None:
+        self.sinks = sinks or Sinks()
         kept = []
         if path.exists():
             for line in path.read_text().splitlines():
@@ -94,11 +97,14 @@ class MetricsLog:
         self._file = open(path, "a")
 
     def write(self, metrics: StepMetrics) -> None:
-        self._file.write(json.dumps({**metrics.to_dict(), "time": time.time()}) + "\n")
+        record = {**metrics.to_dict(), "time": time.time()}
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        self.sinks.write(record)
 
     def close(self) -> None:
         self._file.close()
+        self.sinks.close()
 
 
 def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
@@ -149,6 +155,17 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
     return trainer, device
 
 
+def rank0_sinks(job: JobConfig, run_dir: Path, trainer: Trainer) -> Sinks:
+    """The optional sinks of ``metrics.jsonl``'s records (``[metrics]``). A sink whose package is
+    missing ends the job under a node agent (no restart can install it), else raises."""
+    try:
+        return open_sinks(job.metrics, run_dir, trainer.step_num, to_dict(job))
+    except ConfigError as e:
+        if os.environ.get(RUN_DIR_ENV):
+            fail_job(str(e), run_dir)
+        raise
+
+
 def check_data_path(job: JobConfig, run_dir: Path) -> None:
     """A ``data.path`` whose files do not exist would fail on every node: end the job
     (``robustness.fatal.fail_job``) instead of letting the controller restart it."""
@@ -179,7 +196,11 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     faults = inject.worker_faults(int(os.environ["RANK"]), run_dir)  # $MEGASCALE_INJECT, or none
     trainer, _device = start_rank(job, run_dir)
     is_rank0 = trainer.groups.rank == 0
-    log = MetricsLog(run_dir / "metrics.jsonl", trainer.step_num) if is_rank0 else None
+    log = None
+    if is_rank0:
+        log = MetricsLog(
+            run_dir / "metrics.jsonl", trainer.step_num, rank0_sinks(job, run_dir, trainer)
+        )
     progress = Progress(job.train.steps, job.train.log_interval) if is_rank0 else None
     last = job.train.steps if stop_after is None else min(stop_after, job.train.steps)
     interval = job.checkpoint.interval
