@@ -365,6 +365,7 @@ def test_to_dict():
         "overlap",
         "diagnostics",
         "fault_tolerance",
+        "metrics",
     ]
 
 
