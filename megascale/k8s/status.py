@@ -19,6 +19,7 @@ Rules, in the order they apply:
   time, url), ``faults``, ``effectiveTrainingTime``; each keeps its last value while etcd cannot
   be read or the controller has not published it. ``restarts`` and the generation come from the
   ``state`` snapshot (what a decision wrote); the summary of an older generation is not mixed in.
+  The Running and Succeeded conditions' message is the step; the others' the fault or failure.
 * **Evictions**: a node in the controller's blocklist has its worker pod deleted (it is
   recreated with the same name and identity, on another node, once gone), is cordoned and
   labelled when ``faultTolerance.cordonEvictedNodes`` (once, when first seen), and is listed in
@@ -393,6 +394,8 @@ def decide(
     ):
         out.update(_figures(view.summary))
     out["evictedNodes"] = _evicted_nodes(view.blocklist, prior.get("evictedNodes", []), pods)
+    if phase in ("Running", "Succeeded") and out.get("step") is not None:
+        message = f"step {out['step']}" + (" (training finished)" if phase == "Succeeded" else "")
     out["conditions"] = _conditions(prior.get("conditions", []), phase, reason, message, now, job)
 
     ttl = job.spec["runPolicy"].get("ttlSecondsAfterFinished")

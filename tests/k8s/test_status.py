@@ -133,7 +133,9 @@ def test_running_job_mirrors_the_controller_state_and_its_figures():
     }
     assert s["evictedNodes"] == []
     running = [c for c in s["conditions"] if c["status"] == "True" and c["type"] != "Created"]
-    assert [(c["type"], c["reason"]) for c in running] == [("Running", "ControllerRunning")]
+    assert [(c["type"], c["reason"], c["message"]) for c in running] == [
+        ("Running", "ControllerRunning", "step 130")
+    ]
 
 
 def test_figures_keep_their_last_value_without_a_summary():
