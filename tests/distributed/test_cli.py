@@ -123,7 +123,8 @@ def test_train_progress_on_a_pipe_is_plain_lines(default_run):
     progress = [line for line in lines if line.startswith("step ")]
     # tiny's log_interval is 5: step 5, and always the last step.
     assert [line.split()[1] for line in progress] == ["5/6", "6/6"], lines
-    assert re.fullmatch(r"step 6/6 loss \d+\.\d{4} grad_norm .* tok/s", progress[-1])
+    line = r"step 6/6 loss \d+\.\d{4} grad_norm .* tok/s mfu \d+\.\d% \[peak \S+ TFLOP/s \S+ fp32\]"
+    assert re.fullmatch(line, progress[-1]), progress[-1]
     assert lines[-1] == f"run directory: {run_dir}"
 
 
