@@ -46,12 +46,13 @@ import torch
 from megascale import config as config_mod
 from megascale.config import JobConfig
 from megascale.diagnostics.flops import flops_per_token
+from megascale.diagnostics.peak import run_peak
 from megascale.launcher.local import free_port
 from megascale.logs import quiet_expected_noise
 from megascale.model.gpt import te_available, use_te_spec
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.train.run import peak_tflops_for_device, resolve_device, seed_everything
+from megascale.train.run import resolve_device, seed_everything
 from megascale.train.trainer import Trainer
 
 logger = logging.getLogger("megascale.benchmarks.model_blocks")
@@ -256,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             results = measure(args, job, device, Path(tmp) / "data")
     finally:
         destroy_groups()
-    print(report(args, job, device, results, peak_tflops_for_device(device), notes))
+    peak = run_peak(device, job.model.params_dtype, None) if device == "cuda" else None
+    print(report(args, job, device, results, peak.tflops if peak else None, notes))
     return 0
 
 

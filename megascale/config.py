@@ -183,8 +183,10 @@ class TrainConfig:
     """Global batches per evaluation: the same first ``eval_steps * global_batch_size`` samples of
     the valid split every time."""
     peak_tflops: float | None = None
-    """Peak TFLOP/s of one device that MFU is computed against (> 0); None: the dense bf16 peak
-    of a known GPU by name, and no MFU elsewhere."""
+    """Dense TFLOP/s per device that MFU is measured against, on any device. None: on a GPU the
+    dense bf16 peak of its name (an unknown GPU reports no MFU); on CPU a peak measured at start by
+    a short matmul benchmark in ``model.params_dtype``, cached per machine
+    (``megascale.diagnostics.peak``). Every MFU figure is labelled with where its peak came from."""
 
 
 @dataclass
@@ -266,6 +268,22 @@ class DiagnosticsConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Optional sinks for the per-step figures of ``metrics.jsonl`` (``diagnostics.sinks``)."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files (needs the ``tensorboard`` package: ``megascale[tensorboard]``)."""
+    tensorboard_dir: str = "tensorboard"
+    """Where, relative to the run directory."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs the ``wandb`` package, not installed by megascale)."""
+    wandb_project: str = "megascale"
+    """The W&B project; the run is named after the run directory."""
+    wandb_mode: str = "online"
+    """``"online"`` or ``"offline"`` (files under the run directory, ``wandb sync`` later)."""
+
+
+@dataclass
 class FaultToleranceConfig:
     """What the controller does when the job loses nodes, and how often it may restart.
 
@@ -300,6 +318,7 @@ class JobConfig:
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from pathlib import Path
 
 from megascale.config import ConfigError, JobConfig, check_types
 
@@ -18,6 +19,7 @@ OPTIMIZERS = ("adam", "lamb")
 SPECS = ("auto", "local", "te")
 DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+WANDB_MODES = ("online", "offline")
 STRAGGLER_ACTIONS = ("report", "evict")
 DATA_LOADERS = ("node", "rank")
 NODE_LOSS_POLICIES = ("wait", "shrink", "fail")
@@ -131,6 +133,11 @@ def _ranges(cfg: JobConfig) -> list[str]:
         ("checkpoint.interval", c.interval),
     ]:
         at_least(name, value, 0)
+    if t.peak_tflops is not None and not t.peak_tflops > 0:
+        problems.append(
+            f"train.peak_tflops = {t.peak_tflops}: must be > 0 (dense TFLOP/s per device), "
+            "or left out to use the GPU's table peak or a measured CPU peak"
+        )
     for name, value in [
         ("optim.lr", o.lr),
         ("optim.eps", o.eps),
@@ -167,6 +174,15 @@ def _ranges(cfg: JobConfig) -> list[str]:
     one_of("model.params_dtype", m.params_dtype, DTYPES)
     one_of("train.device", t.device, DEVICES)
     one_of("data.loader", cfg.data.loader, DATA_LOADERS)
+    one_of("metrics.wandb_mode", cfg.metrics.wandb_mode, WANDB_MODES)
+    board = cfg.metrics.tensorboard_dir
+    if not board.strip() or Path(board).is_absolute() or ".." in Path(board).parts:
+        problems.append(
+            f"metrics.tensorboard_dir = {board!r}: must be a relative path inside the run "
+            "directory, e.g. 'tensorboard'"
+        )
+    if not cfg.metrics.wandb_project.strip():
+        problems.append(f"metrics.wandb_project = {cfg.metrics.wandb_project!r}: must not be empty")
     from megascale.data.blend import check_data_config
 
     problems += check_data_config(cfg.data, t.eval_interval)

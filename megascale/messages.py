@@ -255,6 +255,16 @@ class CheckpointFigures(Message):
 
 
 @declare
+class DurableCheckpoint(Message):
+    """The newest checkpoint a rank saved completely (its manifest written): the step, the wall
+    time it became durable and where it is. Rank 0 reports it (it writes the manifest)."""
+
+    step: int
+    time: float
+    url: str
+
+
+@declare
 class RankProgress(Message):
     """``RUN_DIR/progress/rank_NNNNN.json``: what a worker tells its agent (``robustness.progress``
     documents the sections and clocks). The figures are the last completed step's."""
@@ -278,7 +288,13 @@ class RankProgress(Message):
     data_wait_s: float | None = None
     val_loss: float | None = None
     checkpoint: CheckpointFigures | None = None
-    NESTED: ClassVar = {"checkpoint": (CheckpointFigures, "one")}
+    mfu_peak: str | None = None
+    """The peak ``mfu`` is against, in words (``diagnostics.peak.peak_label``)."""
+    durable: DurableCheckpoint | None = None
+    NESTED: ClassVar = {
+        "checkpoint": (CheckpointFigures, "one"),
+        "durable": (DurableCheckpoint, "one"),
+    }
 
 
 # -- the heartbeat ---------------------------------------------------------------------------------
@@ -331,7 +347,9 @@ class Heartbeat(Message):
 
     ``step``: highest completed step of its ranks; ``section``: "init" | "step" | "checkpoint";
     ``step_time_s``/``compute_time_s``: its slowest rank's; ``tokens_per_s``/``mfu``: job-wide,
-    rank 0's figure, on rank 0's node only (None elsewhere); ``checkpoint``: its ranks' latest save (largest stall);
+    rank 0's figure, on rank 0's node only (None elsewhere), ``mfu_peak`` with them;
+    ``checkpoint``: its ranks' latest save (largest stall); ``durable``: the newest checkpoint
+    its ranks saved completely (rank 0's node);
     ``flight``: rank -> the flight recorder's last record (``flight_format.RankState``);
     ``errors``: human-readable forms of ``error_events``; static: host, addr, pid, hardware;
     live: gpus (NVML; None without), network counters, selfchecks (how many ran).
@@ -348,6 +366,8 @@ class Heartbeat(Message):
     compute_time_s: float | None = None
     val_loss: float | None = None
     checkpoint: CheckpointFigures | None = None
+    mfu_peak: str | None = None
+    durable: DurableCheckpoint | None = None
     workers: dict[str, WorkerStatus] = field(default_factory=dict)
     ranks: dict[str, RankFigures] = field(default_factory=dict)
     flight: dict[str, dict] = field(default_factory=dict)
@@ -363,6 +383,7 @@ class Heartbeat(Message):
     selfchecks: int = 0
     NESTED: ClassVar = {
         "checkpoint": (CheckpointFigures, "one"),
+        "durable": (DurableCheckpoint, "one"),
         "workers": (WorkerStatus, "map"),
         "ranks": (RankFigures, "map"),
         "error_events": (Reported, "list"),
@@ -402,6 +423,11 @@ class StepMetrics(Message):
     step_time_s: float
     tokens_per_s: float
     mfu: float | None = None
+    mfu_peak_tflops: float | None = None
+    """The per-device peak ``mfu`` divides by (``diagnostics.peak``)."""
+    mfu_peak_source: str | None = None
+    """Where that peak came from: ``train.peak_tflops``, ``gpu:<name> dense bf16`` or
+    ``measured:cpu <dtype>`` (a matmul benchmark on this machine)."""
     val_loss: float | None = None
     """Validation loss after this step; None on steps without evaluation."""
     data_wait_s: float | None = None

@@ -385,7 +385,7 @@ def _throughput_section(report: straggler.StragglerReport | None) -> str:
             f'<div class="note" id="mfu-absent"><strong>MFU not available:</strong> '
             f"{esc(report.mfu_note)}.</div>"
         )
-        note = "MFU needs the GPU's dense bf16 peak."
+        note = "MFU needs a peak: the GPU's dense bf16 peak, or the CPU peak the run measured."
     content = f'<div class="grid2"><div>{tps}</div><div>{mfu}</div></div>'
     return _section(
         "Throughput and model FLOPs utilisation (MFU)",
@@ -556,7 +556,7 @@ def build(run_dir: str | Path, peak_tflops: float | None = None) -> str:
             )
         )
         mfus = [m.mfu for m in report.mfu if m.mfu is not None]
-        cards.append(_card("MFU", f"{100 * statistics.median(mfus):.1f}%" if mfus else "n/a (CPU)"))
+        cards.append(_card("MFU", f"{100 * statistics.median(mfus):.1f}%" if mfus else "n/a"))
     elif any(m.mfu is not None for m in metrics):
         mfus = [m.mfu for m in metrics if m.mfu is not None]
         cards.append(_card("MFU", f"{100 * statistics.median(mfus):.1f}%"))

@@ -13,8 +13,9 @@ to ``diagnostics.straggler_threshold`` (1.10).
 
 MFU per step comes from ``megascale.diagnostics.flops`` (training FLOPs per token without
 recomputation) over the step period (median over ranks), against the dense bf16 peak of the GPU
-the run used (its name is in the timeline) or an explicit ``peak_tflops``; on CPU there is no peak
-and MFU is absent, with ``mfu_note`` saying why.
+the run used (its name is in the timeline) or an explicit ``peak_tflops``; on CPU the peak the run
+measured and recorded in ``metrics.jsonl`` (``mfu_peak_tflops``, ``mfu_peak_source``); with none of
+these MFU is absent, with ``mfu_note`` saying why.
 
 ``StragglerReport`` is what the controller acts on (``flagged_nodes``: report, or evict when
 configured); ``analyze`` is pure and unit-tested, ``analyze_run`` reads a run directory.
@@ -23,6 +24,7 @@ configured); ``analyze`` is pure and unit-tested, ``analyze_run`` reads a run di
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import statistics
 from collections.abc import Mapping
@@ -252,7 +254,8 @@ def analyze_run(
     for steps in per_rank.values():
         for s, b in steps.items():
             periods.setdefault(s, []).append(b.period_s)
-    peak, report.peak, report.mfu_note = _peak(ranks[0].device_name, peak_tflops)
+    recorded = recorded_peak(run_dir)
+    peak, report.peak, report.mfu_note = _peak(ranks[0].device_name, peak_tflops, recorded)
     if job is None:
         report.mfu_note = f"no config.toml in {run_dir}: tokens per step unknown"
         return report
@@ -262,11 +265,32 @@ def analyze_run(
     return report
 
 
-def _peak(device_name: str, peak_tflops: float | None) -> tuple[float | None, str | None, str]:
+def recorded_peak(run_dir: str | Path) -> tuple[float, str] | None:
+    """(TFLOP/s, source) of the peak the run's MFU used, from the first line of
+    ``metrics.jsonl`` that names one; None when the run recorded none."""
+    try:
+        with open(Path(run_dir) / "metrics.jsonl") as lines:
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("mfu_peak_tflops"):
+                    return float(record["mfu_peak_tflops"]), str(record.get("mfu_peak_source"))
+    except OSError:
+        return None
+    return None
+
+
+def _peak(
+    device_name: str, peak_tflops: float | None, recorded: tuple[float, str] | None = None
+) -> tuple[float | None, str | None, str]:
     """(TFLOP/s, how it is named, why there is none)."""
     if peak_tflops is not None:
         value, source = flops.resolve_peak(peak_tflops, None)
         return value, source, ""
+    if recorded is not None and device_name in ("cpu", "?", ""):
+        return recorded[0], f"{recorded[0]:.4g} TFLOP/s {recorded[1]} (recorded by the run)", ""
     if device_name in ("cpu", "?", ""):
         return (
             None,

@@ -47,6 +47,8 @@ from megascale.k8s.job import (
     LABEL_MANAGED_BY,  # noqa: F401  (re-exported)
     LABEL_NAME,
     LABEL_SELFCHECK,
+    METRICS_PORT,  # noqa: F401  (re-exported)
+    METRICS_PORT_NAME,  # noqa: F401  (re-exported)
     OPERATOR_NAME,
     RUN_DIR,
     BuildError,
@@ -59,6 +61,8 @@ from megascale.k8s.job import (
     etcd_name,
     labels,
     metadata,
+    metrics_container_port,
+    scrape_annotations,
     selector_labels,
     worker_account_name,
     worker_name,
@@ -254,6 +258,7 @@ def controller_deployment(
         "args": controller_args(job, tp, pp, train, vpp),
         "env": _megascale_env(job),
         "volumeMounts": [*mounts, {"name": "run", "mountPath": RUN_DIR}],
+        "ports": [metrics_container_port()],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
         "securityContext": {"allowPrivilegeEscalation": False},
     }
@@ -272,7 +277,10 @@ def controller_deployment(
         "replicas": 0 if job.suspended else 1,
         "strategy": {"type": "Recreate"},
         "selector": {"matchLabels": selector_labels(job, "controller")},
-        "template": {"metadata": {"labels": labels(job, "controller")}, "spec": pod_spec},
+        "template": {
+            "metadata": {"labels": labels(job, "controller"), "annotations": scrape_annotations()},
+            "spec": pod_spec,
+        },
     }
     meta = metadata(job, controller_name(job), "controller")
     return _object("apps/v1", "Deployment", meta, spec=spec)
@@ -356,6 +364,7 @@ def worker_pod(job: Job, index: int, excluded: Iterable[str] = ()) -> dict[str, 
     annotations = {
         **user_meta.get("annotations", {}),
         **gang_annotations,
+        **scrape_annotations(),
         ANNOTATION_EXCLUDED: ",".join(excluded),
     }
     meta = metadata(

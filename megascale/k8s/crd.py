@@ -37,6 +37,15 @@ from typing import Any
 import yaml
 
 from megascale.config_validate import NODE_LOSS_POLICIES, STRAGGLER_ACTIONS
+from megascale.k8s.crd_status import (  # noqa: F401  (status_schema, PRINTER_COLUMNS re-exported)
+    PHASES,
+    PRINTER_COLUMNS,
+    _int,
+    _obj,
+    _rule,
+    _str,
+    status_schema,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,36 +62,11 @@ MAX_NAME = 40
 """Longest job name: worker pods are ``<name>-worker-<index>`` and their hostname is a DNS label
 (at most 63 characters)."""
 GANG_SCHEDULERS = ("none", "volcano", "coscheduling")
-PHASES = ("Pending", "Starting", "Running", "Recovering", "Succeeded", "Failed", "Suspended")
 DEFAULT_ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO_ROOT / "k8s" / "crd" / "megascalejob.yaml"
 HELM_CRD_FILE = REPO_ROOT / "k8s" / "helm" / "megascale-operator" / "templates" / "crd.yaml"
-
-
-# -- schema building blocks ----------------------------------------------------------------------
-
-
-def _int(description: str, *, minimum: int | None = None, default: int | None = None, **kw: Any):
-    out: dict[str, Any] = {"type": "integer", "format": "int32", "description": description}
-    if minimum is not None:
-        out["minimum"] = minimum
-    if default is not None:
-        out["default"] = default
-    return out | kw
-
-
-def _str(description: str, **kw: Any) -> dict[str, Any]:
-    return {"type": "string", "description": description} | kw
-
-
-def _obj(description: str, properties: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    return {"type": "object", "description": description, "properties": properties} | kw
-
-
-def _rule(rule: str, message: str, **kw: Any) -> dict[str, Any]:
-    return {"rule": rule, "message": message} | kw
 
 
 _NAME_REF = _str("Name of an object in the job's namespace.", maxLength=253, minLength=1)
@@ -401,92 +385,6 @@ def spec_schema() -> dict[str, Any]:
             ]
         },
     )
-
-
-def status_schema() -> dict[str, Any]:
-    """The openAPIV3Schema of ``.status`` (written by the operator only)."""
-    condition = _obj(
-        "A condition, as metav1.Condition.",
-        {
-            "type": _str("Created, Running, Recovering, Succeeded, Failed or Suspended."),
-            "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
-            "reason": _str("CamelCase reason."),
-            "message": _str("Human-readable detail."),
-            "lastTransitionTime": _str("When status last changed.", format="date-time"),
-            "observedGeneration": {"type": "integer", "format": "int64"},
-        },
-        required=["type", "status"],
-    )
-    evicted = _obj(
-        "A node the controller evicted (its blocklist entry).",
-        {
-            "node": _str("Kubernetes node name (the agent's node name)."),
-            "reason": _str("Why the controller evicted it."),
-            "generation": {"type": "integer", "format": "int64"},
-            "time": _str("When, RFC 3339.", format="date-time"),
-            "pod": _str("The worker pod that ran there."),
-        },
-        required=["node"],
-    )
-    return _obj(
-        "Observed state, mirrored from the controller's etcd state by the operator.",
-        {
-            "phase": _str("Summary of the conditions.", enum=list(PHASES)),
-            "reason": _str("Why the job is in its phase (CamelCase)."),
-            "conditions": {
-                "type": "array",
-                "items": condition,
-                "x-kubernetes-list-type": "map",
-                "x-kubernetes-list-map-keys": ["type"],
-            },
-            "observedGeneration": {
-                "type": "integer",
-                "format": "int64",
-                "description": "metadata.generation the operator last reconciled.",
-            },
-            "controllerState": _str("The controller state machine's state (e.g. running)."),
-            "currentGeneration": {
-                "type": "integer",
-                "format": "int64",
-                "description": "Training generation: 1 at the first start, +1 per restart.",
-            },
-            "restarts": {"type": "integer", "format": "int32"},
-            "replacements": {
-                "type": "integer",
-                "format": "int32",
-                "description": "Worker pods the operator replaced (counts against backoffLimit).",
-            },
-            "step": {"type": "integer", "format": "int64"},
-            "activeNodes": {"type": "array", "items": {"type": "string"}},
-            "spareNodes": {"type": "array", "items": {"type": "string"}},
-            "evictedNodes": {"type": "array", "items": evicted},
-            "lastCheckpoint": _obj(
-                "The newest complete checkpoint the job reported.",
-                {
-                    "step": {"type": "integer", "format": "int64"},
-                    "url": _str("Where it is."),
-                    "time": _str("When it completed, RFC 3339.", format="date-time"),
-                },
-            ),
-            "mfu": {"type": "number", "description": "Model FLOPs utilisation, 0..1."},
-            "tokensPerSecond": {"type": "number"},
-            "startTime": _str("When the job first ran.", format="date-time"),
-            "completionTime": _str("When it succeeded or failed.", format="date-time"),
-            "message": _str("Last fault or failure, in words."),
-        },
-    )
-
-
-PRINTER_COLUMNS = [
-    {"name": "Workers", "type": "integer", "jsonPath": ".spec.replicaSpecs.Worker.replicas"},
-    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-    {"name": "State", "type": "string", "jsonPath": ".status.controllerState"},
-    {"name": "Gen", "type": "integer", "jsonPath": ".status.currentGeneration"},
-    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
-    {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
-    {"name": "MFU", "type": "number", "jsonPath": ".status.mfu", "priority": 1},
-    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-]
 
 
 def open_api_schema() -> dict[str, Any]:

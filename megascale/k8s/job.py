@@ -37,6 +37,10 @@ RUN_DIR = "/var/run/megascale"
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
 DIST_PORT = 29500
+METRICS_PORT = 9400
+"""The agents' and the controller's Prometheus ``/metrics`` port in pods, on the pod's IP."""
+METRICS_PORT_NAME = "metrics"
+"""The name of that container port: what the chart's PodMonitor scrapes."""
 MAIN_CONTAINER = "megascale"
 
 
@@ -145,6 +149,21 @@ def labels(job: Job, component: str) -> dict[str, str]:
         LABEL_MANAGED_BY: OPERATOR_NAME,
         **selector_labels(job, component),
     }
+
+
+def scrape_annotations() -> dict[str, str]:
+    """The ``prometheus.io/*`` annotations that a Prometheus with the common
+    ``kubernetes-pods`` scrape config (no Prometheus operator) follows to ``/metrics``."""
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(METRICS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def metrics_container_port() -> dict[str, Any]:
+    """The named ``/metrics`` port declared on the agent's and the controller's container."""
+    return {"name": METRICS_PORT_NAME, "containerPort": METRICS_PORT, "protocol": "TCP"}
 
 
 def metadata(

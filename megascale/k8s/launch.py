@@ -23,11 +23,13 @@ from megascale.k8s.job import (
     CONFIG_DIR,
     ETCD_TLS_DIR,
     MAIN_CONTAINER,
+    METRICS_PORT,
     RUN_DIR,
     BuildError,
     Job,
     config_name,
     etcd_endpoints,
+    metrics_container_port,
     worker_address,
     workers_service_name,
 )
@@ -96,6 +98,7 @@ def _megascale_env(job: Job) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         _field_env("MEGASCALE_POD_NAME", "metadata.name"),
         _field_env("MEGASCALE_NODE_NAME", "spec.nodeName"),
+        _field_env("MEGASCALE_POD_IP", "status.podIP"),
         {"name": "MEGASCALE_JOB_SPEC", "value": f"{CONFIG_DIR}/job.json"},
     ]
     if job.etcd.get("authSecret"):
@@ -169,7 +172,13 @@ def _megascale_container(
     out.pop("command", None)
     out["env"] = _merge_named(out.get("env", []), _megascale_env(job))
     out["volumeMounts"] = _merge_named(out.get("volumeMounts", []), mounts)
+    out["ports"] = _merge_named(out.get("ports", []), [metrics_container_port()])
     return out
+
+
+def metrics_args() -> list[str]:
+    """``/metrics`` on the pod's IP at the declared, fixed port (``job.METRICS_PORT``)."""
+    return ["--metrics-port", str(METRICS_PORT), "--metrics-addr", "$(MEGASCALE_POD_IP)"]
 
 
 def agent_args(job: Job, index: int) -> list[str]:
@@ -192,6 +201,7 @@ def agent_args(job: Job, index: int) -> list[str]:
         str(ft["heartbeatIntervalSeconds"]),
         "--addr",
         worker_address(job, index),
+        *metrics_args(),
         *store_args(job),
     ]
 
@@ -239,5 +249,6 @@ def controller_args(
         str(float(ft["straggler"]["threshold"])),
         "--straggler-action",
         str(ft["straggler"]["action"]),
+        *metrics_args(),
         *store_args(job),
     ]

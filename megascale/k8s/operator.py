@@ -196,11 +196,13 @@ def read_view(store: Store, keys: JobKeys, events: int = EVENTS_READ) -> EtcdVie
         items = ((keys.name_of(kv.key), parse(kv)) for kv in store.get_prefix(prefix))
         return {name: value for name, value in items if isinstance(value, dict)}
 
-    state_kv = store.get(keys.state)
+    state_kv, summary_kv = store.get(keys.state), store.get(keys.summary)
     state = parse(state_kv) if state_kv is not None else None
+    summary = parse(summary_kv) if summary_kv is not None else None
     newest = store.get_prefix(keys.events_prefix, limit=events, descending=True)
     return EtcdView(
         state=state if isinstance(state, dict) else None,
+        summary=summary if isinstance(summary, dict) else None,
         blocklist=by_name(keys.blocklist_prefix),
         heartbeats=by_name(keys.heartbeats_prefix),
         events=[e for e in map(parse, newest) if isinstance(e, dict)],

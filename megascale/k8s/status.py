@@ -1,8 +1,8 @@
 """What the operator concludes from what it sees: pure functions, no I/O, time passed in.
 
 ``decide(job, status, pods, view, now)`` takes the job, its current ``.status``, its worker pods
-and what the controller wrote to etcd (``EtcdView``: the ``state`` snapshot, ``blocklist/``,
-``heartbeats/`` and the newest ``events/``), and returns a ``Decision``: the new ``.status`` and the
+and what the controller wrote to etcd (``EtcdView``: the ``state`` snapshot, the ``summary`` of the
+job's figures, ``blocklist/``, ``heartbeats/`` and the newest ``events/``), and returns a ``Decision``: the new ``.status`` and the
 effects to carry out, in order. The operator's timer runs it every few seconds; running it again on
 the same inputs gives the same answer, and once its effects are visible it asks for nothing more.
 
@@ -14,6 +14,12 @@ Rules, in the order they apply:
   message the controller's reason for failing); Pending before the controller wrote any; Suspended while
   ``runPolicy.suspend``; Failed when ``activeDeadlineSeconds`` has passed since ``startTime`` or
   when more pods were replaced than ``backoffLimit``. Succeeded and Failed are final.
+* **Figures** from the controller's ``summary`` (``robustness.job_summary``, refreshed while the
+  job trains): ``step``, ``tokensPerSecond``, ``mfu`` and ``mfuPeak``, ``lastCheckpoint`` (step,
+  time, url), ``faults``, ``effectiveTrainingTime``; each keeps its last value while etcd cannot
+  be read or the controller has not published it. ``restarts`` and the generation come from the
+  ``state`` snapshot (what a decision wrote); the summary of an older generation is not mixed in.
+  The Running and Succeeded conditions' message is the step; the others' the fault or failure.
 * **Evictions**: a node in the controller's blocklist has its worker pod deleted (it is
   recreated with the same name and identity, on another node, once gone), is cordoned and
   labelled when ``faultTolerance.cordonEvictedNodes`` (once, when first seen), and is listed in
@@ -50,6 +56,7 @@ class EtcdView:
     """What the controller wrote for one job (values as JSON); ``events`` newest first."""
 
     state: Mapping[str, Any] | None = None
+    summary: Mapping[str, Any] | None = None
     blocklist: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     heartbeats: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     events: Sequence[Mapping[str, Any]] = ()
@@ -265,40 +272,35 @@ def _evicted_nodes(
     return [by_node[n] for n in sorted(by_node)]
 
 
-def _last_checkpoint(view: EtcdView, prior: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The snapshot's ``last_checkpoint`` when the controller writes one; else the newest
-    ``checkpoint`` event; else the highest ``checkpoint`` a heartbeat reports."""
-    found: Mapping[str, Any] | None = (view.state or {}).get("last_checkpoint")
-    if found is None:
-        for event in view.events:
-            if event.get("kind") == "checkpoint":
-                found = {**event.get("detail", {}), "time": event.get("time")}
-                break
-    if found is None:
-        marks = [hb["checkpoint"] for hb in view.heartbeats.values() if hb.get("checkpoint")]
-        found = max(marks, key=lambda c: c.get("step", -1), default=None)
-    if found is None:
-        return dict(prior) if prior else None
+def _figures(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The status fields of the controller's ``summary`` (``robustness.job_summary``): only
+    those it has a value for, so that an absent figure keeps the status' last one."""
     out: dict[str, Any] = {}
-    if found.get("step") is not None:
-        out["step"] = int(found["step"])
-    if found.get("url"):
-        out["url"] = str(found["url"])
-    if found.get("time") is not None:
-        out["time"] = rfc3339(float(found["time"]))
+    if summary.get("step") is not None:
+        out["step"] = int(summary["step"])
+    if summary.get("tokens_per_s") is not None:
+        out["tokensPerSecond"] = float(summary["tokens_per_s"])
+    if summary.get("mfu") is not None:
+        out["mfu"] = float(summary["mfu"])
+        if summary.get("mfu_peak"):
+            out["mfuPeak"] = str(summary["mfu_peak"])
+    mark = summary.get("last_checkpoint") or {}
+    if mark.get("step") is not None:
+        out["lastCheckpoint"] = {"step": int(mark["step"])}
+        if mark.get("time") is not None:
+            out["lastCheckpoint"]["time"] = rfc3339(float(mark["time"]))
+        if mark.get("url"):
+            out["lastCheckpoint"]["url"] = str(mark["url"])
+    if summary.get("faults") is not None:
+        out["faults"] = int(summary["faults"])
+    effective = summary.get("effective") or {}
+    if effective.get("wall_s"):
+        out["effectiveTrainingTime"] = {
+            "productiveSeconds": round(float(effective["productive_s"]), 3),
+            "wallSeconds": round(float(effective["wall_s"]), 3),
+            "ratio": round(float(effective["ratio"]), 4),
+        }
     return out
-
-
-def _throughput(view: EtcdView, active: Sequence[str]) -> tuple[float | None, float | None]:
-    """(MFU, tokens/s): the snapshot's ``mfu`` or the mean of the active nodes' heartbeat ``mfu``;
-    tokens/s summed over active nodes' heartbeats."""
-    beats = [view.heartbeats[n] for n in active if n in view.heartbeats]
-    mfu = (view.state or {}).get("mfu")
-    if mfu is None:
-        values = [float(b["mfu"]) for b in beats if b.get("mfu") is not None]
-        mfu = sum(values) / len(values) if values else None
-    rates = [float(b["tokens_per_s"]) for b in beats if b.get("tokens_per_s") is not None]
-    return (float(mfu) if mfu is not None else None), (sum(rates) if rates else None)
 
 
 def _failure(
@@ -348,7 +350,6 @@ def decide(
     """The new status and the effects (see the module docstring). ``view`` None: etcd could not
     be read; the mirrored fields keep their values and pods are still kept in line."""
     prior = dict(status or {})
-    seen = view is not None
     view = view or EtcdView()
     state = view.state
     known = {e["node"] for e in prior.get("evictedNodes", [])}
@@ -388,16 +389,13 @@ def decide(
             out["step"] = int(state["step"])
         out["activeNodes"] = [str(n) for n in state.get("order", [])]
         out["spareNodes"] = [str(n) for n in state.get("spares", [])]
-    if seen:
-        mfu, rate = _throughput(view, out.get("activeNodes", []))
-        if mfu is not None:
-            out["mfu"] = mfu
-        if rate is not None:
-            out["tokensPerSecond"] = rate
-        checkpoint = _last_checkpoint(view, prior.get("lastCheckpoint"))
-        if checkpoint:
-            out["lastCheckpoint"] = checkpoint
+    if view.summary is not None and (
+        state is None or view.summary.get("generation") == state.get("generation")
+    ):
+        out.update(_figures(view.summary))
     out["evictedNodes"] = _evicted_nodes(view.blocklist, prior.get("evictedNodes", []), pods)
+    if phase in ("Running", "Succeeded") and out.get("step") is not None:
+        message = f"step {out['step']}" + (" (training finished)" if phase == "Succeeded" else "")
     out["conditions"] = _conditions(prior.get("conditions", []), phase, reason, message, now, job)
 
     ttl = job.spec["runPolicy"].get("ttlSecondsAfterFinished")

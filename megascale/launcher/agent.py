@@ -55,6 +55,7 @@ from megascale.robustness.fatal import EXIT_JOB_FATAL, RUN_DIR_ENV, read_exit_er
 from megascale.robustness.keys import JobKeys, is_current
 from megascale.robustness.progress import progress_path, read_progress
 from megascale.robustness.service_main import (
+    add_metrics_arguments,
     add_store_arguments,
     setup_logging,
     store_config,
@@ -99,7 +100,9 @@ class AgentOptions:
     stop_grace_s: float = 3.0
     rendezvous_timeout_s: float = 60.0
     metrics_port: int = 0
-    """Port of this agent's Prometheus ``/metrics`` on 127.0.0.1 (0: a free one; -1: none)."""
+    """Port of this agent's Prometheus ``/metrics`` on ``metrics_addr`` (0: a free one; -1: none)."""
+    metrics_addr: str = "127.0.0.1"
+    """Address ``/metrics`` listens on: loopback locally, the pod's IP in Kubernetes."""
     topology: str | None = None
     """This node's switch/rack label: the controller pairs nodes under one label for the
     self-check's neighbour all-reduce (None: by order)."""
@@ -154,11 +157,14 @@ def progress_figures(progress: dict[int, RankProgress]) -> dict[str, Any]:
     sections = {p.section for p in records}
     first = progress.get(0)
     saves = [p.checkpoint for p in records if p.checkpoint is not None]
+    durable = [p.durable for p in records if p.durable is not None]
     return {
         "step": max(p.step for p in records),
         "section": next((s for s in ("init", "checkpoint") if s in sections), "step"),
         "tokens_per_s": first.tokens_per_s if first else None,
         "mfu": first.mfu if first else None,
+        "mfu_peak": first.mfu_peak if first else None,
+        "durable": max(durable, key=lambda c: c.time) if durable else None,
         "step_time_s": max((p.step_time_s or 0.0 for p in records), default=0.0),
         "compute_time_s": max((p.compute_time_s or 0.0 for p in records), default=0.0) or None,
         "val_loss": next((p.val_loss for p in records if p.val_loss is not None), None),
@@ -209,7 +215,7 @@ class Agent:
             from megascale.diagnostics.metrics import AgentMetrics
 
             self.metrics = AgentMetrics(opts.job_id, opts.node)
-            self.metrics_server = self.metrics.serve(opts.metrics_port)
+            self.metrics_server = self.metrics.serve(opts.metrics_port, opts.metrics_addr)
             logger.info("node %s metrics at %s", opts.node, self.metrics_server.url)
             write_metrics_url(opts.run_dir, opts.node, self.metrics_server.url)
 
@@ -692,12 +698,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="this node's switch/rack label for the neighbour all-reduce "
         "(default: $MEGASCALE_TOPOLOGY; none: nodes are paired by order)",
     )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="Prometheus /metrics port on 127.0.0.1 (0: a free one, -1: disabled)",
-    )
+    add_metrics_arguments(parser)
     add_store_arguments(parser)
 
 
@@ -716,6 +717,7 @@ def options_from_args(args: argparse.Namespace) -> AgentOptions:
         selfcheck=args.selfcheck,
         metrics_port=args.metrics_port,
         topology=args.topology,
+        metrics_addr=args.metrics_addr,
     )
 
 

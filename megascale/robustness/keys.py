@@ -22,6 +22,10 @@ key (under /megascale/<job>/)   lease     written by              value (JSON)
                                                                   for a standby and the operator
 ``status``                      --        controller (fenced)     ``{"state", "generation"}``: a
                                                                   few bytes, what agents watch
+``summary``                     --        controller (fenced)     the job's figures for the
+                                                                  operator and dashboards:
+                                                                  ``JobSummary.to_json``
+                                                                  (``job_summary.py``)
 ``events/<seq>``                --        ``EventLog``            one event (``events.py``)
 ``generation``                  --        controller (fenced)     ``{"generation", "assignment"}``
 ==============================  ========  ======================  ==================================
@@ -138,6 +142,10 @@ class JobKeys:
     @property
     def generation(self) -> str:
         return self.prefix + "generation"
+
+    @property
+    def summary(self) -> str:
+        return self.prefix + "summary"
 
     def name_of(self, key: str) -> str:
         """The last component of ``key`` (the node of ``nodes/<node>``, ``acks/<node>``, ...);

@@ -6,6 +6,10 @@ content is a ``megascale.messages.RankProgress`` (the fields, and the figures' m
 defined there once).
 
 ``val_loss`` (absent or None until the first evaluation) is the last validation loss.
+``mfu`` and ``mfu_peak`` (None without a peak) are the last step's job-wide MFU and the peak it is
+against, in words (``diagnostics.peak.peak_label``). ``durable`` (None until one is durable; rank 0
+only) is the newest checkpoint this process saved completely (``messages.DurableCheckpoint``),
+written when the rank learns that its manifest is written.
 
 ``compute_time_s`` (None until known) is the forward and backward compute time of a recent step
 (``compute_step``), measured on the device (``megascale.diagnostics.compute_time``: CUDA events
@@ -38,8 +42,9 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from megascale.messages import CheckpointFigures, RankProgress
+from megascale.messages import CheckpointFigures, DurableCheckpoint, RankProgress
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +84,14 @@ class ProgressFile:
         val_loss: float | None = None,
         *,
         mfu: float | None = None,
+        mfu_peak: str | None = None,
         data_wait_s: float | None = None,
     ) -> None:
-        """After step ``step``: its time and throughput (and validation loss if it evaluated)."""
+        """After step ``step``: its time and throughput (and validation loss if it evaluated;
+        ``mfu`` with its peak in words when a peak is known)."""
         record = self.record
         record.step, record.step_time_s, record.tokens_per_s = step, step_time_s, tokens_per_s
-        record.mfu, record.data_wait_s = mfu, data_wait_s
+        record.mfu, record.mfu_peak, record.data_wait_s = mfu, mfu_peak, data_wait_s
         if val_loss is not None:
             record.val_loss = val_loss
         record.durations["step"] = step_time_s
@@ -106,6 +113,11 @@ class ProgressFile:
     def checkpoint(self, figures: CheckpointFigures) -> None:
         """The latest save's figures (written with the next write)."""
         self.record.checkpoint = figures
+
+    def durable(self, checkpoint: DurableCheckpoint) -> None:
+        """A checkpoint became durable (written now)."""
+        self.record.durable = checkpoint
+        self._write()
 
     def beat(self) -> None:
         """Still moving inside a long section."""
@@ -144,6 +156,9 @@ class NullProgressFile:
     def checkpoint(self, figures: CheckpointFigures) -> None:
         pass
 
+    def durable(self, checkpoint: DurableCheckpoint) -> None:
+        pass
+
     def beat(self) -> None:
         pass
 
@@ -176,6 +191,7 @@ class WorkerSignals:
         self._step_mark: dict[str, float] | None = None  # blocked seconds by group, step start
         self.comm_time_s: dict[str, float] = {}  # of the last full step period
         self.progress_checkpoint: tuple | None = None  # the save figures last handed over
+        self._durable: DurableCheckpoint | None = None  # the last one reported
 
     @classmethod
     def open(cls, run_dir: Path | str, rank: int, world_size: int) -> WorkerSignals:
@@ -233,14 +249,30 @@ class WorkerSignals:
             self.progress.compute_time(*compute)
         metrics.compute_time_s = compute[1] if compute is not None else None
         metrics.comm_time_s = self.comm_time_s
+        mfu_peak = None
+        if metrics.mfu is not None:
+            from megascale.diagnostics.peak import peak_label
+
+            mfu_peak = peak_label(metrics.mfu_peak_tflops, metrics.mfu_peak_source)
         self.progress.step(
             metrics.step,
             metrics.step_time_s,
             metrics.tokens_per_s,
             metrics.val_loss,
             mfu=metrics.mfu,
+            mfu_peak=mfu_peak,
             data_wait_s=metrics.data_wait_s,
         )
+
+    def checkpoint_durable(self, record: dict[str, Any] | None) -> None:
+        """The newest durable checkpoint (``Checkpointer.durable``: ``{"step", "time",
+        "url"}``); written when it changed. Cheap when it did not: call after every step."""
+        if record is None:
+            return
+        durable = DurableCheckpoint(**record)
+        if durable != self._durable:
+            self._durable = durable
+            self.progress.durable(durable)
 
     def checkpoint_saved(self, figures: CheckpointFigures) -> None:
         """A save's figures (``stall_s`` now; ``durable_s`` again once its write finished)."""

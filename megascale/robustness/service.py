@@ -62,6 +62,7 @@ from megascale.robustness.effective import EffectiveTime
 from megascale.robustness.election import Election
 from megascale.robustness.events import EventLog
 from megascale.robustness.flight_format import RankState, stall_suspects
+from megascale.robustness.job_summary import JobSummary
 from megascale.robustness.keys import JobKeys
 from megascale.robustness.service_main import (  # noqa: F401  (re-exported)
     add_arguments,
@@ -148,6 +149,7 @@ class ControllerService:
         )
         self._straggler_steps: dict[int, int] = {}  # rank -> step of its last sample
         self.effective = EffectiveTime(self.clock())
+        self.summary = JobSummary()  # the job's figures, for the ``summary`` key
         self.metrics: Any = None
         self.metrics_server: Any = None
 
@@ -157,7 +159,7 @@ class ControllerService:
         from megascale.diagnostics.metrics import ControllerMetrics
 
         self.metrics = self.metrics or ControllerMetrics(self.opts.job_id)
-        self.metrics_server = self.metrics.serve(self.opts.metrics_port)
+        self.metrics_server = self.metrics.serve(self.opts.metrics_port, self.opts.metrics_addr)
         logger.info("controller metrics at %s", self.metrics_server.url)
         write_metrics_url(self.opts.run_dir, self.opts.candidate_id, self.metrics_server.url)
 
@@ -352,9 +354,11 @@ class ControllerService:
         self._act(self.fsm.on_heartbeat(node, payload, now))
         if self.fsm.step is not None and self.fsm.step != before:
             self.effective.observe(self.fsm.step, now)
+            self.summary.changed = True
         generation = payload.generation
         if generation != self.fsm.generation or not self.fsm.in_order(node):
             return
+        self.summary.observe(payload)
         self._learn_step_time(payload, before)
         self._observe_straggler(node, payload, now)
         if self._flight_generation != generation:
@@ -565,6 +569,7 @@ class ControllerService:
                 }
             elif isinstance(action, StartGeneration):
                 self.effective.new_generation()
+                self.summary.new_generation()
                 self.stragglers.reset()
                 self._straggler_steps.clear()
                 if self.metrics is not None:
@@ -578,7 +583,7 @@ class ControllerService:
                     "assignment": {n: list(r) for n, r in action.assignment.items()},
                 }
         if actions or snapshot:
-            self._dirty = True
+            self._dirty = self.summary.changed = True
 
     def _flush(self, force: bool = False) -> None:
         """Write the outbox, then the queued events.
@@ -591,6 +596,9 @@ class ControllerService:
         ``snapshot_s`` has passed (or ``force``)."""
         assert self.fsm is not None
         now = self.clock()
+        # the job's figures (small): with any decision's writes, like the snapshot, else rate-limited
+        if self.summary.due(now, self.opts.snapshot_s, force or bool(self._outbox)):
+            self._outbox[self.keys.summary] = self.summary.to_json(self.fsm, self.effective, now)
         if self._dirty and (
             force or self._outbox or now - self._snapshot_at >= self.opts.snapshot_s
         ):

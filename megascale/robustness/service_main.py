@@ -83,6 +83,24 @@ def setup_logging(label: str, log_file: Path | None, console_level: int = loggin
         root.addHandler(to_file)
 
 
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` and ``--metrics-addr`` of ``megascale agent`` and ``megascale
+    controller``: loopback and a free port by default (the local cluster); in a pod the operator
+    passes a fixed, declared port on the pod's IP so that a cluster's Prometheus can scrape it."""
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus /metrics port (0: a free one, -1: disabled)",
+    )
+    parser.add_argument(
+        "--metrics-addr",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address /metrics listens on (default 127.0.0.1; a pod's IP or 0.0.0.0 to be scraped)",
+    )
+
+
 def write_metrics_url(run_dir: Path, name: str, url: str) -> None:
     """Publish a process's ``/metrics`` URL as ``RUN_DIR/metrics/<name>.url`` (best effort).
     Written to a temporary file and renamed, so that a reader never sees it empty or partial."""
@@ -123,12 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--micro-batch-size", type=int, default=1, help="train.micro_batch_size")
     parser.add_argument("--init-timeout", type=float, default=600.0, help="start-up stall (s)")
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="Prometheus /metrics port on 127.0.0.1 (0: a free one, -1: disabled)",
-    )
+    add_metrics_arguments(parser)
     parser.add_argument(
         "--straggler-threshold",
         type=float,
@@ -214,6 +227,7 @@ def main(args: argparse.Namespace) -> int:
         name,
         args.heartbeat_interval,
         metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
         straggler_threshold=args.straggler_threshold,
         straggler_action=args.straggler_action,
     )

@@ -64,7 +64,9 @@ class ServiceOptions:
     """Watch events handled per loop iteration before the outbox is written (one write for a
     burst of acks or heartbeats, not one per event)."""
     metrics_port: int = 0
-    """Port of the Prometheus ``/metrics`` on 127.0.0.1 (0: a free one; -1: none)."""
+    """Port of the Prometheus ``/metrics`` on ``metrics_addr`` (0: a free one; -1: none)."""
+    metrics_addr: str = "127.0.0.1"
+    """Address ``/metrics`` listens on: loopback locally, the pod's IP in Kubernetes."""
     straggler_threshold: float = 1.10
     """A node is slow when one of its ranks computes this many times the median of the other
     ranks of its pipeline stage (``stragglers``)."""

@@ -48,7 +48,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -186,6 +186,8 @@ class Checkpointer:
     ``last_stall_s`` is the training time the last ``save`` took (stage 1, including the wait for
     the previous save, reported separately as ``last_wait_s``); ``total_stall_s`` sums them.
     ``last_write_s`` is how long the last finished stage 2 took (rank 0: until its manifest).
+    ``durable`` (rank 0; None on the others and before the first complete save) is the newest
+    checkpoint whose manifest this process wrote: ``{"step", "time", "url"}``.
     """
 
     def __init__(
@@ -207,6 +209,7 @@ class Checkpointer:
         self.last_save: tuple[int, float, float | None] | None = None
         """(step, stall_s, durable_s) of the latest save: durable_s (from the save's start until
         its files were written) is None while the write is in flight; set by the writer."""
+        self.durable: dict[str, Any] | None = None
         if cfg.interval > 0:
             try:
                 self.storage.check_writable()  # now, not at the first save hours from now
@@ -333,6 +336,8 @@ class Checkpointer:
             "time": time.time(),
         }
         self.storage.write_json(f"{sdir}/{MANIFEST}", manifest, self.token)
+        # one assignment: the training thread reads it whole (``WorkerSignals.checkpoint_durable``)
+        self.durable = {"step": step, "time": manifest["time"], "url": self.storage.url_of(sdir)}
         total = sum(e["bytes"] for e in entries.values())
         logger.info(
             "checkpoint step %d complete: %d files, %.1f MB", step, len(entries), total / 1e6

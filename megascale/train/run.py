@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-from megascale.config import ConfigError, JobConfig, to_toml
+from megascale.config import ConfigError, JobConfig, to_dict, to_toml
 from megascale.data.blend import parse_blend
 from megascale.data.corpus import default_token_file
 from megascale.data.indexed import bin_path, idx_path, tokenizer_copy_path
-from megascale.diagnostics.flops import PEAK_TFLOPS, lookup_peak
+from megascale.diagnostics.peak import Peak, peak_label, run_peak
+from megascale.diagnostics.sinks import Sinks, open_sinks
 from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
 from megascale.machine_check import resolve_device
@@ -45,7 +46,9 @@ class Progress:
         self.tty = stream.isatty()
 
     def update(self, m: StepMetrics) -> None:
-        mfu = f" mfu {m.mfu:.1%}" if m.mfu is not None else ""
+        mfu = ""
+        if m.mfu is not None:  # labelled: a measured CPU peak is not a data-sheet GPU peak
+            mfu = f" mfu {m.mfu:.1%} [peak {peak_label(m.mfu_peak_tflops, m.mfu_peak_source)}]"
         val = f" val_loss {m.val_loss:.4f}" if m.val_loss is not None else ""
         text = (
             f"step {m.step}/{self.total} loss {m.loss:.4f}{val} grad_norm {m.grad_norm:.3f} "
@@ -62,24 +65,15 @@ class Progress:
             self.stream.flush()
 
 
-def peak_tflops_for_device(device: str, override: float | None = None) -> float | None:
-    """``train.peak_tflops`` when set, else the dense bf16 peak of a known GPU, else None."""
-    if override is not None:
-        if not override > 0:
-            raise ConfigError(f"train.peak_tflops = {override!r}: expected a number > 0")
-        return float(override)
-    if device != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    try:
-        return lookup_peak(name)[1]
-    except ValueError:
-        logger.warning(
-            "no dense bf16 peak known for %r (known: %s); MFU not reported",
-            name,
-            ", ".join(PEAK_TFLOPS),
-        )
-        return None
+def agreed_peak(job: JobConfig, device: str) -> Peak | None:
+    """The MFU peak every rank uses: rank 0's (``diagnostics.peak.run_peak``: measured once on
+    CPU, cached per machine), broadcast so that all ranks report one MFU. Collective; before the
+    first step, never on the step path."""
+    found = [None]
+    if torch.distributed.get_rank() == 0:
+        found[0] = run_peak(device, job.model.params_dtype, job.train.peak_tflops)
+    torch.distributed.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 class MetricsLog:
@@ -87,9 +81,11 @@ class MetricsLog:
 
     On open it keeps only the lines up to ``resumed_step`` (0 for a fresh run), so steps redone after
     a restart from an older checkpoint appear once, and a fresh run in an old directory starts clean.
+    Each record also goes to ``sinks`` (TensorBoard, W&B: ``diagnostics.sinks``; none by default).
     """
 
-    def __init__(self, path: Path, resumed_step: int) -> None:
+    def __init__(self, path: Path, resumed_step: int, sinks: Sinks | None = None) -> None:
+        self.sinks = sinks or Sinks()
         kept = []
         if path.exists():
             for line in path.read_text().splitlines():
@@ -103,11 +99,14 @@ class MetricsLog:
 
     def write(self, metrics: StepMetrics) -> None:
         metrics.time = time.time()
-        self._file.write(json.dumps(metrics.encode()) + "\n")
+        record = metrics.encode()
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        self.sinks.write(record)
 
     def close(self) -> None:
         self._file.close()
+        self.sinks.close()
 
 
 def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
@@ -137,7 +136,7 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
         groups,
         device,
         data_cache_dir=data_dir,
-        peak_tflops=peak_tflops_for_device(device, job.train.peak_tflops),
+        peak=agreed_peak(job, device),
         timeline=build_timeline(job.diagnostics, run_dir, groups, device),  # null when off
     )
     if job.checkpoint.resume:
@@ -156,6 +155,17 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
             job.train.steps,
         )
     return trainer, device
+
+
+def rank0_sinks(job: JobConfig, run_dir: Path, trainer: Trainer) -> Sinks:
+    """The optional sinks of ``metrics.jsonl``'s records (``[metrics]``). A sink whose package is
+    missing ends the job under a node agent (no restart can install it), else raises."""
+    try:
+        return open_sinks(job.metrics, run_dir, trainer.step_num, to_dict(job))
+    except ConfigError as e:
+        if os.environ.get(RUN_DIR_ENV):
+            fail_job(str(e), run_dir)
+        raise
 
 
 def check_data_path(job: JobConfig, run_dir: Path) -> None:
@@ -190,7 +200,11 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     signals.stage(trainer.groups.pp_rank)
     trainer.compute.stretch(faults.slow)  # slow-rank / slow-node: compute takes factor x as long
     is_rank0 = trainer.groups.rank == 0
-    log = MetricsLog(run_dir / "metrics.jsonl", trainer.step_num) if is_rank0 else None
+    log = None
+    if is_rank0:
+        log = MetricsLog(
+            run_dir / "metrics.jsonl", trainer.step_num, rank0_sinks(job, run_dir, trainer)
+        )
     progress = Progress(job.train.steps, job.train.log_interval) if is_rank0 else None
     last = job.train.steps if stop_after is None else min(stop_after, job.train.steps)
     interval = job.checkpoint.interval
@@ -213,6 +227,7 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
                     metrics.checkpoint_stall_s = saver.save(trainer)
             report_checkpoint(saver, signals)
             signals.step_done(metrics, trainer.compute.latest)
+            signals.checkpoint_durable(saver.durable)  # a background save may have finished
             history.append(metrics)
             if log is not None and progress is not None:
                 log.write(metrics)
@@ -220,6 +235,7 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
         with signals.section("checkpoint"):
             saver.finalize()  # the last save's files and manifest are written
         report_checkpoint(saver, signals)  # its time until durable, with the "done" write
+        signals.checkpoint_durable(saver.durable)
     finally:
         trainer.timeline.close()  # writes the last steps' segments
         if log is not None:

@@ -23,6 +23,7 @@ from megascale.data.indexed import DataError
 from megascale.data.node_loader import train_batches
 from megascale.diagnostics.compute_time import ComputeMeter
 from megascale.diagnostics.flops import flops_per_token
+from megascale.diagnostics.peak import Peak
 from megascale.diagnostics.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.messages import StepMetrics
 from megascale.model.gpt import transformer_config, use_te_spec
@@ -46,7 +47,7 @@ class Trainer:
         device: str,
         *,
         data_cache_dir: Path,
-        peak_tflops: float | None = None,
+        peak: Peak | None = None,
         timeline: Timeline | NullTimeline = NULL_TIMELINE,
     ) -> None:
         self.job, self.groups, self.device = job, groups, device
@@ -75,7 +76,8 @@ class Trainer:
         self.param_prefetch = ParamGatherPrefetch(self.model)
         self.tokens_per_step = job.train.global_batch_size * job.model.seq_length
         self.flops_per_token = flops_per_token(job.model).total
-        self.peak_tflops = peak_tflops
+        self.peak = peak
+        """What MFU is measured against (None: MFU not reported)."""
         self.step_num = 0
         self.resumed_from: int | None = None
         """The step of the checkpoint this trainer was loaded from (None: trained from scratch)."""
@@ -117,9 +119,9 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens_per_s = self.tokens_per_step / elapsed
         mfu = None
-        if self.peak_tflops:
+        if self.peak is not None:
             world = self.groups.layout.world_size
-            mfu = tokens_per_s * self.flops_per_token / (world * self.peak_tflops * 1e12)
+            mfu = tokens_per_s * self.flops_per_token / (world * self.peak.tflops * 1e12)
         return StepMetrics(
             step=self.step_num,
             loss=loss,
@@ -129,6 +131,8 @@ class Trainer:
             tokens_per_s=tokens_per_s,
             mfu=mfu,
             data_wait_s=data_wait,
+            mfu_peak_tflops=None if self.peak is None else self.peak.tflops,
+            mfu_peak_source=None if self.peak is None else self.peak.source,
         )
 
     def evaluate(self) -> float:

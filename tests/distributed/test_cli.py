@@ -83,14 +83,18 @@ def test_train_writes_the_resolved_config(default_run):
 
 
 def test_train_writes_one_metrics_line_per_step(default_run):
-    _, run_dir = default_run
+    proc, run_dir = default_run
+    assert re.search(r"mfu \d+\.\d% \[peak \S+ TFLOP/s measured:cpu fp32\]", proc.stdout), (
+        proc.stdout
+    )
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
     for m in metrics:
         assert METRIC_KEYS <= m.keys(), m
         assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
         assert m["step_time_s"] > 0 and m["tokens_per_s"] > 0
-        assert m["mfu"] is None  # CPU: no peak, no MFU
+        assert 0 < m["mfu"] < 1, m  # CPU: against the peak this machine measured
+        assert m["mfu_peak_source"] == "measured:cpu fp32" and m["mfu_peak_tflops"] > 0, m
     assert metrics[-1]["loss"] < metrics[0]["loss"], [m["loss"] for m in metrics]
 
 
@@ -119,7 +123,8 @@ def test_train_progress_on_a_pipe_is_plain_lines(default_run):
     progress = [line for line in lines if line.startswith("step ")]
     # tiny's log_interval is 5: step 5, and always the last step.
     assert [line.split()[1] for line in progress] == ["5/6", "6/6"], lines
-    assert re.fullmatch(r"step 6/6 loss \d+\.\d{4} grad_norm .* tok/s", progress[-1])
+    line = r"step 6/6 loss \d+\.\d{4} grad_norm .* tok/s mfu \d+\.\d% \[peak \S+ TFLOP/s \S+ fp32\]"
+    assert re.fullmatch(line, progress[-1]), progress[-1]
     assert lines[-1] == f"run directory: {run_dir}"
 
 

@@ -120,14 +120,16 @@ def test_every_figure_is_drawn(report_page):
     colours = {page.locator("#heatmap rect.cell").nth(i).get_attribute("fill") for i in range(20)}
     assert len(colours) > 1  # not a blank grid
     assert page.locator("#breakdown rect.bar").count() >= WORLD
-    assert page.locator("#mfu polyline").count() == 1  # throughput is drawn on CPU too
+    assert page.locator("#mfu polyline").count() == 2  # tokens/s and MFU, on CPU too
 
 
-def test_mfu_absence_on_cpu_is_explained(report_page):
-    page, _, _ = report_page
-    note = page.locator("#mfu-absent")
-    assert note.is_visible()
-    assert "MFU not available" in note.inner_text() and "CPU" in note.inner_text()
+def test_cpu_mfu_is_against_the_peak_the_run_measured(report_page):
+    page, _, run_dir = report_page
+    assert page.locator("#mfu-absent").count() == 0
+    text = page.locator("#mfu").inner_text()
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["mfu_peak_source"] == "measured:cpu fp32" and 0 < first["mfu"] < 1
+    assert f"{first['mfu_peak_tflops']:.4g} TFLOP/s measured:cpu fp32 (recorded by the run)" in text
 
 
 def test_the_straggler_is_named(report_page):

@@ -8,22 +8,27 @@ the scenario needs one), the tiny preset for 20 steps, a checkpoint every 4 step
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
+from megascale.k8s.status import rfc3339
 from megascale.robustness.events import read_events
 
 pytestmark = pytest.mark.slow
 
 STEPS = 20
+REPO = Path(__file__).resolve().parents[2]
 BASE = [
     "--nodes", "2", "--nproc-per-node", "1", "--heartbeat-interval", "0.5",
     "--selfcheck", "builtin", "--timeout", "240",
@@ -32,16 +37,70 @@ BASE = [
 ]  # fmt: skip
 
 
-class Run:
-    """One ``megascale launch`` run: exit code, output, final.json, events."""
+class StatusWatch(threading.Thread):
+    """The operator's status function (``k8s.status.decide``) fed the etcd state of a running
+    ``megascale launch`` every 0.1 s, as the operator's timer feeds it a cluster's: the job id
+    and the etcd endpoint come from the launcher's log; ``statuses`` is every status it made."""
 
-    def __init__(self, run_dir: Path, *args: str, during: Callable[[], None] | None = None) -> None:
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.stop = run_dir, threading.Event()
+        self.statuses: list[dict] = []
+
+    def run(self) -> None:
+        from megascale.k8s.builders import Job
+        from megascale.k8s.operator import read_view
+        from megascale.k8s.status import decide
+        from megascale.robustness.keys import JobKeys
+        from megascale.robustness.store import Store, StoreConfig, StoreError
+
+        found = None
+        while found is None and not self.stop.wait(0.2):
+            log = self.run_dir / "logs" / "launch.log"
+            found = (
+                re.search(r"job (\S+): .* etcd at (\S+);", log.read_text())
+                if log.exists()
+                else None
+            )
+        if found is None:
+            return
+        from megascale.launcher.cluster import ETCD_PASSWORD_FILE, ETCD_USER
+
+        password = (self.run_dir / ETCD_PASSWORD_FILE).read_text().strip()
+        config = StoreConfig.parse(found[2], retry_s=0.5, username=ETCD_USER, password=password)
+        keys, store = JobKeys(found[1]), Store(config)
+        body = yaml.safe_load((REPO / "k8s" / "examples" / "minimal-cpu.yaml").read_text())
+        job, status = Job.from_body({**body, "metadata": {**body["metadata"], "uid": "u"}}), {}
+        while not self.stop.wait(0.1):
+            try:
+                view = read_view(store, keys)
+            except StoreError:
+                continue  # etcd stopped at the end, or restarting
+            status = decide(job, status, [], view, time.time()).status
+            self.statuses.append(copy.deepcopy(status))
+        store.close()
+
+
+class Run:
+    """One ``megascale launch`` run: exit code, output, final.json, events; with ``watch``, the
+    status the operator would have shown while it ran (``StatusWatch``)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *args: str,
+        watch: bool = False,
+        during: Callable[[], None] | None = None,
+    ) -> None:
         """Run to the end; ``during()``, if given, is called once the launcher has started."""
         self.dir = run_dir
+        self.watch = StatusWatch(run_dir)
         cmd = [sys.executable, "-m", "megascale.cli", "launch", *BASE, "--run-dir", str(run_dir)]
         proc = subprocess.Popen(
             [*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
         )
+        if watch:
+            self.watch.start()
         try:
             if during is not None:
                 during()
@@ -52,6 +111,9 @@ class Run:
         finally:
             if proc.poll() is None:  # interrupted
                 _stop(proc)
+            self.watch.stop.set()
+            if watch:
+                self.watch.join()
         self.rc, self.output = proc.returncode, stdout + stderr
         final = run_dir / "final.json"
         self.final = json.loads(final.read_text()) if final.exists() else {}
@@ -113,8 +175,9 @@ def test_fault_free_run_finishes_and_clean_exits_are_not_faults(reference):
 
 
 def test_kill_worker_detected_named_recovered(reference, tmp_path):
-    run = Run(tmp_path, "--inject", "kill-worker:rank=1,step=12")
+    run = Run(tmp_path, "--inject", "kill-worker:rank=1,step=12", watch=True)
     run.check_recovered(reference)
+    check_live_status(run)
     [fault] = run.faults()
     assert fault["detail"]["fault"] == "worker_exit" and fault["detail"]["exit_code"] == -9
     assert (fault["node"], fault["rank"]) == ("node-1", 1)
@@ -129,6 +192,36 @@ def test_kill_worker_detected_named_recovered(reference, tmp_path):
     # From the injection record (written and fsynced just before the kill) to the decision: via
     # the worker's exit, well under the heartbeat timeout (5 s) and the stall floor (6 s).
     assert timing["detection_s"] < 3.0 and timing["resumed_s"] > timing["detection_s"]
+
+
+def check_live_status(run: Run) -> None:
+    """The MegaScaleJob status made from the run's etcd while it trained holds the run's own
+    figures: step, tokens/s (rank 0's, as in metrics.jsonl), MFU against the measured CPU peak,
+    the last durable checkpoint (as its manifest says), the fault and the restart, the effective
+    training time, and the conditions Running, then Recovering (naming the fault), then Running."""
+    statuses = run.watch.statuses
+    phases = [s["phase"] for i, s in enumerate(statuses) if i == 0 or s != statuses[i - 1]]
+    assert "Recovering" in phases[phases.index("Running") :], phases
+
+    def true(status: dict) -> set[str]:
+        return {c["type"] for c in status["conditions"] if c["status"] == "True"} - {"Created"}
+
+    recovering = next(s for s in statuses if s["phase"] == "Recovering")
+    assert true(recovering) == {"Recovering"} and "worker_exit" in recovering["message"]
+    final = [s for s in statuses if s["phase"] == "Running" and s["currentGeneration"] == 2][-1]
+    assert true(final) == {"Running"} and (final["restarts"], final["faults"]) == (1, 1)
+    assert 0 < final["step"] <= STEPS
+    lines = (run.dir / "metrics.jsonl").read_text().splitlines()
+    assert final["tokensPerSecond"] in [json.loads(line)["tokens_per_s"] for line in lines]
+    assert 0 < final["mfu"] < 1 and final["mfuPeak"].endswith(" measured:cpu fp32"), final
+    mark = final["lastCheckpoint"]
+    assert mark["step"] % 4 == 0 and mark["url"].endswith(f"step_{mark['step']:08d}"), mark
+    manifest = Path(mark["url"]) / "manifest.json"
+    if manifest.exists():  # not yet retired by checkpoint.keep
+        assert mark["time"] == rfc3339(json.loads(manifest.read_text())["time"])
+    effective = final["effectiveTrainingTime"]
+    assert 0 < effective["productiveSeconds"] < effective["wallSeconds"]
+    assert 0 < effective["ratio"] < 1
 
 
 def test_hang_worker_stall_names_culprit_failed_node_evicted(reference, tmp_path):

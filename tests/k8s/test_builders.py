@@ -3,6 +3,7 @@ command lines, etcd wiring, worker identity and affinity, gang scheduling, suspe
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import tomllib
@@ -224,6 +225,10 @@ def test_controller_deployment_runs_the_controller_with_the_worker_image():
         "1.15",
         "--straggler-action",
         "evict",
+        "--metrics-port",
+        "9400",
+        "--metrics-addr",
+        "$(MEGASCALE_POD_IP)",
         "--endpoints",
         ",".join(builders.etcd_endpoints(job)),
     ]
@@ -288,6 +293,10 @@ def test_worker_pod_runs_the_agent_with_a_stable_identity():
         "1",
         "--addr",
         "gpt-7b-worker-3.gpt-7b-workers.training.svc",
+        "--metrics-port",
+        "9400",
+        "--metrics-addr",
+        "$(MEGASCALE_POD_IP)",
         "--endpoints",
         ",".join(builders.etcd_endpoints(job)),
     ]
@@ -299,6 +308,36 @@ def test_worker_pod_runs_the_agent_with_a_stable_identity():
     assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert spec["restartPolicy"] == "OnFailure"
     assert spec["automountServiceAccountToken"] is False
+
+
+def test_agents_and_controller_are_scrapeable_on_the_pod_address():
+    """A fixed, named /metrics port on the pod's IP, declared on the container, with the common
+    prometheus.io annotations on the pod; the agent and controller CLIs accept those flags."""
+    from megascale.launcher.agent import add_arguments as agent_arguments
+    from megascale.robustness.service_main import add_arguments as controller_arguments
+
+    job = job_of("gpu-volcano")
+    worker = builders.worker_pod(job, 0)
+    dep = builders.controller_deployment(job)
+    template = dep["spec"]["template"]
+    for meta, c, add in (
+        (worker["metadata"], container(worker), agent_arguments),
+        (template["metadata"], template["spec"]["containers"][0], controller_arguments),
+    ):
+        port = {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}
+        assert port in c["ports"], c["ports"]
+        assert meta["annotations"]["prometheus.io/scrape"] == "true"
+        assert meta["annotations"]["prometheus.io/port"] == "9400"
+        assert meta["annotations"]["prometheus.io/path"] == "/metrics"
+        assert env(c)["MEGASCALE_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        parser = argparse.ArgumentParser()
+        add(parser)
+        known, _ = parser.parse_known_args(c["args"][2:])
+        assert (known.metrics_port, known.metrics_addr) == (9400, "$(MEGASCALE_POD_IP)")
+    assert container(worker)["ports"].count(port) == 1  # merged by name, never twice
+    local = argparse.ArgumentParser()
+    controller_arguments(local)
+    assert local.get_default("metrics_addr") == "127.0.0.1"  # the local cluster: loopback
 
 
 def test_headless_service_selects_the_worker_pods():

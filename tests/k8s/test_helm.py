@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from gotemplate import Files, TemplateError, parse, render_chart
-from k8s_support import CHART, K8S_VERSION
+from k8s_support import CHART, K8S_VERSION, example_jobs
 
 from megascale.k8s import builders, crd
 from megascale.k8s.builders import Job
@@ -113,6 +113,7 @@ VARIANTS = {
             "nodeSelector": {"nvidia.com/gpu.present": "true"},
         },
         "dashboards": {"namespace": "monitoring"},
+        "podMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     },
     "selfcheck-off": {"selfCheck": {"enabled": False}, "dashboards": {"enabled": False}},
 }
@@ -125,6 +126,8 @@ def test_rendered_manifests_pass_kubernetes_validate_strict(variant):
     docs = render(values)
     assert docs
     for doc in docs:
+        if doc["kind"] == "PodMonitor":  # the Prometheus operator's kind: test_pod_monitor_...
+            continue
         try:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
@@ -166,6 +169,44 @@ def test_default_render_contents():
     assert args[:3] == ["megascale", "operator", "run"]
     assert not [a for a in args if a.startswith("--namespace")]  # all namespaces
     assert pod["spec"]["containers"][0]["image"] == "ghcr.io/example/megascale:0.1.0"
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions with In) selects."""
+    if not selector["matchLabels"].items() <= labels.items():
+        return False
+    return all(
+        e["operator"] == "In" and labels.get(e["key"]) in e["values"]
+        for e in selector.get("matchExpressions", [])
+    )
+
+
+@pytest.mark.parametrize("watch", [[], ["training"]])
+def test_pod_monitor_scrapes_the_metrics_port_of_every_job_pod(watch):
+    assert not by_kind(render(), "PodMonitor")  # off by default: the kind may not exist
+    values = {"podMonitor": {"enabled": True, "labels": {"release": "prometheus"}}}
+    values["operator"] = {"watchNamespaces": watch}
+    jsonschema.validate(_merged(values), SCHEMA)
+    (monitor,) = by_kind(render(values), "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint == {"port": builders.METRICS_PORT_NAME, "path": "/metrics", "interval": "15s"}
+    expected = {"matchNames": watch} if watch else {"any": True}
+    assert monitor["spec"]["namespaceSelector"] == expected
+    job = Job.from_body(example_jobs()["minimal-cpu"])
+    worker = builders.worker_pod(job, 0)
+    controller = builders.controller_deployment(job)["spec"]["template"]
+    etcd = builders.etcd_statefulset(job)["spec"]["template"]
+    selector = monitor["spec"]["selector"]
+    for pod in (worker, controller):
+        assert _selects(selector, pod["metadata"]["labels"])
+        ports = [p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])]
+        assert endpoint["port"] in ports
+    assert not _selects(selector, etcd["metadata"]["labels"])
+    bad = _merged({"podMonitor": {"interval": "often"}})
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, SCHEMA)
 
 
 def test_watch_namespaces_and_no_crd():

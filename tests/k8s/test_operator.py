@@ -27,6 +27,7 @@ from megascale.k8s.operator import (
     read_view,
     summarize_selfcheck,
 )
+from megascale.messages import Heartbeat, RankFigures
 from megascale.robustness.controller import (
     ControllerFSM,
     ControllerPolicy,
@@ -35,7 +36,9 @@ from megascale.robustness.controller import (
     SendCommand,
     StartGeneration,
 )
+from megascale.robustness.effective import EffectiveTime
 from megascale.robustness.events import EventLog
+from megascale.robustness.job_summary import JobSummary
 from megascale.robustness.keys import JobKeys
 from megascale.robustness.store import Store, StoreConfig
 
@@ -248,6 +251,17 @@ def test_sync_mirrors_the_controller_and_replaces_an_evicted_node(kube, store):
             "mfu": 0.4,
         }
         store.put(shell.keys.heartbeat(f"node-{i}"), beat)
+    figures = JobSummary()  # what the controller publishes from the heartbeats' ranks
+    figures.observe(
+        Heartbeat(
+            node="node-0",
+            tokens_per_s=1000.0,
+            mfu=0.4,
+            mfu_peak="989",
+            ranks={"0": RankFigures(step=50)},
+        )
+    )
+    store.put(shell.keys.summary, figures.to_json(shell.fsm, EffectiveTime(0.0), 10.0))
     clock.t += 10
     status = r.sync(with_status(body, status))
     assert (status["phase"], status["controllerState"], status["currentGeneration"]) == (
@@ -257,7 +271,7 @@ def test_sync_mirrors_the_controller_and_replaces_an_evicted_node(kube, store):
     )
     assert status["activeNodes"] == [f"node-{i}" for i in range(4)]
     assert status["spareNodes"] == ["node-4"]
-    assert status["tokensPerSecond"] == 4000.0 and status["mfu"] == pytest.approx(0.4)
+    assert status["tokensPerSecond"] == 1000.0 and status["mfu"] == pytest.approx(0.4)
     assert kube.mutations()[-1][0] == "create"  # only the reconcile's creates so far
     kube.calls.clear()
 

@@ -5,6 +5,7 @@ writes is valid against the CRD's status schema."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -26,6 +27,8 @@ from megascale.k8s.status import (
     rfc3339,
     set_condition,
 )
+from megascale.messages import DurableCheckpoint, Heartbeat, RankFigures
+from megascale.robustness.job_summary import JobSummary
 
 T0 = 1_750_000_000.0
 STATUS_SCHEMA = validation.json_schema(crd.status_schema())
@@ -94,18 +97,29 @@ def test_new_job_creates_every_worker_and_is_pending():
     }
 
 
-def test_running_job_mirrors_the_controller_state():
-    job = job_of()
-    view = EtcdView(
-        state=snapshot(
-            generation=2, last_checkpoint={"step": 100, "url": "s3://c/100", "time": T0}
-        ),
-        heartbeats={
-            "n0": {"tokens_per_s": 1000.0, "mfu": 0.5},
-            "n1": {"tokens_per_s": 1100.0, "mfu": 0.6},
-            "n4": {"tokens_per_s": 0.0, "mfu": 0.0},  # a spare: not counted
-        },
+def summary(step=130, t=T0):
+    """The controller's ``summary`` value, made by the controller's own ``JobSummary``."""
+    figures = JobSummary()
+    figures.observe(
+        Heartbeat(
+            node="node-0",
+            tokens_per_s=1000.0,
+            mfu=0.5,
+            mfu_peak="989 TFLOP/s gpu:H100",
+            durable=DurableCheckpoint(100, t, "s3://c/100"),
+            ranks={"0": RankFigures(step=step)},
+        )
     )
+    fsm = SimpleNamespace(
+        state=SimpleNamespace(value="running"), generation=2, step=step, faults=[1], restarts=1
+    )
+    effective = SimpleNamespace(start=0.0, productive_s=30.0)
+    return figures.to_json(fsm, effective, 40.0)
+
+
+def test_running_job_mirrors_the_controller_state_and_its_figures():
+    job = job_of()
+    view = EtcdView(state=snapshot(generation=2), summary=summary())
     d = check(decide(job, {}, pods_on(job, ALL), view, T0))
     s = d.status
     assert d.effects == []
@@ -114,23 +128,36 @@ def test_running_job_mirrors_the_controller_state():
         "running",
         "ControllerRunning",
     )
-    assert (s["currentGeneration"], s["restarts"], s["step"]) == (2, 1, 120)
+    assert (s["currentGeneration"], s["restarts"], s["faults"]) == (2, 1, 1)
+    assert s["step"] == 130  # the summary's (refreshed as it trains), not the snapshot's 120
     assert s["activeNodes"] == ["n0", "n1", "n2", "n3"] and s["spareNodes"] == ["n4"]
-    assert s["mfu"] == pytest.approx(0.55)
-    assert s["tokensPerSecond"] == 2100.0
+    assert (s["mfu"], s["mfuPeak"]) == (0.5, "989 TFLOP/s gpu:H100")
+    assert s["tokensPerSecond"] == 1000.0  # a job-wide figure, once
     assert s["lastCheckpoint"] == {"step": 100, "url": "s3://c/100", "time": rfc3339(T0)}
+    assert s["effectiveTrainingTime"] == {
+        "productiveSeconds": 30.0,
+        "wallSeconds": 40.0,
+        "ratio": 0.75,
+    }
     assert s["evictedNodes"] == []
-
-
-def test_last_checkpoint_from_the_newest_checkpoint_event():
-    job = job_of()
-    events = [
-        {"kind": "fault", "time": T0 + 9, "detail": {}},
-        {"kind": "checkpoint", "time": T0 + 5, "detail": {"step": 400, "url": "s3://c/400"}},
-        {"kind": "checkpoint", "time": T0, "detail": {"step": 200, "url": "s3://c/200"}},
+    running = [c for c in s["conditions"] if c["status"] == "True" and c["type"] != "Created"]
+    assert [(c["type"], c["reason"], c["message"]) for c in running] == [
+        ("Running", "ControllerRunning", "step 130")
     ]
-    d = check(decide(job, {}, pods_on(job, ALL), EtcdView(snapshot(), events=events), T0))
-    assert d.status["lastCheckpoint"] == {"step": 400, "url": "s3://c/400", "time": rfc3339(T0 + 5)}
+
+
+def test_figures_keep_their_last_value_without_a_summary():
+    job = job_of()
+    state, pods = snapshot(generation=2), pods_on(job, ALL)
+    first = decide(job, {}, pods, EtcdView(state, summary=summary()), T0)
+    again = check(decide(job, first.status, pods, EtcdView(state), T0 + 1))
+    lost = check(decide(job, first.status, pods, None, T0 + 2))
+    for key in ("mfu", "tokensPerSecond", "lastCheckpoint", "faults", "effectiveTrainingTime"):
+        assert again.status[key] == lost.status[key] == first.status[key], key
+    # a summary the controller wrote before its latest decision (generation 3) is not mixed in
+    newer = snapshot(generation=3, step=None)
+    later = check(decide(job, first.status, pods, EtcdView(newer, summary=summary(150)), T0 + 3))
+    assert later.status["step"] == first.status["step"] == 130
 
 
 def test_eviction_deletes_the_pod_cordons_the_node_once_and_replaces_it_elsewhere():

@@ -366,6 +366,7 @@ def test_to_dict():
         "overlap",
         "diagnostics",
         "fault_tolerance",
+        "metrics",
     ]
 
 
