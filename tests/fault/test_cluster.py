@@ -51,8 +51,9 @@ class StatusWatch(threading.Thread):
         from megascale.k8s.builders import Job
         from megascale.k8s.operator import read_view
         from megascale.k8s.status import decide
+        from megascale.launcher.cluster import local_store_config
         from megascale.robustness.keys import JobKeys
-        from megascale.robustness.store import Store, StoreConfig, StoreError
+        from megascale.robustness.store import Store, StoreError
 
         found = None
         while found is None and not self.stop.wait(0.2):
@@ -64,10 +65,7 @@ class StatusWatch(threading.Thread):
             )
         if found is None:
             return
-        from megascale.launcher.cluster import ETCD_PASSWORD_FILE, ETCD_USER
-
-        password = (self.run_dir / ETCD_PASSWORD_FILE).read_text().strip()
-        config = StoreConfig.parse(found[2], retry_s=0.5, username=ETCD_USER, password=password)
+        config = local_store_config(self.run_dir, found[2], retry_s=0.5)
         keys, store = JobKeys(found[1]), Store(config)
         body = yaml.safe_load((REPO / "k8s" / "examples" / "minimal-cpu.yaml").read_text())
         job, status = Job.from_body({**body, "metadata": {**body["metadata"], "uid": "u"}}), {}
