@@ -313,7 +313,8 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
     assert {b.node for b in beats} == {"node-0", "node-1"}
     absent_on_cpu = {"gpus"}  # NVML only
     quiet = {"errors", "error_events", "notices"}  # none in this generation unless a fault
-    job_wide = {"tokens_per_s", "mfu"}  # carried by rank 0's node only
+    # carried by rank 0's node only: rank 0 writes the manifest that makes a checkpoint durable
+    job_wide = {"tokens_per_s", "mfu", "mfu_peak", "durable"}
     for beat in beats:
         _assert_produced(beat, absent_on_cpu | quiet | (set() if "0" in beat.ranks else job_wide))
         if "0" not in beat.ranks:
@@ -323,7 +324,7 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
             assert {"dp", "tp"} <= set(figures.comm_time_s)
     for path in sorted((run_dir / "progress").glob("rank_*.json")):
         record: RankProgress = read_progress(path)
-        _assert_produced(record, set())
+        _assert_produced(record, set() if record.rank == 0 else {"durable"})
     lines = read_metrics((run_dir / "metrics.jsonl").read_text().splitlines())
     for field in ("val_loss", "checkpoint_stall_s"):  # on their steps only
         assert any(getattr(m, field) is not None for m in lines), field
