@@ -85,6 +85,16 @@ class Reentry(threading.local):
     inside = False
 
 
+class CommThreadFlag(threading.local):
+    """Per-thread flag: True on a communication thread (``megascale.parallel.async_comm``), whose
+    calls into torch.distributed are the host's calls carried out: wrappers pass them through."""
+
+    active = False
+
+
+comm_thread_flag = CommThreadFlag()
+
+
 # id(replacement) -> (replacement, what it replaced), for replacements left under another patcher.
 _retired: dict[int, tuple[object, object]] = {}
 
