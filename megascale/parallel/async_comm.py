@@ -131,7 +131,7 @@ class _Channel:
         while True:
             op = self.queue.get()
             if self.engine.halted.is_set():
-                threading.Event().wait()  # a dead link: this op and the ones after never run
+                self.engine.resumed.wait()  # a dead link: this op and the ones after never run
             op.execute()
 
 
@@ -182,6 +182,7 @@ class AsyncComm:
     def __init__(self) -> None:
         self.active = False
         self.halted = threading.Event()
+        self.resumed = threading.Event()  # set only by tests (``resume``)
         self.local = _Local()
         self._channels: dict[object, _Channel] = {}
         self._stream: list[CommOp] = []  # synchronous ops the host's next compute waits for
@@ -230,6 +231,11 @@ class AsyncComm:
         """Stop every communication thread before its next op, for good (fault injection)."""
         logger.warning("communication halted: no op on this rank completes from now on")
         self.halted.set()
+
+    def resume(self) -> None:
+        """Let halted communication go on (tests only: a dead link does not come back)."""
+        self.halted.clear()
+        self.resumed.set()
 
     def _channel(self, group) -> _Channel:
         key = _key(group)

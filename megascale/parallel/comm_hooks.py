@@ -26,6 +26,7 @@ it is uninstalled).
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -71,6 +72,11 @@ class CommWrapper:
 
     def __init__(self, name: str, original: Callable) -> None:
         self.name, self.original = name, original
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The wrapped function's (a wrapper stacked on this one reads argument positions)."""
+        return inspect.signature(self.original)
 
     def __eq__(self, other) -> bool:
         return other is self or self.original == other
