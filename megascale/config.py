@@ -61,6 +61,10 @@ class ParallelConfig:
     batch_p2p_comm: bool | None = None
     """Batch pipeline sends/receives into one call. None (auto): unbatched when ``overlap.pp``
     applies (interleaved schedule), batched otherwise. Refused with pp == 2 and vpp > 1 on gloo."""
+    async_collectives: bool = False
+    """CPU only: NCCL-like collectives. Every collective and p2p call returns at once and runs on a
+    communication thread per process group, in issue order; the host blocks only where it uses a
+    result (see ``megascale.parallel.async_comm``). Same numbers as the default (blocking gloo)."""
 
     def effective_batch_p2p_comm(self, overlap: OverlapConfig) -> bool:
         """What the schedule will do: ``overlap.pp`` needs individual asynchronous sends."""

@@ -325,6 +325,11 @@ def _backend(cfg: JobConfig, backend: str) -> list[str]:
                 f"are the same rank and batched send/recv pairs them wrongly (silently "
                 f"wrong numbers); set parallel.batch_p2p_comm=false"
             )
+    if backend == "nccl" and p.async_collectives:
+        problems.append(
+            "parallel.async_collectives = true: the NCCL-like mode is for the CPU backend (gloo); "
+            "NCCL is asynchronous already, set it to false"
+        )
     if backend == "nccl" and t.device == "cpu":
         problems.append(
             "train.device = 'cpu': backend nccl needs CUDA; use 'cuda' or 'auto', or backend gloo"

@@ -26,6 +26,7 @@ it is uninstalled).
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -72,6 +73,11 @@ class CommWrapper:
     def __init__(self, name: str, original: Callable) -> None:
         self.name, self.original = name, original
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The wrapped function's (a wrapper stacked on this one reads argument positions)."""
+        return inspect.signature(self.original)
+
     def __eq__(self, other) -> bool:
         return other is self or self.original == other
 
@@ -83,6 +89,16 @@ class Reentry(threading.local):
     """Per-thread flag: True while a wrapper is inside the function it wraps."""
 
     inside = False
+
+
+class CommThreadFlag(threading.local):
+    """Per-thread flag: True on a communication thread (``megascale.parallel.async_comm``), whose
+    calls into torch.distributed are the host's calls carried out: wrappers pass them through."""
+
+    active = False
+
+
+comm_thread_flag = CommThreadFlag()
 
 
 # id(replacement) -> (replacement, what it replaced), for replacements left under another patcher.

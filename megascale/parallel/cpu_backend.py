@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -55,10 +55,26 @@ def _is_cuda_device(device: object) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+# Set by the NCCL-like mode (``megascale.parallel.async_comm``): called before every torch call of
+# the host thread (it waits for the synchronous collectives issued so far), and by synchronize().
+_compute_gate: Callable[[], None] | None = None
+_device_sync: Callable[[], None] | None = None
+
+
+def set_comm_hooks(
+    compute_gate: Callable[[], None] | None, device_sync: Callable[[], None] | None
+) -> None:
+    """Install (or, with None, remove) the asynchronous-communication hooks (see above)."""
+    global _compute_gate, _device_sync
+    _compute_gate, _device_sync = compute_gate, device_sync
+
+
 class _CpuDeviceMode(TorchFunctionMode):
     """Rewrites CUDA device requests to CPU for every torch call made while it is active."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _compute_gate is not None:
+            _compute_gate()
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
@@ -84,7 +100,8 @@ def _device_count() -> int:
 
 
 def _synchronize(device: object = None) -> None:
-    return None
+    if _device_sync is not None:
+        _device_sync()
 
 
 def _set_device(device: object) -> None:

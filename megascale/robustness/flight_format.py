@@ -7,13 +7,13 @@ Each rank keeps ``RUN_DIR/flight/rank_NNNNN.bin`` (``flight_path``), a memory-ma
 layout, so an outside process reads it with no cooperation from the worker: while it runs, while it
 is stopped (SIGSTOP), hung in a collective, or after it died.
 
-Layout (little-endian, version 1; offsets in bytes)::
+Layout (little-endian, version 2; offsets in bytes)::
 
   header, 128 bytes
     0  8s  magic b"MSFLIGHT"          48 f64 created (wall clock)
-    8  u32 version = 1                56 u64 write_index: records ever written; the newest is
+    8  u32 version = 2                56 u64 write_index: records ever written; the newest is
    12  u32 header_bytes = 128                write_index-1, in slot (write_index-1) % capacity.
-   16  u32 record_bytes = 80                 Bumped after the record is written.
+   16  u32 record_bytes = 96                 Bumped after the record is written.
    20  u32 capacity (ring slots)      64 u64 groups_used: bytes of the group table in use
    24  u32 group_table_bytes          72 i64 step: the training step in progress (0: init)
    28  i32 rank                       80 f64 step_mono: when step was set (CLOCK_MONOTONIC)
@@ -28,7 +28,7 @@ Layout (little-endian, version 1; offsets in bytes)::
    23  u8  reserved
    24  32s label: torch's group_desc (e.g. "TENSOR_MODEL_PARALLEL_GROUP"); p2p: "p2p " + that
    56  nruns x (u32 start, i32 stride, u32 count): the members' global ranks in group order
-  ring: capacity x 80-byte records at offset 128 + group_table_bytes
+  ring: capacity x 96-byte records at offset 128 + group_table_bytes
     0  u64 index: the record's number; its slot is index % capacity. A reader skips a slot
               whose index is not the one it expects (overwritten while it read).
     8  u64 seq: per group (p2p: per pair on a group) 1, 2, ...; every member numbers a call alike
@@ -39,7 +39,11 @@ Layout (little-endian, version 1; offsets in bytes)::
    64  u32 peer: p2p: the peer's global rank; 0xFFFFFFFF otherwise
    68  u16 kind (OpKind)   70 u8 state (OpState; written last)
    71  u8  flags: ASYNC 1, COALESCED 2 (a megatron-core coalescing block), P2P 4, BATCH 8
-   72  u32 count: ops in the record (> 1 for a coalescing block)      76 u32 reserved
+   72  u32 count: ops in the record (> 1 for a coalescing block)
+   76  u32 device (DeviceState): the op as its device / communication thread sees it, written by
+              the recorder's watcher thread; 0 where completion is not tracked (blocking gloo)
+   80  f64 start_mono: when the op started on the device (0: not seen)
+   88  f64 done_mono: when it completed or failed there (0: not yet)
 
 Monotonic times are CLOCK_MONOTONIC seconds, comparable with ``time.monotonic()`` in any process on
 the same host; wall times compare across hosts. A rank is blocked in an op that is ENTERED and
@@ -63,13 +67,13 @@ from pathlib import Path
 from typing import Any
 
 MAGIC = b"MSFLIGHT"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<8sIIIIIiiiQdQQqdd16s16x")
-RECORD = struct.Struct("<QQQQqdddIHBBII")
+RECORD = struct.Struct("<QQQQqdddIHBBIIdd")
 GROUP_HEAD = struct.Struct("<QQIHBB32s")
 RUN = struct.Struct("<IiI")
 OFF_WRITE_INDEX, OFF_GROUPS_USED, OFF_STEP, OFF_SECTION = 56, 64, 72, 96
-OFF_LEAVE, OFF_STATE = 56, 70  # within a record
+OFF_LEAVE, OFF_STATE, OFF_DEVICE, OFF_START, OFF_DONE = 56, 70, 76, 80, 88  # within a record
 NO_PEER = 0xFFFFFFFF
 ASYNC, COALESCED, P2P, BATCH = 1, 2, 4, 8
 STOPPED = ("T", "t")  # /proc states of a stopped (SIGSTOP) or traced process
@@ -101,6 +105,16 @@ class OpState(enum.IntEnum):
     FAILED = 4  # the call or its wait() raised
 
 
+class DeviceState(enum.IntEnum):
+    """An op as its device (CUDA stream, the NCCL-like mode's communication thread) sees it."""
+
+    UNTRACKED = 0  # the host call is the op (blocking gloo): the host state says it all
+    QUEUED = 1  # enqueued, not started: behind earlier work on its stream, or a dead link
+    STARTED = 2  # running: waits for its peers
+    COMPLETED = 3
+    FAILED = 4
+
+
 class FlightFileError(ValueError):
     """A file that is not a readable flight-recorder file (wrong magic, version, size)."""
 
@@ -128,6 +142,14 @@ class OpRecord:
     leave_mono: float | None
     peer: int | None
     count: int
+    device: DeviceState = DeviceState.UNTRACKED
+    start_mono: float | None = None
+    done_mono: float | None = None
+
+    @property
+    def started(self) -> bool:
+        """The op has started where it runs (untracked: once the host entered it)."""
+        return self.device != DeviceState.QUEUED
 
     @property
     def left(self) -> bool:
@@ -139,7 +161,12 @@ class OpRecord:
 
     @property
     def blocking(self) -> bool:
-        """The rank is blocked in this op: a synchronous one not left, or in its wait()."""
+        """The rank waits in this op: its device started it and it has not completed (NCCL-like),
+        or the host is in it: a synchronous one not left, or in its wait()."""
+        if self.device == DeviceState.STARTED:
+            return True
+        if self.device in (DeviceState.COMPLETED, DeviceState.FAILED):
+            return False
         return self.state == OpState.WAITING or (
             self.state == OpState.ENTERED and not self.is_async
         )
@@ -159,6 +186,9 @@ class OpRecord:
             "leave_mono": self.leave_mono,
             "peer": self.peer,
             "count": self.count,
+            "device": self.device.name.lower(),
+            "start_mono": self.start_mono,
+            "done_mono": self.done_mono,
         }
 
     @classmethod
@@ -177,6 +207,9 @@ class OpRecord:
             leave_mono=None if d.get("leave_mono") is None else float(d["leave_mono"]),
             peer=None if d.get("peer") is None else int(d["peer"]),
             count=int(d.get("count", 1)),
+            device=DeviceState[str(d.get("device", "untracked")).upper()],
+            start_mono=None if d.get("start_mono") is None else float(d["start_mono"]),
+            done_mono=None if d.get("done_mono") is None else float(d["done_mono"]),
         )
 
 
@@ -252,6 +285,12 @@ class RankState:
     process: str | None = None
     """/proc state letter of the writer ("R", "S", "D", "T" stopped, "Z"); None when it is gone,
     the pid was reused, or the reader is on another host."""
+    unstarted: frozenset[tuple[int, int]] = frozenset()
+    """(group, seq) of the ops enqueued here that its device has not started (NCCL-like)."""
+
+    def started(self, gid: int, seq: int) -> bool:
+        """Whether this rank's device started op ``seq`` on group ``gid`` (untracked: entered)."""
+        return self.seq(gid) >= seq and (gid, seq) not in self.unstarted
 
     @property
     def last_left(self) -> bool:
@@ -287,6 +326,7 @@ class RankState:
             "kind": summary.kind.name.lower() if summary is not None else "",
             "left": not self.blocked,
             "group": list(info.ranks) if info is not None else None,
+            "unstarted": [[f"{g:016x}", q] for g, q in sorted(self.unstarted)],
         }
 
     @classmethod
@@ -305,6 +345,7 @@ class RankState:
             last_activity_mono=float(d.get("last_activity_mono", 0.0)),
             last_activity_wall=float(d.get("last_activity_wall", 0.0)),
             process=d.get("process"),
+            unstarted=frozenset((int(g, 16), int(q)) for g, q in d.get("unstarted", ())),
         )
 
 
@@ -387,6 +428,9 @@ def last_state(path: Path | str) -> RankState:
         last_activity_mono=mono,
         last_activity_wall=wall,
         process=process_state(header.pid, header.proc_start),
+        unstarted=frozenset(
+            (r.group, r.seq) for r in records if r.device == DeviceState.QUEUED and not r.left
+        ),
     )
 
 
@@ -432,15 +476,16 @@ def _read_groups(path: Path, data: bytes, used: int) -> dict[int, GroupInfo]:
 
 def _record(path: Path, fields: tuple) -> OpRecord:
     (index, seq, gid, nbytes, step, enter_mono, enter_wall, leave_mono, peer, kind, state, flags,
-     count, _) = fields  # fmt: skip
+     count, device, start_mono, done_mono) = fields  # fmt: skip
     try:
-        kind, state = OpKind(kind), OpState(state)
+        kind, state, device = OpKind(kind), OpState(state), DeviceState(device)
     except ValueError as e:
         raise FlightFileError(f"{path}: record {index}: {e} (corrupt record)") from None
     left = state in (OpState.LEFT, OpState.FAILED)
     return OpRecord(
         index, seq, gid, kind, state, flags, nbytes, step, enter_mono, enter_wall,
-        leave_mono if left else None, None if peer == NO_PEER else peer, count,
+        leave_mono if left else None, None if peer == NO_PEER else peer, count, device,
+        start_mono or None, done_mono or None,
     )  # fmt: skip
 
 
@@ -464,42 +509,130 @@ def _expand(start: int, stride: int, count: int) -> range:
 # -- stall analysis --------------------------------------------------------------------------------
 
 
-def stall_suspects(states: Mapping[int, RankState]) -> list[int]:
-    """The ranks that hold up a stall: never entered the collective the others wait in.
+@dataclass(frozen=True)
+class Culprit:
+    """A rank named by the stall analysis, why, and where (group label, op, sequence number)."""
 
-    A wait-for graph over what the ranks' flight files say: a rank blocked in op (group g, seq s)
-    waits for each member of g whose last sequence number entered on g is below s (p2p: the peer
-    on that pair's channel), or whose state is missing (file unreadable). Following the waits
-    from every blocked rank ends in ranks that wait for no one: computing, stopped before the
-    collective, or gone. Those are the suspects, with ranks waiting for each other in a cycle (a
-    mismatched order). A rank blocked where every member has entered is no suspect (that
-    collective itself hangs: nobody is behind). Ranks whose process is stopped (SIGSTOP, /proc
-    state "T", known only on the same host) are suspects wherever they stopped, even inside the
-    collective. [] when no rank is blocked and none is stopped.
+    rank: int
+    reason: str
+    """"not-entered": never enqueued the op its peers wait in; "not-started": enqueued it, but
+    its device never started it (its communication is stuck); "stopped": the process is stopped;
+    "mismatch": at the same sequence number it issued another op or size than its peers; "waiting":
+    in a cycle of ranks waiting for one another."""
+    group: str = ""
+    op: str = ""
+    seq: int = 0
+
+    def describe(self) -> str:
+        where = f" in {self.op} #{self.seq} on {self.group}" if self.op else ""
+        return f"rank {self.rank} {self.reason.replace('-', ' ')}{where}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "reason": self.reason, "group": self.group, "op": self.op,
+                "seq": self.seq}  # fmt: skip
+
+
+def stall_suspects(states: Mapping[int, RankState]) -> list[int]:
+    """The ranks that hold up a stall (``stall_culprits``' ranks)."""
+    return sorted({c.rank for c in stall_culprits(states)})
+
+
+def stall_culprits(states: Mapping[int, RankState]) -> list[Culprit]:
+    """The ranks that hold up a stall, each with the reason and the op it holds up.
+
+    A wait-for graph over what the ranks' flight files say: a rank waits in op (group g, seq s)
+    when it is blocked there (host view) or its device started it and it has not completed
+    (NCCL-like records). It waits for each member of g that has not started (g, s): never entered
+    it (its last sequence number on g is below s; p2p: the peer on that pair's channel), entered
+    it but its device never started it, or whose state is missing (file unreadable). Following
+    the waits from every waiting rank ends in ranks that wait for no one: computing, stopped before
+    the collective, gone, or with their communication stuck. Those are the suspects, with ranks
+    waiting for each other in a cycle (a mismatched order). A rank waiting where every member has
+    started is no suspect (that collective itself hangs: nobody is behind), unless the members'
+    records of it differ in op or size: then the ranks in the minority are named ("mismatch").
+    Ranks whose process is stopped (SIGSTOP, /proc state "T", known only on the same host) are
+    suspects wherever they stopped. [] when no rank waits and none is stopped.
 
     This follows waits across groups: with TP {0,1},{2,3} and DP {0,2},{1,3}, rank 3 stopped
     before a TP all-reduce that rank 2 waits in, ranks 0 and 1 waiting in DP ops for 2 and 3,
     the suspect is 3 alone (2 is blocked too, but waits for 3).
     """
     edges: dict[object, set[object]] = {}
+    ops: dict[tuple[int, int], dict[int, OpRecord]] = {}
     for rank, state in states.items():
         for op in state.blocked:
             info = state.groups.get(op.group)
             if info is None:
                 continue  # group table was full: membership unknown
             node = ("op", op.group, op.seq)
+            ops.setdefault((op.group, op.seq), {})[rank] = op
             edges.setdefault(rank, set()).add(node)
             if node in edges:
                 continue
-            behind = edges[node] = set()
-            for member in info.ranks:
-                other = states.get(member)
-                if member != rank and (other is None or other.seq(op.group) < op.seq):
-                    behind.add(member)
-    components = _sink_components(edges)
-    suspects = {node for comp in components for node in comp if isinstance(node, int)}
-    suspects |= {rank for rank, state in states.items() if state.stopped}
-    return sorted(suspects)
+            edges[node] = {
+                m
+                for m in info.ranks
+                if m not in states
+                or (m != rank and not states[m].started(op.group, op.seq))
+                or (m == rank and (op.group, op.seq) in state.unstarted)
+            }
+    culprits: dict[int, Culprit] = {}
+    for (gid, seq), by_rank in ops.items():
+        culprits.update({c.rank: c for c in _mismatched(states, gid, seq, by_rank)})
+    for comp in _sink_components(edges):
+        for node in comp:
+            if isinstance(node, int) and node not in culprits:
+                culprits[node] = _why(states, node, comp, edges)
+    for rank, state in states.items():
+        if state.stopped and rank not in culprits:
+            culprits[rank] = Culprit(rank, "stopped")
+    return sorted(culprits.values(), key=lambda c: c.rank)
+
+
+def _mismatched(
+    states: Mapping[int, RankState], gid: int, seq: int, by_rank: Mapping[int, OpRecord]
+) -> list[Culprit]:
+    """The ranks whose record of (gid, seq) differs in op or size from the most common one."""
+    if len(by_rank) < 2:
+        return []
+    shapes: dict[tuple[OpKind, int], list[int]] = {}
+    for rank, op in by_rank.items():
+        shapes.setdefault((op.kind, op.nbytes if not op.flags & P2P else 0), []).append(rank)
+    if len(shapes) < 2:
+        return []
+    common = max(shapes.values(), key=lambda ranks: (len(ranks), -min(ranks)))
+    label = _label(states, gid)
+    return [
+        Culprit(rank, "mismatch", label, f"{op.kind.name.lower()} of {op.nbytes} bytes", seq)
+        for rank, op in by_rank.items()
+        if rank not in common
+    ]
+
+
+def _why(states: Mapping[int, RankState], rank: int, comp: list[object], edges: Mapping) -> Culprit:
+    """Why ``rank``, in sink component ``comp``, is a suspect: the op a waiter waits for it in."""
+    for node, behind in edges.items():
+        if isinstance(node, tuple) and rank in behind:
+            _, gid, seq = node
+            state = states.get(rank)
+            reason = "stopped" if state is not None and state.stopped else (
+                "not-started" if state is not None and state.seq(gid) >= seq else "not-entered"
+            )  # fmt: skip
+            waiter = next(
+                (op for st in states.values() for op in st.blocked
+                 if (op.group, op.seq) == (gid, seq)), None,
+            )  # fmt: skip
+            kind = waiter.kind.name.lower() if waiter is not None else ""
+            return Culprit(rank, reason, _label(states, gid), kind, seq)
+    return Culprit(rank, "waiting" if len(comp) > 1 else "not-entered")
+
+
+def _label(states: Mapping[int, RankState], gid: int) -> str:
+    for state in states.values():
+        info = state.groups.get(gid)
+        if info is not None:
+            return f"{info.label or 'group'} {list(info.ranks)}"
+    return f"{gid:016x}"
 
 
 def _sink_components(edges: Mapping[object, set[object]]) -> list[list[object]]:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from megascale.parallel.comm_hooks import CommWrapper, Patches, Reentry
+from megascale.parallel.comm_hooks import CommWrapper, Patches, Reentry, comm_thread_flag
 from megascale.robustness.flight_format import (
     ASYNC,
     BATCH,
@@ -56,9 +56,12 @@ from megascale.robustness.flight_format import (
     HEADER,
     MAGIC,
     NO_PEER,
+    OFF_DEVICE,
+    OFF_DONE,
     OFF_GROUPS_USED,
     OFF_LEAVE,
     OFF_SECTION,
+    OFF_START,
     OFF_STATE,
     OFF_STEP,
     OFF_WRITE_INDEX,
@@ -66,6 +69,7 @@ from megascale.robustness.flight_format import (
     RECORD,
     RUN,
     VERSION,
+    DeviceState,
     OpKind,
     OpState,
     flight_path,
@@ -86,12 +90,13 @@ __all__ = [
 
 DEFAULT_CAPACITY = 4096
 DEFAULT_GROUP_TABLE_BYTES = 64 * 1024
+WATCH_INTERVAL_S = 0.002  # how often the watcher thread polls the ops in flight
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 # Hot-path constants bound once (an enum member or module attribute read costs as much as the
 # struct call it feeds).
 _ENTERED, _WAITING = int(OpState.ENTERED), int(OpState.WAITING)
 _LEFT, _FAILED = int(OpState.LEFT), int(OpState.FAILED)
-_U64, _F64, _STEP = struct.Struct("<Q"), struct.Struct("<d"), "<qdd"
+_U64, _F64, _U32, _STEP = struct.Struct("<Q"), struct.Struct("<d"), struct.Struct("<I"), "<qdd"
 _pack_record, _pack_u64, _pack_f64 = RECORD.pack_into, _U64.pack_into, _F64.pack_into
 _RECORD_SIZE = RECORD.size
 _monotonic = time.monotonic
@@ -257,6 +262,10 @@ class FlightRecorder:
         self._patches = Patches()
         self._table_full_warned = False
         self._wait_mono = array("d", bytes(8 * capacity))  # per slot; see RingCopy
+        self._watched: list[tuple[int, object, bool]] = []
+        self._watch_cv = threading.Condition()
+        self._watcher: threading.Thread | None = None
+        self._cuda = False
         self.blocked_s = 0.0
         """Seconds spent blocked in synchronous ops and ``wait()`` (on CPU the trainer's
         ``ComputeMeter`` subtracts what falls inside a compute span)."""
@@ -285,6 +294,9 @@ class FlightRecorder:
             if hasattr(dist, name)
         }
         self.active = True
+        from megascale.parallel import cpu_backend
+
+        self._cuda = torch.cuda.is_available() and not cpu_backend.is_active()
         self._patches.install(
             wrappers,
             in_c10d=[n for n in wrappers if getattr(distributed_c10d, n, None) is dist.__dict__[n]],
@@ -341,7 +353,7 @@ class FlightRecorder:
             _pack_record(
                 mm, self._ring + (index % self.capacity) * _RECORD_SIZE,
                 index, seq, group.gid, nbytes, self.step, now, now + self._wall_offset, 0.0,
-                peer, kind, _ENTERED, flags, count, 0,
+                peer, kind, _ENTERED, flags, count, 0, 0.0, 0.0,
             )  # fmt: skip
             if group.offset >= 0:
                 _pack_u64(mm, group.offset + 8, seq)
@@ -395,6 +407,80 @@ class FlightRecorder:
             mm[offset + OFF_STATE] = _LEFT
         finally:
             lock.release()
+
+    # -- completion, as the device sees it --------------------------------------------------------
+
+    def track(self, index: int, result: object) -> None:
+        """Follow record ``index``'s op to completion where it runs: ``result`` is what the host
+        call returned (a work handle, or None for a synchronous call). The NCCL-like mode's
+        ``CommOp`` tells when it started; a torch ``Work`` or a CUDA event recorded after a
+        synchronous NCCL call only when it completed. Nothing to follow in the blocking gloo
+        mode's synchronous calls (the host call was the op)."""
+        tracker = result if hasattr(result, "is_completed") else None
+        if tracker is None and result is None:
+            tracker = self._completion_of_sync()
+        if tracker is None:
+            return
+        queued = getattr(tracker, "started", None) is not None
+        self.device(index, DeviceState.QUEUED if queued else DeviceState.STARTED)
+        with self._watch_cv:
+            self._watched.append((index, tracker, queued))
+            self._watch_cv.notify()
+            if self._watcher is None:
+                self._watcher = threading.Thread(
+                    target=self._watch, name="flight-watcher", daemon=True
+                )
+                self._watcher.start()
+
+    def device(self, index: int, state: DeviceState, start: float = 0.0, done: float = 0.0):
+        """Write record ``index``'s device state (and its start / completion time, if given)."""
+        with self._lock:
+            if self._mm.closed or index < self._next - self.capacity:
+                return
+            offset = self._ring + (index % self.capacity) * _RECORD_SIZE
+            if start:
+                _pack_f64(self._mm, offset + OFF_START, start)
+            if done:
+                _pack_f64(self._mm, offset + OFF_DONE, done)
+            _U32.pack_into(self._mm, offset + OFF_DEVICE, int(state))
+
+    def _completion_of_sync(self):
+        from megascale.parallel import async_comm  # no cycle: async_comm does not import us
+
+        engine = async_comm.installed()
+        if engine is not None:
+            return engine.last_op()  # the op the call just queued
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()  # after the op on the current stream
+            return _EventDone(event)
+        return None
+
+    def _watch(self) -> None:
+        """The watcher thread: polls the tracked ops, writes their device state into the file."""
+        while True:
+            with self._watch_cv:
+                while not self._watched:
+                    self._watch_cv.wait()
+                watched = list(self._watched)
+            finished = set()
+            for index, tracker, queued in watched:
+                started = getattr(tracker, "started", 0.0) if queued else 0.0
+                try:
+                    done = tracker.is_completed()
+                except RuntimeError:  # the op failed
+                    self.device(index, DeviceState.FAILED, done=_monotonic())
+                    finished.add(index)
+                    continue
+                if done:
+                    when = getattr(tracker, "completed", 0.0) or _monotonic()
+                    self.device(index, DeviceState.COMPLETED, started, when)
+                    finished.add(index)
+                elif started:
+                    self.device(index, DeviceState.STARTED, started)
+            with self._watch_cv:
+                self._watched = [w for w in self._watched if w[0] not in finished]
+            time.sleep(WATCH_INTERVAL_S)
 
     def copy(self, first: int, end: int) -> RingCopy:
         """Records ``first`` .. ``end - 1`` as they are now, less those already overwritten (all of
@@ -482,7 +568,7 @@ class FlightRecorder:
 
         def batch_isend_irecv(p2p_op_list):
             local = recorder.local
-            if local.inside or not recorder.active:
+            if local.inside or not recorder.active or comm_thread_flag.active:
                 return original(p2p_op_list)
             indices, channels = [], []
             for op in p2p_op_list:
@@ -502,6 +588,8 @@ class FlightRecorder:
                 raise
             finally:
                 local.inside = False
+            for i, w in zip(indices, works, strict=False):
+                recorder.track(i, w)
             if len(works) == len(indices):
                 return [
                     _RecordedWork(w, recorder, (i,), c)
@@ -518,7 +606,12 @@ class FlightRecorder:
         @contextlib.contextmanager
         def coalescing_manager(group=None, device=None, async_ops=False):
             local = recorder.local
-            if local.inside or local.coalescing is not None or not recorder.active:
+            if (
+                local.inside
+                or local.coalescing is not None
+                or not recorder.active
+                or comm_thread_flag.active
+            ):
                 with original(group, device, async_ops) as cm:
                     yield cm
                 return
@@ -542,6 +635,8 @@ class FlightRecorder:
             except BaseException:
                 recorder.mark(indices, _FAILED)
                 raise
+            for i in indices:
+                recorder.track(i, getattr(handle, "_work", None))
             if not async_ops:
                 recorder.mark(indices, _LEFT)
 
@@ -591,7 +686,9 @@ class _OpWrapper(CommWrapper):
 
     def __call__(self, *args, **kwargs):
         local = self.local
-        if local.inside or not self.recorder.active:  # re-entered through handle_torch_function
+        if local.inside or not self.recorder.active or comm_thread_flag.active:
+            # re-entered through handle_torch_function, or the NCCL-like mode's communication
+            # thread carrying out a call the host made (recorded then)
             return self.original(*args, **kwargs)
         recorder, index, n = self.recorder, None, len(args)
         at = self.size_at
@@ -629,6 +726,7 @@ class _OpWrapper(CommWrapper):
             local.inside = False
         if index is None:
             return result
+        recorder.track(index, result)
         if is_async and result is not None:
             return _RecordedWork(result, recorder, (index,), channel)
         left = _monotonic()  # the record's leave time, and the end of the blocked interval
@@ -683,6 +781,16 @@ class _RecordedWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+class _EventDone:
+    """A CUDA event recorded after a synchronous op, as a completion handle."""
+
+    def __init__(self, event) -> None:
+        self.event = event
+
+    def is_completed(self) -> bool:
+        return self.event.query()
 
 
 def installed_recorder() -> FlightRecorder | None:

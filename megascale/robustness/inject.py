@@ -4,6 +4,10 @@ A spec is ``KIND:KEY=VALUE,KEY=VALUE`` (``corrupt-checkpoint:latest`` takes a ba
 
     kill-worker:rank=3,step=20        the worker of global rank 3 SIGKILLs itself before step 20
     hang-worker:rank=5,step=30        ... SIGSTOPs itself before step 30 (an NCCL-style hang)
+    hang-comm:rank=5,step=30          rank 5's communication stops completing at step 30 while its
+                                      host goes on issuing until it blocks on a result (a dead NIC,
+                                      a stuck NCCL kernel); with parallel.async_collectives the
+                                      ops stay queued on its communication threads
     slow-rank:rank=2,factor=1.5       rank 2's forward and backward compute takes factor x as long
     slow-node:node=1,factor=1.5       so does every rank that runs on node 1 (a slow machine: the
                                       ranks it gets in a later generation are slow too)
@@ -69,6 +73,7 @@ class Kind:
 KINDS: dict[str, Kind] = {
     "kill-worker": Kind(("rank", "step"), (), "worker", "SIGKILL a worker before a step"),
     "hang-worker": Kind(("rank", "step"), (), "worker", "SIGSTOP a worker before a step"),
+    "hang-comm": Kind(("rank", "step"), (), "worker", "a rank's communication stops completing"),
     "slow-rank": Kind(("rank", "factor"), (), "worker", "a rank computes factor x as long"),
     "slow-node": Kind(("node", "factor"), (), "worker", "a node's ranks compute factor x as long"),
     "kill-agent": Kind(("node", "step"), (), "launcher", "SIGKILL a node's agent and workers"),
@@ -154,6 +159,7 @@ def _example(kind_name: str) -> str:
     return {
         "kill-worker": "rank=1,step=12",
         "hang-worker": "rank=1,step=12",
+        "hang-comm": "rank=1,step=12",
         "slow-rank": "rank=1,factor=1.5",
         "slow-node": "node=1,factor=1.5",
         "kill-agent": "node=1,step=12",
@@ -204,7 +210,7 @@ def check_fits(specs: Iterable[FaultSpec], *, nodes: int, world_size: int, steps
             raise InjectError(
                 f"--inject {spec.text!r}: step={step} is after the last step ({steps})"
             )
-    restarting = {"kill-worker", "hang-worker", "kill-agent"}
+    restarting = {"kill-worker", "hang-worker", "hang-comm", "kill-agent"}
     if any(s.kind == "corrupt-checkpoint" for s in specs) and not any(
         s.kind in restarting for s in specs
     ):
@@ -287,14 +293,29 @@ class WorkerFaults:
                     f"injected fault {spec.text}: rank {self.rank} cannot read its data at step "
                     f"{step} (the data file is unreadable)"
                 )
-            if spec.get("step") != step or spec.kind not in ("kill-worker", "hang-worker"):
+            if spec.get("step") != step or spec.kind not in _STEP_FAULTS:
                 continue
             if not claim(self.run_dir, spec, rank=self.rank, step=step, pid=os.getpid()):
                 continue
             for handler in logging.getLogger().handlers:
                 handler.flush()
+            if spec.kind == "hang-comm":
+                _halt_communication()
+                continue
             sig = signal.SIGKILL if spec.kind == "kill-worker" else signal.SIGSTOP
             os.kill(os.getpid(), sig)
+
+
+_STEP_FAULTS = ("kill-worker", "hang-worker", "hang-comm")
+
+
+def _halt_communication() -> None:
+    """Stop this process's communication for good. In the blocking gloo mode the NCCL-like
+    engine is stood in front of torch.distributed first, so the next collective is queued and
+    never runs (the flight recorder, now under it, sees no further op)."""
+    from megascale.parallel import async_comm  # the worker has torch; the agent never gets here
+
+    async_comm.install().halt()
 
 
 def _targets(spec: FaultSpec, rank: int, node: str | None) -> bool:

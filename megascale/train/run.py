@@ -27,7 +27,7 @@ from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
 from megascale.machine_check import resolve_device
 from megascale.messages import CheckpointFigures, StepMetrics
-from megascale.parallel import cpu_backend
+from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.robustness import inject
 from megascale.robustness.fatal import RUN_DIR_ENV, fail_job
@@ -192,6 +192,8 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     schedule still follows ``train.steps``, so a later run resumes exactly where this one stopped.
     """
     run_dir = Path(run_dir)
+    if job.parallel.async_collectives and resolve_device(job.train.device) == "cpu":
+        async_comm.install()  # under the flight recorder, which must see the host's calls
     # What the node agent reads without our cooperation: RUN_DIR/flight/ (every collective, from
     # here on) and RUN_DIR/progress/ (section "init" until the first step). Null when disabled.
     signals = WorkerSignals.open(run_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))

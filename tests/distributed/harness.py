@@ -16,7 +16,7 @@ import torch
 
 from megascale.config import JobConfig, validate
 from megascale.launcher.local import run_local
-from megascale.parallel import cpu_backend
+from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.train.run import is_eval_step, seed_everything
 from megascale.train.trainer import Trainer
@@ -28,6 +28,8 @@ def _rank_trainer(job: JobConfig, data_dir: Path) -> Trainer:
     if device == "cpu":
         torch.set_num_threads(1)
         cpu_backend.activate()
+        if job.parallel.async_collectives:
+            async_comm.install()  # NCCL-like: collectives return at once, run on comm threads
     groups = build_groups(job.parallel)
     seed_everything(job.train.seed, groups.tp_rank, device)
     return Trainer(job, groups, device, data_cache_dir=data_dir)

@@ -96,6 +96,20 @@ def test_layout_matches_single_process(layout, variant, data_dir):
     assert_close(got, want, f"{layout}/{variant}")
 
 
+ASYNC_CASES = [("tp2-pp2-dp2-sp", "adam-serial-full"), ("tp2-sp", "lamb-parallel-window")]
+
+
+@pytest.mark.parametrize(
+    ("layout", "variant"), ASYNC_CASES, ids=[f"{a}-{b}" for a, b in ASYNC_CASES]
+)
+def test_layout_matches_with_async_collectives(layout, variant, data_dir):
+    """The NCCL-like mode (collectives return at once, run on communication threads) gives the
+    reference's numbers too."""
+    world, parallel = LAYOUTS[layout]
+    job = with_changes(variant_job(variant), parallel={**parallel, "async_collectives": True})
+    assert_close(train_steps(job, world, data_dir, STEPS), reference(variant, data_dir), layout)
+
+
 def test_window_changes_loss_only_when_shorter_than_sequence(data_dir):
     job = variant_job("adam-serial-full")
     full = train_steps(job, 1, data_dir, 2)

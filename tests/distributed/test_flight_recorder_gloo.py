@@ -24,11 +24,13 @@ from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
 from megascale.robustness.flight_format import (
+    DeviceState,
     OpKind,
     OpState,
     flight_path,
     last_state,
     read_flight,
+    stall_culprits,
     stall_suspects,
 )
 from megascale.robustness.flight_recorder import open_recorder
@@ -191,6 +193,59 @@ def test_stall_suspect_is_followed_across_groups(tmp_path):
     )
     assert _blocked_in(states, stalled) and _held_back(states[3])
     assert stall_suspects(states) == [3]
+
+
+def _stall_async(run_dir: Path, culprit: int) -> bool:
+    """The across-groups pattern in the NCCL-like mode: the culprit's communication halts (its
+    host goes on issuing until it blocks in a wait); released by the test's file."""
+    from megascale.parallel import async_comm, cpu_backend
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tp = [dist.new_group([0, 1], group_desc="TP"), dist.new_group([2, 3], group_desc="TP")]
+    dp = [dist.new_group([0, 2], group_desc="DP"), dist.new_group([1, 3], group_desc="DP")]
+    cpu_backend.activate()
+    engine = async_comm.install()
+    recorder = open_recorder(run_dir, rank, WORLD)  # over the engine: sees the host's calls
+    t = torch.ones(4)
+    dist.all_reduce(t, group=tp[rank // 2])
+    dist.all_reduce(t, group=dp[rank % 2])
+    if rank == culprit:
+        t.add_(0)  # the host waits for the two ops above, then the link dies
+        engine.halt()
+        threading.Thread(target=lambda: (_hold(run_dir, "file"), engine.resume())).start()
+    dist.all_reduce(t, group=tp[rank // 2])  # returns at once on every rank
+    handle = dist.all_reduce(t, group=dp[rank % 2], async_op=True)
+    handle.wait()
+    total = t.sum().item()
+    recorder.close()
+    engine.uninstall()
+    cpu_backend.deactivate()
+    dist.destroy_process_group()
+    return total == 4 * 16.0
+
+
+def test_async_stall_names_the_rank_whose_communication_stopped(tmp_path):
+    # NCCL-like records: the culprit entered every op (its host is not behind), but its device
+    # never started the last two; 2 waits in a started TP op for it, 0 and 1 in started DP ops
+    # for 2 (whose DP op is queued behind its stuck TP op) and for 3.
+    def ready(states):
+        started = {r: [op for op in states[r].blocked if op.device == DeviceState.STARTED]
+                   for r in (0, 1, 2)}  # fmt: skip
+        return all(started.values()) and bool(states[3].unstarted)
+
+    states = _read_while_stalled(
+        tmp_path,
+        _stall_async,
+        (tmp_path, 3),
+        ready=ready,
+        release=lambda s: (tmp_path / "release").touch(),
+    )
+    assert all(op.left for op in states[3].blocked if op.seq == 2 and not op.is_async)
+    assert states[3].seq(next(iter(states[3].unstarted))[0]) == 2  # entered, never started
+    culprits = stall_culprits(states)
+    assert [(c.rank, c.reason) for c in culprits] == [(3, "not-started")]
+    assert culprits[0].seq == 2 and culprits[0].op == "all_reduce"
 
 
 def test_training_run_leaves_plausible_records(tmp_path, data_dir):

@@ -55,11 +55,11 @@ def test_header_layout_byte_by_byte(tmp_path):
     rec.set_step(7)
     rec.set_section("step")
     data = rec.path.read_bytes()
-    assert len(data) == 128 + TABLE + 8 * 80
+    assert len(data) == 128 + TABLE + 8 * 96
     assert data[0:8] == b"MSFLIGHT"
     u32 = lambda off: struct.unpack_from("<I", data, off)[0]  # noqa: E731
     i32 = lambda off: struct.unpack_from("<i", data, off)[0]  # noqa: E731
-    assert (u32(8), u32(12), u32(16), u32(20), u32(24)) == (1, 128, 80, 8, TABLE)
+    assert (u32(8), u32(12), u32(16), u32(20), u32(24)) == (2, 128, 96, 8, TABLE)
     assert (i32(28), i32(32), i32(36)) == (3, 8, os.getpid())
     assert struct.unpack_from("<Q", data, 40)[0] > 0  # /proc start time of this process
     assert struct.unpack_from("<Q", data, 56)[0] == 0  # nothing written yet
@@ -82,7 +82,7 @@ def test_record_and_group_layout_byte_by_byte(tmp_path):
     assert struct.unpack_from("<Q", data, 64)[0] == 72  # groups_used: 56 + 12, padded to 8
     # the record in slot 0 of the ring
     assert struct.unpack_from("<Q", data, 56)[0] == 1  # write_index
-    off = RING + index * 80
+    off = RING + index * 96
     assert struct.unpack_from("<QQQQq", data, off) == (0, 1, 0xABCDEF, 4096, 5)
     assert struct.unpack_from("<d", data, off + 56)[0] == 0.0  # not left
     assert struct.unpack_from("<IHBBI", data, off + 64) == (0xFFFFFFFF, 1, 1, ASYNC, 1)
@@ -114,7 +114,7 @@ def test_reader_skips_a_slot_being_overwritten(tmp_path):
     for _ in range(3):
         rec.enter(OpKind.ALL_REDUCE, g, 0, 0)
     with open(rec.path, "r+b") as f:  # slot 1 now claims to be record 5: a newer, torn write
-        f.seek(RING + 1 * 80)
+        f.seek(RING + 1 * 96)
         f.write(struct.pack("<Q", 5))
     assert [r.index for r in read_records(rec.path)] == [0, 2]
 

@@ -1,0 +1,120 @@
+"""The stall analysis on hand-written NCCL-like records (device states), expected ranks by hand.
+
+Layout used: TP {0,1},{2,3}; DP {0,2},{1,3} (dp, pp, tp) = (rank // 2 ... ) as in a TP2 x DP2 job.
+"""
+
+from __future__ import annotations
+
+from megascale.robustness.flight_format import (
+    DeviceState,
+    GroupInfo,
+    OpKind,
+    OpRecord,
+    OpState,
+    RankState,
+    stall_culprits,
+    stall_suspects,
+)
+
+TP = {0: 0x10, 1: 0x10, 2: 0x11, 3: 0x11}
+DP = {0: 0x20, 2: 0x20, 1: 0x21, 3: 0x21}
+GROUPS = {
+    0x10: GroupInfo(0x10, "TP", (0, 1), 0),
+    0x11: GroupInfo(0x11, "TP", (2, 3), 0),
+    0x20: GroupInfo(0x20, "DP", (0, 2), 0),
+    0x21: GroupInfo(0x21, "DP", (1, 3), 0),
+}
+
+
+def op(gid, seq, device, kind=OpKind.ALL_REDUCE, nbytes=64, index=0):
+    return OpRecord(
+        index, seq, gid, kind, OpState.LEFT, 0, nbytes, 1, 1.0, 1.0, 1.0, None, 1, device
+    )
+
+
+def state(rank, seqs, ops, process="S"):
+    """``seqs``: gid -> last seq entered; ``ops``: its records."""
+    groups = {g: GroupInfo(g, i.label, i.ranks, seqs.get(g, 0)) for g, i in GROUPS.items()}
+    return RankState(
+        rank=rank,
+        world_size=4,
+        pid=100 + rank,
+        step=3,
+        section="step",
+        last=ops[-1] if ops else None,
+        blocked=tuple(o for o in ops if o.blocking),
+        groups={g: groups[g] for g in (TP[rank], DP[rank])},
+        process=process,
+        unstarted=frozenset((o.group, o.seq) for o in ops if o.device == DeviceState.QUEUED),
+    )
+
+
+S, Q, C = DeviceState.STARTED, DeviceState.QUEUED, DeviceState.COMPLETED
+
+
+def test_hang_comm_names_the_rank_whose_ops_never_started():
+    # 3's link died: it enqueued TP #5 and DP #5 but started neither. 2 waits in TP #5 (started);
+    # 0 waits in DP #5 for 2 (2's DP op is queued behind its stuck TP op); 1 in DP #5 for 3.
+    states = {
+        0: state(0, {0x10: 5, 0x20: 5}, [op(0x10, 5, C), op(0x20, 5, S)]),
+        1: state(1, {0x10: 5, 0x21: 5}, [op(0x10, 5, C), op(0x21, 5, S)]),
+        2: state(2, {0x11: 5, 0x20: 5}, [op(0x11, 5, S), op(0x20, 5, Q)]),
+        3: state(3, {0x11: 5, 0x21: 5}, [op(0x11, 5, Q), op(0x21, 5, Q)]),
+    }
+    culprits = stall_culprits(states)
+    assert [(c.rank, c.reason) for c in culprits] == [(3, "not-started")]
+    assert culprits[0].group.startswith("TP") or culprits[0].group.startswith("DP")
+    assert stall_suspects(states) == [3]
+
+
+def test_rank_that_never_enqueued_is_named():
+    # 1 is computing: it never enqueued TP #4 that 0 started.
+    states = {
+        0: state(0, {0x10: 4, 0x20: 3}, [op(0x10, 4, S)]),
+        1: state(1, {0x10: 3, 0x21: 3}, [op(0x10, 3, C)]),
+        2: state(2, {0x11: 4, 0x20: 3}, [op(0x11, 4, C)]),
+        3: state(3, {0x11: 4, 0x21: 3}, [op(0x11, 4, C)]),
+    }
+    culprits = stall_culprits(states)
+    assert [(c.rank, c.reason, c.seq, c.op) for c in culprits] == [
+        (1, "not-entered", 4, "all_reduce")
+    ]
+
+
+def test_mismatched_size_at_the_same_sequence_number_names_the_odd_rank():
+    # DP {1,3} #7: rank 3 all-reduces 128 bytes, rank 1 64 (as every other rank does); all
+    # started, nobody is behind. In a pair the tie goes to the lower rank's op: 3 is named.
+    states = {
+        1: state(1, {0x21: 7}, [op(0x21, 7, S, nbytes=64)]),
+        3: state(3, {0x21: 7}, [op(0x21, 7, S, nbytes=128)]),
+        0: state(0, {0x20: 7}, [op(0x20, 7, S, nbytes=64)]),
+        2: state(2, {0x20: 7}, [op(0x20, 7, S, nbytes=64)]),
+    }
+    culprits = stall_culprits(states)
+    assert [(c.rank, c.reason, c.op) for c in culprits] == [
+        (3, "mismatch", "all_reduce of 128 bytes")
+    ]
+
+
+def test_mismatched_op_kind_in_a_larger_group_names_the_minority():
+    groups = {0x30: GroupInfo(0x30, "DP", (0, 1, 2), 9)}
+
+    def st(rank, kind):
+        o = op(0x30, 9, S, kind=kind)
+        return RankState(rank, 3, 1, 2, "step", o, (o,), groups, process="S")
+
+    states = {0: st(0, OpKind.ALL_REDUCE), 1: st(1, OpKind.BROADCAST), 2: st(2, OpKind.ALL_REDUCE)}
+    assert [(c.rank, c.reason, c.op) for c in stall_culprits(states)] == [
+        (1, "mismatch", "broadcast of 64 bytes")
+    ]
+
+
+def test_completed_ops_are_no_stall():
+    states = {r: state(r, {TP[r]: 2, DP[r]: 2}, [op(TP[r], 2, C), op(DP[r], 2, C)]) for r in TP}
+    assert stall_culprits(states) == []
+
+
+def test_state_round_trips_through_json_with_device_fields():
+    s = state(3, {0x11: 5, 0x21: 5}, [op(0x11, 5, Q), op(0x21, 5, S)])
+    back = RankState.from_json(s.to_json())
+    assert back.unstarted == s.unstarted and back.blocked == s.blocked
