@@ -101,8 +101,12 @@ class OverlapConfig:
         return self.pp and parallel.pp > 1 and parallel.vpp > 1
 
     def pp_decoupled(self, parallel: ParallelConfig) -> bool:
-        """Plain 1F1B with ``megascale.overlap.pp``'s decoupled, posted-ahead p2p."""
-        return self.pp and parallel.pp > 1 and parallel.vpp == 1
+        """Plain 1F1B with ``megascale.overlap.pp``'s decoupled, posted-ahead p2p. Only where p2p
+        ops between two ranks do not run in issue order (gloo): on NCCL, and in the NCCL-like
+        mode, a receive posted ahead of a send to the same peer waits on that peer's stream
+        behind a send the peer itself waits for, and the pipeline deadlocks; there plain 1F1B
+        keeps megatron-core's paired p2p (``megascale.parallel.parallelize``)."""
+        return self.pp and parallel.pp > 1 and parallel.vpp == 1 and not parallel.async_collectives
 
     def tp_active(self, parallel: ParallelConfig) -> bool:
         return self.tp and parallel.tp > 1 and parallel.sequence_parallel and self.tp_chunks > 1

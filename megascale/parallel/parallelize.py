@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -113,7 +114,8 @@ def forward_backward_func(job: JobConfig, groups: Groups) -> Callable:
     plain 1F1B with ``overlap.pp`` runs with decoupled, posted-ahead p2p (``overlap.pp``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if job.overlap.pp_decoupled(job.parallel):
+    stream_ordered = dist.is_initialized() and dist.get_backend() == "nccl"
+    if job.overlap.pp_decoupled(job.parallel) and not stream_ordered:
         from megascale.overlap.pp import overlapped_1f1b
 
         return overlapped_1f1b(groups)

@@ -286,7 +286,11 @@ def test_every_dashboard_query_returns_data_from_a_live_launch(prometheus, live)
     )["data"]["result"]  # fmt: skip
     panel = statistics.median(float(v) for _, v in tokens[0]["values"])
     lines = read_metrics((run_dir / "metrics.jsonl").read_text().splitlines())
-    logged = statistics.median(m.tokens_per_s for m in lines if m.time and m.time > end - 20)
+    # Prometheus samples the gauge at fixed times, so each step's figure counts for as long as
+    # the step lasted: compare with metrics.jsonl's median weighted by step time.
+    logged = _time_weighted_median(
+        [(m.tokens_per_s, m.step_time_s) for m in lines if m.time and m.time > end - 20]
+    )
     assert panel == pytest.approx(logged, rel=0.10), (panel, logged)
     # Our job label survives scraping untouched: nothing was renamed to exported_job.
     assert _get(base, "/api/v1/label/exported_job/values")["data"] == []
@@ -329,6 +333,17 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
     for field in ("val_loss", "checkpoint_stall_s"):  # on their steps only
         assert any(getattr(m, field) is not None for m in lines), field
     _assert_produced(lines[-1], {"val_loss", "checkpoint_stall_s"})
+
+
+def _time_weighted_median(values: list[tuple[float, float]]) -> float:
+    """The median of ``(value, weight)`` pairs, each value counted for its weight."""
+    values = sorted(values)
+    half, seen = sum(w for _, w in values) / 2, 0.0
+    for value, weight in values:
+        seen += weight
+        if seen >= half:
+            return value
+    raise AssertionError("no metrics.jsonl line in the window")
 
 
 def _assert_produced(message, allowed_empty: set[str]) -> None:
