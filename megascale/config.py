@@ -313,6 +313,9 @@ class FaultToleranceConfig:
     job."""
     restart_window_s: float = 3600.0
     """The sliding window ``max_restarts`` counts restarts in (seconds)."""
+    evict_repeat_culprit: int = 2
+    """A node named culprit (a stall's suspect, the node of a failed rank) in this many faults is
+    evicted even if its self-check passes; 1 evicts it at the first (``megascale launch``)."""
 
 
 @dataclass

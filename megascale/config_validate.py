@@ -190,6 +190,11 @@ def _ranges(cfg: JobConfig) -> list[str]:
     problems += fault_tolerance_problems(
         ft.policy, ft.max_restarts, ft.restart_window_s, ft.node_wait_timeout_s, "fault_tolerance."
     )
+    repeat = ft.evict_repeat_culprit
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        problems.append(
+            f"fault_tolerance.evict_repeat_culprit = {repeat!r}: must be an integer >= 1"
+        )
     return problems
 
 

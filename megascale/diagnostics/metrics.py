@@ -26,6 +26,7 @@ megascale_heartbeats_sent_total             counter    node                     
 megascale_heartbeats_total                  counter    node                        controller
 megascale_straggler_score                   gauge      node, rank                  controller
 megascale_faults_total                      counter    kind                        controller
+megascale_stall_culprit_total               counter    rank, reason                controller
 megascale_restarts_total                    counter    --                          controller
 megascale_generation                        gauge      --                          controller
 megascale_effective_training_time_ratio     gauge      --                          controller
@@ -173,6 +174,14 @@ METRICS: dict[str, MetricSpec] = {
         ),
         MetricSpec(
             "megascale_faults_total", Counter, "Faults detected, by kind.", ("kind",), "controller"
+        ),
+        MetricSpec(
+            "megascale_stall_culprit_total",
+            Counter,
+            "Ranks named as holding up a stall, by rank and reason (not-entered, not-started, "
+            "stopped, mismatch, waiting).",
+            ("rank", "reason"),
+            "controller",
         ),
         MetricSpec("megascale_restarts_total", Counter, "Job restarts.", (), "controller"),
         MetricSpec("megascale_generation", Gauge, "Current generation.", (), "controller"),
@@ -381,6 +390,10 @@ class ControllerMetrics(_Exporter):
     def record_fault(self, kind: str) -> None:
         """The controller detected a fault of ``kind`` (``Fault.kind``)."""
         self._metric("megascale_faults_total", kind=kind).inc()
+
+    def record_stall_culprit(self, rank: int, reason: str) -> None:
+        """The stall analysis named ``rank`` for ``reason`` (``flight_format.Culprit.reason``)."""
+        self._metric("megascale_stall_culprit_total", rank=rank, reason=reason).inc()
 
     def record_restart(self, generation: int | None = None) -> None:
         """The job restarted (a new generation started after a fault)."""

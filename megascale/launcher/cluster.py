@@ -297,6 +297,7 @@ class LocalCluster:
             restart_window_s=ft.restart_window_s,
             node_loss_policy=ft.policy,
             node_wait_timeout_s=ft.node_wait_timeout_s,
+            evict_repeat_culprit=ft.evict_repeat_culprit,
             global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size,
             vpp=p.vpp,

@@ -61,7 +61,7 @@ from megascale.robustness.controller import (
 from megascale.robustness.effective import EffectiveTime
 from megascale.robustness.election import Election
 from megascale.robustness.events import EventLog
-from megascale.robustness.flight_format import RankState, stall_suspects
+from megascale.robustness.flight_format import RankState, stall_culprits
 from megascale.robustness.job_summary import JobSummary
 from megascale.robustness.keys import JobKeys
 from megascale.robustness.service_main import (  # noqa: F401  (re-exported)
@@ -519,8 +519,10 @@ class ControllerService:
 
     def _stall(self, now: float) -> bool:
         """Declare a stall the FSM's ``on_tick`` would declare now, with the suspects of the
-        flight recorders' wait-for graph (``flight_format.stall_suspects``: follows waits across
-        groups, knows stopped processes). False: no stall yet, or no flight data to analyse."""
+        flight recorders' wait-for graph (``flight_format.stall_culprits``: follows waits across
+        groups, knows stopped processes); each culprit's reason, group and op go into the event's
+        ``culprits`` and the ``megascale_stall_culprit_total`` metric. False: no stall yet, or no
+        flight data to analyse."""
         fsm = self.fsm
         assert fsm is not None
         if fsm.state is not State.RUNNING or not self._flight:
@@ -530,7 +532,7 @@ class ControllerService:
         silent = [n for n in fsm.order if now - fsm.last_seen.get(n, now) > quiet]
         if stalled <= timeout or silent:
             return False  # a silent node is the FSM's heartbeat fault, not a stall
-        suspects = stall_suspects(self._flight)
+        culprits = stall_culprits(self._flight)
         waiting = sorted(
             {
                 f"{op.kind.name.lower()} #{op.seq} on {list(st.groups[op.group].ranks)}"
@@ -545,8 +547,12 @@ class ControllerService:
             "timeout_s": round(timeout, 3),
             "blocked_in": waiting[:8],
             "stopped": sorted(r for r, st in self._flight.items() if st.stopped),
+            "culprits": [c.to_json() | {"text": c.describe()} for c in culprits],
         }
-        self._act(fsm.on_stall_detected(suspects, now, detail))
+        if self.metrics is not None:
+            for culprit in culprits:
+                self.metrics.record_stall_culprit(culprit.rank, culprit.reason)
+        self._act(fsm.on_stall_detected({c.rank for c in culprits}, now, detail))
         return True
 
     # -- outputs -------------------------------------------------------------------------------

@@ -209,11 +209,13 @@ def test_policy_and_config_refuse_bad_fault_tolerance_values():
         ControllerPolicy(nodes=1, nproc_per_node=1, node_loss_policy="grow")
     with pytest.raises(ValueError, match="restart_window_s = 0: must be > 0"):
         ControllerPolicy(nodes=1, nproc_per_node=1, restart_window_s=0)
-    cfg = config.load(None, ["fault_tolerance.policy=elastic", "fault_tolerance.max_restarts=-1"])
+    bad = ["policy=elastic", "max_restarts=-1", "evict_repeat_culprit=0"]
+    cfg = config.load(None, [f"fault_tolerance.{b}" for b in bad])
     with pytest.raises(ConfigError) as e:
         config.validate(cfg, 1, "gloo")
     assert "fault_tolerance.policy = 'elastic': must be one of wait, shrink, fail" in str(e.value)
     assert "fault_tolerance.max_restarts = -1: must be an integer >= 0" in str(e.value)
+    assert "fault_tolerance.evict_repeat_culprit = 0: must be an integer >= 1" in str(e.value)
     ok = config.validate(config.load(None, ["fault_tolerance.policy=shrink"]), 1, "gloo")
     assert ok.fault_tolerance.policy == "shrink" and ok.fault_tolerance.max_restarts == 10
 

@@ -212,6 +212,7 @@ def test_agent_exports_a_heartbeat_and_forgets_a_departed_rank():
 def test_controller_counts_faults_by_kind_and_replaces_straggler_scores():
     ctl = ControllerMetrics("job-1")
     ctl.record_fault("stall")
+    ctl.record_stall_culprit(3, "not-started")
     ctl.record_restart(generation=2)
     ctl.observe_heartbeat("node-a", Heartbeat(node="node-a"))
     ctl.set_straggler_scores({("node-a", 0): 1.0, ("node-b", 5): 1.3})
@@ -222,6 +223,8 @@ def test_controller_counts_faults_by_kind_and_replaces_straggler_scores():
     for kind in FAULT_KINDS:
         expected = 1 if kind == "stall" else 0
         assert s[("megascale_faults_total", frozenset({job, ("kind", kind)}))] == expected
+    culprit = frozenset({job, ("rank", "3"), ("reason", "not-started")})
+    assert s[("megascale_stall_culprit_total", culprit)] == 1
     assert s[("megascale_restarts_total", frozenset({job}))] == 1
     assert s[("megascale_generation", frozenset({job}))] == 2
     scores = {k: v for k, v in s.items() if k[0] == "megascale_straggler_score"}
