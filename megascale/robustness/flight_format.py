@@ -595,9 +595,11 @@ def _mismatched(
     """The ranks whose record of (gid, seq) differs in op or size from the most common one."""
     if len(by_rank) < 2:
         return []
-    shapes: dict[tuple[OpKind, int], list[int]] = {}
+    shapes: dict[tuple[object, int], list[int]] = {}
     for rank, op in by_rank.items():
-        shapes.setdefault((op.kind, op.nbytes if not op.flags & P2P else 0), []).append(rank)
+        # The two ends of a p2p transfer record a send and a receive at the same number.
+        shape = ("p2p", 0) if op.flags & P2P else (op.kind, op.nbytes)
+        shapes.setdefault(shape, []).append(rank)
     if len(shapes) < 2:
         return []
     common = max(shapes.values(), key=lambda ranks: (len(ranks), -min(ranks)))
