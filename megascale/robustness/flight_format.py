@@ -579,7 +579,9 @@ def stall_culprits(states: Mapping[int, RankState]) -> list[Culprit]:
     culprits: dict[int, Culprit] = {}
     for (gid, seq), by_rank in ops.items():
         culprits.update({c.rank: c for c in _mismatched(states, gid, seq, by_rank)})
-    for comp in _sink_components(edges):
+    dead = _dead_links(states)
+    culprits.update({r: c for r, c in dead.items() if r not in culprits})
+    for comp in [] if dead else _sink_components(edges):
         for node in comp:
             if isinstance(node, int) and node not in culprits:
                 culprits[node] = _why(states, node, comp, edges)
@@ -587,6 +589,36 @@ def stall_culprits(states: Mapping[int, RankState]) -> list[Culprit]:
         if state.stopped and rank not in culprits:
             culprits[rank] = Culprit(rank, "stopped")
     return sorted(culprits.values(), key=lambda c: c.rank)
+
+
+def _dead_links(states: Mapping[int, RankState]) -> dict[int, Culprit]:
+    """Ranks whose device has not started an op that a group peer's device already started:
+    their communication stopped (a dead NIC, a stuck kernel) while the host went on issuing
+    (NCCL, or the NCCL-like mode: a host waiting for a result is not in a ``wait()``, so its
+    ``blocked`` may be empty). Its peers then wait on ops queued behind the dead ones, in every
+    group it is in, so the wait graph alone would not single it out. A rank waiting in an op
+    its device started may only be queued behind that op: when some candidates wait in no
+    started op, only they are named."""
+    out: dict[int, Culprit] = {}
+    for rank, state in states.items():
+        if state.stopped:
+            continue
+        for gid, seq in sorted(state.unstarted, key=lambda g: (g[1], g[0])):
+            info = state.groups.get(gid)
+            peers = [m for m in (info.ranks if info else ()) if m != rank and m in states]
+            if any(states[m].started(gid, seq) for m in peers):
+                kind = next(
+                    (op.kind.name.lower() for st in states.values() for op in st.blocked
+                     if (op.group, op.seq) == (gid, seq)), "",
+                )  # fmt: skip
+                out[rank] = Culprit(rank, "not-started", _label(states, gid), kind, seq)
+                break
+    idle = {
+        r: c
+        for r, c in out.items()
+        if all((o.group, o.seq) in states[r].unstarted for o in states[r].blocked)
+    }
+    return idle or out
 
 
 def _mismatched(

@@ -123,10 +123,10 @@ class Run:
     def faults(self) -> list[dict]:
         return self.of("fault")
 
-    def check_recovered(self, reference: Run, generations: int = 2) -> None:
+    def check_recovered(self, reference: Run, generations: int = 2, steps: int = STEPS) -> None:
         """Finished, restarted once, with the fault-free run's parameters."""
         assert self.rc == 0, self.output[-6000:]
-        assert self.final["finished"] and self.final["final_step"] == STEPS
+        assert self.final["finished"] and self.final["final_step"] == steps
         assert self.final["generations"] == generations, self.events
         assert self.final["recoveries"] == generations - 1
         assert self.final["param_digest"] == reference.final["param_digest"]
@@ -332,6 +332,52 @@ def test_kill_controller_standby_takes_over_and_handles_the_next_fault(reference
     assert takeover["detail"]["controller"] == "controller-1"
     [fault] = run.faults()
     assert fault["time"] > takeover["time"] and (fault["node"], fault["rank"]) == ("node-0", 0)
+
+
+# NCCL-like mode: collectives return at once and complete on communication threads; 8 ranks,
+# TP2 x PP2 x DP2 + SP, on 2 nodes of 4 (and a spare); a node named culprit once is evicted.
+NCCL_STEPS = 10
+NCCL = [
+    "--nodes", "2", "--nproc-per-node", "4", "--set", f"train.steps={NCCL_STEPS}",
+    "--heartbeat-interval", "1.5",  # 3 s leases: 8 workers starve agents on 2 busy cores
+    "--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "parallel.sequence_parallel=true",
+    "--set", "parallel.async_collectives=true",
+    "--set", "fault_tolerance.evict_repeat_culprit=1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def nccl_reference(tmp_path_factory) -> Run:
+    """The fault-free run in the NCCL-like mode and layout."""
+    run = Run(tmp_path_factory.mktemp("nccl-reference"), *NCCL)
+    assert run.rc == 0 and run.final["generations"] == 1, run.output[-6000:]
+    return run
+
+
+@pytest.mark.parametrize(
+    ("inject", "reasons"),
+    [
+        ("hang-comm:rank=5,step=6", {"not-started", "not-entered"}),
+        ("hang-worker:rank=5,step=6", {"stopped"}),
+    ],
+    ids=["hang-comm", "hang-worker"],
+)
+def test_nccl_like_hang_names_the_rank_alone_and_a_spare_replaces_its_node(
+    nccl_reference, tmp_path, inject, reasons
+):
+    run = Run(tmp_path, *NCCL, "--spares", "1", "--inject", inject)
+    run.check_recovered(nccl_reference, steps=NCCL_STEPS)
+    [fault] = run.faults()
+    assert fault["detail"]["fault"] == "stall"
+    assert (fault["node"], fault["rank"]) == ("node-1", 5)
+    assert fault["detail"]["suspects"] == ["rank 5 (dp=0, pp=1, tp=1)"]
+    culprits = fault["detail"]["culprits"]
+    assert {c["rank"] for c in culprits} == {5}, culprits
+    assert {c["reason"] for c in culprits} <= reasons, culprits
+    [evict] = run.of("evict")
+    assert evict["node"] == "node-1" and "named culprit in 1 faults" in evict["detail"]["reason"]
+    start = run.of("generation_start")[-1]["detail"]
+    assert start["nodes"] == ["node-0", "node-2"] and start["replaced"] == {"node-1": "node-2"}
 
 
 def test_slow_rank_is_not_a_fault(reference, tmp_path):
