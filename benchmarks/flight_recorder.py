@@ -11,6 +11,11 @@ varies by more than the recorder costs, the cost is also computed from a microbe
 recorded call (the full wrapper path, around a no-op instead of the collective) minus the bare
 call, times the ops recorded per step, over the median step time.
 
+Each mode of the CPU backend is measured in the same run, one after the other: "gloo" (blocking
+collectives) and "async" (``parallel.async_collectives``, NCCL-like: calls return at once and the
+recorder's watcher thread polls the ops in flight for their device state). The watcher's own CPU
+time (read from ``/proc``) is reported per step against the training thread's.
+
     python benchmarks/flight_recorder.py                  # tiny preset, 2 ranks, TP2
     python benchmarks/flight_recorder.py --nproc 1 --set parallel.tp=1 --rounds 100
 """
@@ -34,7 +39,7 @@ import torch
 from megascale.config import JobConfig, load, validate
 from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
-from megascale.parallel import cpu_backend
+from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.robustness.flight_format import flight_path
 from megascale.robustness.flight_recorder import FlightRecorder, _OpWrapper
@@ -47,6 +52,8 @@ VARIANTS = ("on", "off", "off, control")
 def rank_main(job: JobConfig, run_dir: Path, rounds: int, warmup: int, calls: int) -> dict:
     rank, world = init_distributed("cpu")
     cpu_backend.activate()
+    if job.parallel.async_collectives:
+        async_comm.install()  # under the recorder, as in training runs
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     groups = build_groups(job.parallel)
     seed_everything(job.train.seed, groups.tp_rank, "cpu")
@@ -57,22 +64,40 @@ def rank_main(job: JobConfig, run_dir: Path, rounds: int, warmup: int, calls: in
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     orders = list(itertools.permutations(VARIANTS))
+    watched = 0.0  # the watcher thread's CPU seconds during the "on" steps
     for i in range(rounds):
         for variant in orders[i % len(orders)]:
             if variant == "on":
                 recorder.install()
             recorder.set_step(trainer.step_num + 1)
             gc.collect()  # not the garbage of (un)installing, inside the next timed step
+            watcher = _thread_cpu(recorder._watcher)
             start = time.thread_time()
             times[variant].append(trainer.step().step_time_s)
             cpu[variant].append(time.thread_time() - start)
             if variant == "on":
+                watched += _thread_cpu(recorder._watcher) - watcher
                 recorder.uninstall()
     ops_per_step = recorder.written / rounds
     per_op = _per_op_cost(recorder, groups.tp, calls)
     recorder.close()
     destroy_groups()
-    return {"times": times, "cpu": cpu, "ops_per_step": ops_per_step, "per_op_s": per_op}
+    return {
+        "times": times,
+        "cpu": cpu,
+        "ops_per_step": ops_per_step,
+        "per_op_s": per_op,
+        "watcher_s": watched / rounds,
+    }
+
+
+def _thread_cpu(thread) -> float:
+    """CPU seconds (user + system) of another thread of this process; 0 before it started."""
+    if thread is None or thread.native_id is None:
+        return 0.0
+    stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _per_op_cost(recorder: FlightRecorder, group, calls: int) -> float:
@@ -107,20 +132,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20, help="rounds of one on + one off step")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--calls", type=int, default=20000, help="calls per microbenchmark")
+    parser.add_argument("--modes", default="gloo,async", help="CPU modes measured, in order")
     args = parser.parse_args(argv)
-    overrides = ["parallel.tp=2", "optim.warmup_steps=0", *args.overrides]
-    job = load(args.config, overrides)
-    job = validate(job, args.nproc, "gloo")
-    run_dir = Path(tempfile.mkdtemp(prefix="megascale-bench-"))
-    default_token_file(run_dir / "data")
-    per_rank = run_local(
-        rank_main, args.nproc, (job, run_dir, args.rounds, args.warmup, args.calls), timeout_s=3600
-    )
-    print(report(args, job, per_rank))
+    out = []
+    for mode in args.modes.split(","):
+        if mode not in ("gloo", "async"):
+            parser.error(f"--modes: {mode!r} is not a mode; accepted: gloo, async")
+        overrides = ["parallel.tp=2", "optim.warmup_steps=0", *args.overrides]
+        overrides.append(f"parallel.async_collectives={str(mode == 'async').lower()}")
+        job = validate(load(args.config, overrides), args.nproc, "gloo")
+        run_dir = Path(tempfile.mkdtemp(prefix="megascale-bench-"))
+        default_token_file(run_dir / "data")
+        per_rank = run_local(
+            rank_main,
+            args.nproc,
+            (job, run_dir, args.rounds, args.warmup, args.calls),
+            timeout_s=3600,
+        )
+        out.append(report(args, job, per_rank, mode))
+    print("\n\n".join(out))
     return 0
 
 
-def report(args, job: JobConfig, per_rank: list[dict]) -> str:
+def report(args, job: JobConfig, per_rank: list[dict], mode: str) -> str:
     rounds = range(args.rounds)
     wall = {v: [max(r["times"][v][i] for r in per_rank) for i in rounds] for v in VARIANTS}
     cpu = {
@@ -128,10 +162,11 @@ def report(args, job: JobConfig, per_rank: list[dict]) -> str:
     }
     ops = max(r["ops_per_step"] for r in per_rank)
     per_op = statistics.median(r["per_op_s"] for r in per_rank)
+    watcher = statistics.fmean(r["watcher_s"] for r in per_rank)
     off_wall, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
     p = job.parallel
     lines = [
-        f"# flight recorder overhead — {datetime.date.today()}",
+        f"# flight recorder overhead, {mode} mode — {datetime.date.today()}",
         f"command: {' '.join(sys.argv)}",
         f"layout: {args.nproc} CPU ranks (gloo), TP{p.tp} x PP{p.pp}; preset {args.config}; "
         f"{args.rounds} rounds of one step per variant, order rotated",
@@ -154,6 +189,8 @@ def report(args, job: JobConfig, per_rank: list[dict]) -> str:
         f"ops recorded per step: {ops:.0f}; one recorded op costs {per_op * 1e6:.2f} us "
         f"(microbenchmark); modelled overhead {ops * per_op / off_wall * 100:.3f}% of the "
         f"median step ({ops * per_op / off_cpu * 100:.3f}% of its CPU time)",
+        f"watcher thread: {watcher * 1e3:.3f} ms CPU per step, {watcher / off_cpu * 100:.2f}% of "
+        "the training thread's CPU time (mean over ranks)",
     ]
     return "\n".join(lines)
 

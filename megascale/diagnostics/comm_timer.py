@@ -24,6 +24,10 @@ A record is ``(index, kind, coalesced, issued_ns, wait_start_ns, wait_end_ns)`` 
   coalescing block): its first ``wait()`` gives the blocked interval; None if never waited on;
 * a megatron-core coalescing block (one DP bucket): one record, ``coalesced`` true, ``kind`` that
   of the ops inside it; a block without ops has no record;
+* from the flight recorder, an op whose start and completion where it runs were seen (the
+  NCCL-like CPU mode's communication threads; not the blocking gloo mode, where the host call is
+  the op, nor torch ``Work`` handles, whose start is not observable) carries two more fields,
+  ``device_start_ns`` and ``device_done_ns`` (start <= done);
 * ``kind`` is the operation's name as the flight recorder's ``OpKind`` spells it in lower case:
   ``_all_gather_base`` is ``all_gather_into_tensor``, ``_reduce_scatter_base`` is
   ``reduce_scatter_tensor``; each op of a ``batch_isend_irecv`` is an ``isend`` or ``irecv``.
@@ -38,7 +42,7 @@ import time
 import torch.distributed as dist
 
 from megascale.parallel.comm_hooks import COLLECTIVES, P2P_ASYNC, CommWrapper, Patches, Reentry
-from megascale.robustness.flight_format import ASYNC, COALESCED, OpKind
+from megascale.robustness.flight_format import ASYNC, COALESCED, DeviceState, OpKind
 from megascale.robustness.flight_recorder import FlightRecorder, RingCopy, installed_recorder
 
 # A wrapped function's name -> the operation's name in records (the flight recorder's OpKind).
@@ -48,6 +52,7 @@ KIND_NAMES = {
 }
 
 _FLIGHT_KINDS = {int(kind): kind.name.lower() for kind in OpKind}
+_COMPLETED = int(DeviceState.COMPLETED)
 
 
 def timeline_comm() -> FlightComm | CommTimer:
@@ -106,6 +111,7 @@ class _FlightChunk:
                 fields[9],
                 fields[11],
             )
+            device, start, done = fields[13], fields[14], fields[15]
             if index != expected:
                 continue  # a slot overwritten before it was copied
             issued = round(enter * 1e9)
@@ -115,7 +121,10 @@ class _FlightChunk:
                 waited = flags & ASYNC and wait >= enter  # else returned at once: synchronous
                 wait_start = round(wait * 1e9) if waited else issued
             kind_name = _FLIGHT_KINDS.get(kind, "unknown")
-            out.append((index, kind_name, bool(flags & COALESCED), issued, wait_start, wait_end))
+            record = (index, kind_name, bool(flags & COALESCED), issued, wait_start, wait_end)
+            if device == _COMPLETED and start and done >= start:  # ran where it was seen to
+                record += (round(start * 1e9), round(done * 1e9))
+            out.append(record)
         return out
 
 

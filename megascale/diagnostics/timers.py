@@ -22,7 +22,10 @@ Where the segments come from (span names follow ``megascale::<pkg>::<op>``, see 
   installed (training runs install it before the trainer is built), so a call is wrapped once;
   otherwise from a thin wrapper of the timeline's own (``comm_timer.timeline_comm``). A span notes
   the comm record count on entry and exit; the records are taken at each step boundary and turned
-  into segments on the writer thread.
+  into segments on the writer thread. In the NCCL-like CPU mode (``parallel.async_collectives``)
+  a call returns at once, so the segment is instead the op's run on its communication thread,
+  from its start to its completion as the flight recorder's watcher saw them (an op not yet seen
+  complete at the step boundary keeps its host interval).
 
 Clocks. On CPU every timestamp is ``time.monotonic_ns()`` (the flight recorder's clock). On CUDA,
 device segments (forward, backward, optimizer, megatron-core's communication timers) are pairs of
@@ -472,8 +475,10 @@ def resolve_batch(batch: _Batch, clock) -> dict[str, Any]:
 
 def comm_segments(records: list[tuple], spans: list[tuple]) -> tuple[list[list], list[list]]:
     """Comm records (``megascale.diagnostics.comm_timer``: ``(index, kind, coalesced, issued,
-    wait_start, wait_end)``, by index) -> (blocked segments, in-flight intervals of asynchronous
-    calls).
+    wait_start, wait_end[, device_start, device_done])``, by index) -> (segments, in-flight
+    intervals of asynchronous calls). A record that carries device times becomes the segment from
+    its start to its completion where it ran (NCCL-like mode) and is in flight from its issue until
+    it completed or its wait returned; otherwise the segment is the interval its caller was blocked.
 
     ``spans`` carry the range of comm record indices issued inside each; the innermost one that
     holds a record decides its group (``classify_comm``). A coalesced block (one DP bucket) is
@@ -490,12 +495,15 @@ def comm_segments(records: list[tuple], spans: list[tuple]) -> tuple[list[list],
             if current is None or width < current[0]:
                 enclosing[i] = (width, cat)
     blocked, inflight = [], []
-    for (_index, kind, coalesced, issued, wait_start, wait_end), where in zip(
-        records, enclosing, strict=True
-    ):
+    for record, where in zip(records, enclosing, strict=True):
+        _index, kind, coalesced, issued, wait_start, wait_end = record[:6]
         group = classify_comm(kind, coalesced, where[1] if where is not None else None)
         name, cat = f"megascale::{group}::{kind}", f"comm.{group}"
-        if wait_start is not None and wait_end is not None:
+        if len(record) > 6:  # seen where it ran: from its start there to its completion
+            start, done = record[6], record[7]
+            blocked.append([name, cat, start, done - start])
+            inflight.append([name, cat, issued, max(done, wait_end or 0) - issued])
+        elif wait_start is not None and wait_end is not None:
             blocked.append([name, cat, wait_start, wait_end - wait_start])
             if wait_start > issued:  # asynchronous: in flight from issue until the wait returned
                 inflight.append([name, cat, issued, wait_end - issued])

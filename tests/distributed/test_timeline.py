@@ -18,12 +18,12 @@ from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
 from megascale.diagnostics import straggler
 from megascale.diagnostics.comm_timer import KIND_NAMES, CommTimer, FlightComm
-from megascale.diagnostics.timers import build_timeline, comm_segments
+from megascale.diagnostics.timers import build_timeline, comm_segments, rank_file
 from megascale.launcher.local import run_local
 from megascale.parallel import cpu_backend
 from megascale.parallel.comm_hooks import COLLECTIVES
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.robustness.flight_format import flight_path
+from megascale.robustness.flight_format import flight_path, read_records
 from megascale.robustness.flight_recorder import FlightRecorder
 from megascale.robustness.inject import ENV
 from megascale.train.run import run_rank, seed_everything
@@ -187,3 +187,37 @@ def test_comm_segments_from_flight_records_are_the_comm_timers(tmp_path, data_di
                     assert sorted(gaps)[len(gaps) // 2] < 1_000_000, rank
             groups |= {s[1] for s in comm_segments(flight, spans)[0]}
     assert groups == {"comm.dp", "comm.pp", "comm.tp", "comm.other"}
+
+
+def test_nccl_like_mode_has_a_segment_per_collective_where_it_ran(tmp_path, data_dir):
+    """TP2 + SP in the NCCL-like mode: each TP collective is a segment from its start to its
+    completion on the communication thread, as the flight recorder's watcher saw them, not the
+    host call (which returns at once)."""
+    job = with_changes(
+        load("tiny"),
+        parallel={"tp": 2, "sequence_parallel": True, "async_collectives": True},
+        model={"num_layers": 2, "hidden_size": 32, "num_heads": 4, "seq_length": 32},
+        train={"steps": 2, "global_batch_size": 2, "micro_batch_size": 1},
+        optim={"warmup_steps": 1},
+        data={"path": str(default_token_file(data_dir))},
+        checkpoint={"interval": 0},
+    )
+    run_local(_rank, 2, (validate(job, 2, "gloo"), tmp_path, ""), timeout_s=300)
+    for rank in range(2):
+        device = {  # (start ns, duration ns) of every op seen to run, from the flight file
+            (round(r.start_mono * 1e9), round(r.done_mono * 1e9) - round(r.start_mono * 1e9))
+            for r in read_records(flight_path(tmp_path, rank))
+            if r.start_mono and r.done_mono
+        }
+        lines = (json.loads(line) for line in rank_file(tmp_path, rank).read_text().splitlines())
+        spans = [s for rec in lines if rec["type"] == "step" for s in rec["spans"]]
+        tp = [s for s in spans if s[1] == "comm.tp"]
+        names = {s[0] for s in tp}
+        assert "megascale::tp::all_gather_into_tensor" in names, names
+        assert "megascale::tp::reduce_scatter_tensor" in names, names
+        on_device = [s for s in tp if (s[2], s[3]) in device]
+        assert all(dur >= 0 for _, _, _, dur in on_device)  # start <= done
+        # Nearly all from their run on the comm thread: ops not yet seen complete at the step
+        # boundary (at most the last few of a step) keep their host interval.
+        assert len(on_device) >= 0.8 * len(tp), (rank, len(on_device), len(tp))
+        assert sum(s[3] for s in on_device) > 0, rank
