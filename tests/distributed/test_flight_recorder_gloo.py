@@ -232,7 +232,9 @@ def test_async_stall_names_the_rank_whose_communication_stopped(tmp_path):
     def ready(states):
         started = {r: [op for op in states[r].blocked if op.device == DeviceState.STARTED]
                    for r in (0, 1, 2)}  # fmt: skip
-        return all(started.values()) and bool(states[3].unstarted)
+        # and the watcher thread has written every rank's device states of the stall (it polls
+        # every 2 ms: a read between two of its writes can see a half-updated picture)
+        return all(started.values()) and bool(states[3].unstarted) and bool(stall_culprits(states))
 
     states = _read_while_stalled(
         tmp_path,
