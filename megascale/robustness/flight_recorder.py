@@ -76,6 +76,7 @@ from megascale.robustness.flight_format import (
     proc_stat,
     runs_of,
 )
+from megascale.robustness.flight_watcher import CompletionWatcher, EventDone
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,6 @@ __all__ = [
 
 DEFAULT_CAPACITY = 4096
 DEFAULT_GROUP_TABLE_BYTES = 64 * 1024
-WATCH_INTERVAL_S = 0.002  # how often the watcher thread polls the ops in flight
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 # Hot-path constants bound once (an enum member or module attribute read costs as much as the
 # struct call it feeds).
@@ -262,9 +262,7 @@ class FlightRecorder:
         self._patches = Patches()
         self._table_full_warned = False
         self._wait_mono = array("d", bytes(8 * capacity))  # per slot; see RingCopy
-        self._watched: list[tuple[int, object, bool]] = []
-        self._watch_cv = threading.Condition()
-        self._watcher: threading.Thread | None = None
+        self._watcher = CompletionWatcher(self.device)
         self._cuda = False
         self.blocked_s = 0.0
         """Seconds spent blocked in synchronous ops and ``wait()`` (on CPU the trainer's
@@ -423,14 +421,7 @@ class FlightRecorder:
             return
         queued = getattr(tracker, "started", None) is not None
         self.device(index, DeviceState.QUEUED if queued else DeviceState.STARTED)
-        with self._watch_cv:
-            self._watched.append((index, tracker, queued))
-            self._watch_cv.notify()
-            if self._watcher is None:
-                self._watcher = threading.Thread(
-                    target=self._watch, name="flight-watcher", daemon=True
-                )
-                self._watcher.start()
+        self._watcher.add(index, tracker, queued)
 
     def device(self, index: int, state: DeviceState, start: float = 0.0, done: float = 0.0):
         """Write record ``index``'s device state (and its start / completion time, if given)."""
@@ -453,34 +444,8 @@ class FlightRecorder:
         if self._cuda:
             event = torch.cuda.Event()
             event.record()  # after the op on the current stream
-            return _EventDone(event)
+            return EventDone(event)
         return None
-
-    def _watch(self) -> None:
-        """The watcher thread: polls the tracked ops, writes their device state into the file."""
-        while True:
-            with self._watch_cv:
-                while not self._watched:
-                    self._watch_cv.wait()
-                watched = list(self._watched)
-            finished = set()
-            for index, tracker, queued in watched:
-                started = getattr(tracker, "started", 0.0) if queued else 0.0
-                try:
-                    done = tracker.is_completed()
-                except RuntimeError:  # the op failed
-                    self.device(index, DeviceState.FAILED, done=_monotonic())
-                    finished.add(index)
-                    continue
-                if done:
-                    when = getattr(tracker, "completed", 0.0) or _monotonic()
-                    self.device(index, DeviceState.COMPLETED, started, when)
-                    finished.add(index)
-                elif started:
-                    self.device(index, DeviceState.STARTED, started)
-            with self._watch_cv:
-                self._watched = [w for w in self._watched if w[0] not in finished]
-            time.sleep(WATCH_INTERVAL_S)
 
     def copy(self, first: int, end: int) -> RingCopy:
         """Records ``first`` .. ``end - 1`` as they are now, less those already overwritten (all of
@@ -781,16 +746,6 @@ class _RecordedWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
-
-
-class _EventDone:
-    """A CUDA event recorded after a synchronous op, as a completion handle."""
-
-    def __init__(self, event) -> None:
-        self.event = event
-
-    def is_completed(self) -> bool:
-        return self.event.query()
 
 
 def installed_recorder() -> FlightRecorder | None:
