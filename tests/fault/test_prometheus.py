@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -276,22 +275,27 @@ def test_every_dashboard_query_returns_data_from_a_live_launch(prometheus, live)
     slowest = max(ranks, key=lambda s: float(s["value"][1]))
     assert slowest["metric"] == {"node": SLOW_NODE, "rank": str(SLOW_RANK)}, ranks
 
-    # MFU a fraction; tokens/s one job-wide figure, as metrics.jsonl has it (over the same time).
+    # MFU a fraction; tokens/s one job-wide figure: the panel shows, at every moment of the
+    # window, a figure rank 0 logged in metrics.jsonl (not a sum or mean over ranks or nodes).
+    # Compared value by value: the gauge goes through progress file, heartbeat, exporter and
+    # scrape, each of which carries the float exactly, while medians over a window drift apart
+    # by the heartbeat's lag on a loaded machine.
     mfu = _instant(base, f'avg by (megascale_job) (megascale_mfu_ratio{{megascale_job="{job}"}})')
     assert 0 < float(mfu[0]["value"][1]) < 1, mfu
+    series = _instant(base, f'megascale_tokens_per_second{{megascale_job="{job}"}}')
+    assert len(series) == 1, series  # rank 0's node alone exports the job's figure
     end = time.time()
     tokens = _get(
         base, "/api/v1/query_range", step="0.5", start=str(end - 20), end=str(end),
         query=f'avg by (megascale_job) (megascale_tokens_per_second{{megascale_job="{job}"}})',
     )["data"]["result"]  # fmt: skip
-    panel = statistics.median(float(v) for _, v in tokens[0]["values"])
-    lines = read_metrics((run_dir / "metrics.jsonl").read_text().splitlines())
-    # Prometheus samples the gauge at fixed times, so each step's figure counts for as long as
-    # the step lasted: compare with metrics.jsonl's median weighted by step time.
-    logged = _time_weighted_median(
-        [(m.tokens_per_s, m.step_time_s) for m in lines if m.time and m.time > end - 20]
-    )
-    assert panel == pytest.approx(logged, rel=0.10), (panel, logged)
+    shown = {float(v) for _, v in tokens[0]["values"]}
+    logged = [
+        m.tokens_per_s for m in read_metrics((run_dir / "metrics.jsonl").read_text().splitlines())
+    ]
+    assert len(shown) > 1, shown  # the window saw the figure change: it is live
+    unmatched = [v for v in shown if not any(v == pytest.approx(x, rel=1e-9) for x in logged)]
+    assert not unmatched, (unmatched, logged[-10:])
     # Our job label survives scraping untouched: nothing was renamed to exported_job.
     assert _get(base, "/api/v1/label/exported_job/values")["data"] == []
 
@@ -333,17 +337,6 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
     for field in ("val_loss", "checkpoint_stall_s"):  # on their steps only
         assert any(getattr(m, field) is not None for m in lines), field
     _assert_produced(lines[-1], {"val_loss", "checkpoint_stall_s"})
-
-
-def _time_weighted_median(values: list[tuple[float, float]]) -> float:
-    """The median of ``(value, weight)`` pairs, each value counted for its weight."""
-    values = sorted(values)
-    half, seen = sum(w for _, w in values) / 2, 0.0
-    for value, weight in values:
-        seen += weight
-        if seen >= half:
-            return value
-    raise AssertionError("no metrics.jsonl line in the window")
 
 
 def _assert_produced(message, allowed_empty: set[str]) -> None:
