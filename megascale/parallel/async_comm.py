@@ -71,7 +71,8 @@ class CommOp:
     """One queued op (or a batch / coalescing block): a work handle as torch's ``Work`` is.
 
     ``enqueued``, ``started``, ``completed`` are monotonic seconds (0.0: not yet). ``wait()``
-    blocks until completion and re-raises the op's error; ``is_completed()`` never blocks.
+    blocks until completion and re-raises the op's error; ``is_completed()`` never blocks;
+    ``observe(fn)`` has the communication thread call ``fn(op)`` when it starts and completes it.
     """
 
     def __init__(self, name: str, run: Callable[[], object], deps: list[CommOp]) -> None:
@@ -79,6 +80,7 @@ class CommOp:
         self.enqueued, self.started, self.completed = _monotonic(), 0.0, 0.0
         self.error: BaseException | None = None
         self._done = threading.Event()
+        self._observers: list[Callable[[CommOp], None]] = []
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -88,6 +90,22 @@ class CommOp:
 
     def exception(self) -> BaseException | None:
         return self.error
+
+    def observe(self, fn: Callable[[CommOp], None]) -> None:
+        """Call ``fn(self)`` on the communication thread when the op starts and when it completes
+        (before ``wait()`` returns), and at once here if it has started already. ``fn`` may be
+        called twice for one state (racing with the thread): it must be idempotent, and it must
+        not block (it delays the group's next op)."""
+        self._observers.append(fn)
+        if self.started:
+            fn(self)
+
+    def _notify(self) -> None:
+        for fn in self._observers:
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - an observer must not stop the communication thread
+                logger.exception("observer of %s failed", self.name)
 
     def wait(self, timeout=None) -> bool:
         self._done.wait()
@@ -101,6 +119,8 @@ class CommOp:
             dep._done.wait()
         self.deps = []
         self.started = _monotonic()
+        if self._observers:
+            self._notify()
         try:
             work = self._run()
             for w in work if isinstance(work, list) else [work]:
@@ -111,6 +131,8 @@ class CommOp:
             logger.exception("%s failed on its communication thread", self.name)
         self.completed = _monotonic()
         self._run = None
+        if self._observers:
+            self._notify()  # before wait() returns: the record says completed when the host goes on
         self._done.set()
 
 

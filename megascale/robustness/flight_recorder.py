@@ -96,6 +96,7 @@ _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 # struct call it feeds).
 _ENTERED, _WAITING = int(OpState.ENTERED), int(OpState.WAITING)
 _LEFT, _FAILED = int(OpState.LEFT), int(OpState.FAILED)
+_COMPLETED = int(DeviceState.COMPLETED)  # and FAILED above it: the device's final states
 _U64, _F64, _U32, _STEP = struct.Struct("<Q"), struct.Struct("<d"), struct.Struct("<I"), "<qdd"
 _pack_record, _pack_u64, _pack_f64 = RECORD.pack_into, _U64.pack_into, _F64.pack_into
 _RECORD_SIZE = RECORD.size
@@ -295,6 +296,7 @@ class FlightRecorder:
         from megascale.parallel import cpu_backend
 
         self._cuda = torch.cuda.is_available() and not cpu_backend.is_active()
+        self._watcher.notify = not self._cuda  # a NCCL Work's future completes before the kernel
         self._patches.install(
             wrappers,
             in_c10d=[n for n in wrappers if getattr(distributed_c10d, n, None) is dist.__dict__[n]],
@@ -424,11 +426,17 @@ class FlightRecorder:
         self._watcher.add(index, tracker, queued)
 
     def device(self, index: int, state: DeviceState, start: float = 0.0, done: float = 0.0):
-        """Write record ``index``'s device state (and its start / completion time, if given)."""
+        """Write record ``index``'s device state (and its start / completion time, if given).
+        States only move forward: a write that would move one back (a late or repeated
+        notification racing with a newer one), or past completed / failed, is ignored. Called
+        from the host, the watcher thread and the threads that complete ops."""
         with self._lock:
             if self._mm.closed or index < self._next - self.capacity:
                 return
             offset = self._ring + (index % self.capacity) * _RECORD_SIZE
+            now = _U32.unpack_from(self._mm, offset + OFF_DEVICE)[0]
+            if now >= _COMPLETED or state < now:
+                return
             if start:
                 _pack_f64(self._mm, offset + OFF_START, start)
             if done:

@@ -1,22 +1,41 @@
-"""The flight recorder's watcher: one thread per process that follows the ops in flight and
-writes their device state (started, completed, failed; with the device's times) into the
-recorder's file, so that the agent reads the last state of a rank whose host is stuck or stopped.
+"""The flight recorder's watcher: follows the ops in flight and writes their device state (started,
+completed, failed; with the device's times) into the recorder's file, so that the agent reads the
+last state of a rank whose host is stuck or stopped.
 
-An op is followed through a *tracker*: anything with ``is_completed()`` (a torch ``Work``, the
-NCCL-like mode's ``CommOp``, which also tells ``started`` and ``completed``, or ``EventDone``
-around a CUDA event recorded after a synchronous NCCL call). The thread starts with the first
-tracked op and polls every ``WATCH_INTERVAL_S`` while any is in flight; it sleeps otherwise.
+An op is followed through a *tracker*, in the cheapest way it allows:
+
+* **notified** (no thread, exact times): the NCCL-like mode's ``CommOp`` calls back when its
+  communication thread starts it and when it completes (``CommOp.observe``); a CPU collective's
+  torch ``Work`` (gloo) completes a future whose callback runs when the op completes
+  (``Work.get_future().add_done_callback``). The write happens on the thread that ran the op.
+  Not on CUDA: a NCCL ``Work``'s future completes before the kernel has run.
+* **polled** (everything else: a CUDA event recorded after a synchronous NCCL call, ``EventDone``;
+  a NCCL ``Work``; gloo's p2p ``Work``, which has no future): one thread per process calls
+  ``is_completed()`` with an adaptive interval (``Backoff``): ``MIN_INTERVAL_S`` after a change, or
+  a new op, doubling on every poll that sees no change up to ``MAX_INTERVAL_S``. A polled op's
+  completion time is when the poll saw it: late by at most the interval then in force, so a
+  timeline segment of a polled op is too long by up to ``MAX_INTERVAL_S`` (20 ms) after an op
+  stayed in flight for ~30 ms with nothing changing, and by up to ``MIN_INTERVAL_S`` (1 ms) while
+  ops keep being issued or completing. Notified ops carry the exact times.
+
+Either way an op that never completes keeps its last state (queued or started): that is what a
+stall looks like from outside. Device states only move forward (the recorder's ``device``
+ignores a write that would move one back), so a late notification cannot undo a completion.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 
 from megascale.robustness.flight_format import DeviceState
 
-WATCH_INTERVAL_S = 0.002  # how often the watcher thread polls the ops in flight
+logger = logging.getLogger(__name__)
+
+MIN_INTERVAL_S = 0.001  # polling interval after a change or a new op
+MAX_INTERVAL_S = 0.02  # polling interval once nothing has changed for a while (worst-case lag)
 
 Write = Callable[..., None]
 """``write(index, state, start=0.0, done=0.0)``: the recorder's ``device``."""
@@ -32,47 +51,136 @@ class EventDone:
         return self.event.query()
 
 
-class CompletionWatcher:
-    """Follows tracked ops until they complete or fail, writing their state with ``write``."""
+class Backoff:
+    """The polling interval's policy (pure: no clock, no thread).
+
+    ``polled(changed)`` after each poll returns the next interval: ``low`` if the poll saw a state
+    change, else twice the last one, at most ``high``. ``added()`` when a new op is followed resets
+    the interval to ``low`` and returns whether the thread was in a backed-off wait and should be
+    woken now (so that a new op is never seen later than ``low`` after the thread's next poll)."""
+
+    def __init__(self, low: float = MIN_INTERVAL_S, high: float = MAX_INTERVAL_S) -> None:
+        self.low, self.high, self.interval = low, high, low
+
+    def polled(self, changed: bool) -> float:
+        self.interval = self.low if changed else min(self.high, self.interval * 2)
+        return self.interval
+
+    def added(self) -> bool:
+        wake = self.interval > self.low
+        self.interval = self.low
+        return wake
+
+
+class Poller:
+    """The polled trackers of one process and one pass over them (``poll``); no thread."""
 
     def __init__(self, write: Write) -> None:
         self._write = write
-        self._watched: list[tuple[int, object, bool]] = []
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self.lock = threading.RLock()  # guards ``watched`` and ``backoff``
+        self.watched: list[list] = []  # [index, tracker, queued, started written]
+        self.backoff = Backoff()
+
+    def add(self, index: int, tracker, queued: bool) -> bool:
+        """Follow ``tracker``; returns whether a backed-off waiter should be woken."""
+        with self.lock:
+            self.watched.append([index, tracker, queued, False])
+            return self.backoff.added()
+
+    def poll(self) -> bool:
+        """Query every op in flight once, write what changed, drop the finished ones; returns
+        whether any state changed."""
+        changed, finished = False, set()
+        with self.lock:
+            watched = list(self.watched)
+        for entry in watched:
+            index, tracker, queued, shown = entry
+            started = getattr(tracker, "started", 0.0) if queued else 0.0
+            try:
+                done = tracker.is_completed()
+            except RuntimeError:  # the op failed
+                done = None
+            if done is None:
+                self._write(index, DeviceState.FAILED, done=time.monotonic())
+                finished.add(id(entry))
+            elif done:
+                when = getattr(tracker, "completed", 0.0) or time.monotonic()
+                self._write(index, DeviceState.COMPLETED, started, when)
+                finished.add(id(entry))
+            elif started and not shown:
+                self._write(index, DeviceState.STARTED, started)
+                entry[3] = changed = True
+        if finished:
+            changed = True
+            with self.lock:
+                self.watched = [e for e in self.watched if id(e) not in finished]
+        return changed
+
+
+class CompletionWatcher:
+    """Follows tracked ops until they complete or fail, writing their state with ``write``.
+
+    ``notify``: use completion callbacks where the tracker offers them (set it False on CUDA, where
+    a ``Work``'s future does not tell the device's completion). ``thread``: the polling thread,
+    once a polled op was added (None before)."""
+
+    def __init__(self, write: Write, notify: bool = True) -> None:
+        self._write, self.notify = write, notify
+        self._poller = Poller(write)
+        self._cv = threading.Condition(self._poller.lock)
+        self.thread: threading.Thread | None = None
 
     def add(self, index: int, tracker, queued: bool) -> None:
         """Follow record ``index``'s op; ``queued``: its tracker tells when it started."""
+        if self.notify and self._subscribe(index, tracker):
+            return
         with self._cv:
-            self._watched.append((index, tracker, queued))
-            self._cv.notify()
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="flight-watcher", daemon=True
-                )
-                self._thread.start()
+            if self._poller.add(index, tracker, queued):
+                self._cv.notify()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="flight-watcher", daemon=True)
+                self.thread.start()
+            elif len(self._poller.watched) == 1:
+                self._cv.notify()  # idle thread: wake it
+
+    def _subscribe(self, index: int, tracker) -> bool:
+        """Ask ``tracker`` to call back on its state changes; False if it cannot."""
+        observe = getattr(tracker, "observe", None)
+        if observe is not None:  # the NCCL-like mode's CommOp
+            observe(lambda op: self._observed(index, op))
+            return True
+        get_future = getattr(tracker, "get_future", None)
+        if get_future is None:
+            return False
+        try:
+            future = get_future()
+        except RuntimeError:  # gloo's send / recv: "Work::getFuture not implemented"
+            return False
+        future.add_done_callback(lambda f: self._future_done(index, f))
+        return True
+
+    def _observed(self, index: int, op) -> None:
+        if op.completed:
+            state = DeviceState.COMPLETED if op.error is None else DeviceState.FAILED
+            self._write(index, state, op.started, op.completed)
+        elif op.started:
+            self._write(index, DeviceState.STARTED, op.started)
+
+    def _future_done(self, index: int, future) -> None:
+        now = time.monotonic()
+        try:
+            future.value()  # raises the op's error
+            state = DeviceState.COMPLETED
+        except Exception:  # noqa: BLE001 - the op failed; the host sees the error in wait()
+            state = DeviceState.FAILED
+        self._write(index, state, done=now)
 
     def _run(self) -> None:
+        poller = self._poller
         while True:
             with self._cv:
-                while not self._watched:
+                while not poller.watched:
                     self._cv.wait()
-                watched = list(self._watched)
-            finished = set()
-            for index, tracker, queued in watched:
-                started = getattr(tracker, "started", 0.0) if queued else 0.0
-                try:
-                    done = tracker.is_completed()
-                except RuntimeError:  # the op failed
-                    self._write(index, DeviceState.FAILED, done=time.monotonic())
-                    finished.add(index)
-                    continue
-                if done:
-                    when = getattr(tracker, "completed", 0.0) or time.monotonic()
-                    self._write(index, DeviceState.COMPLETED, started, when)
-                    finished.add(index)
-                elif started:
-                    self._write(index, DeviceState.STARTED, started)
+            changed = poller.poll()
             with self._cv:
-                self._watched = [w for w in self._watched if w[0] not in finished]
-            time.sleep(WATCH_INTERVAL_S)
+                self._cv.wait(poller.backoff.polled(changed))  # add() may cut a long wait short
