@@ -12,12 +12,17 @@ recorded call (the full wrapper path, around a no-op instead of the collective) 
 call, times the ops recorded per step, over the median step time.
 
 Each mode of the CPU backend is measured in the same run, one after the other: "gloo" (blocking
-collectives) and "async" (``parallel.async_collectives``, NCCL-like: calls return at once and the
-recorder's watcher thread polls the ops in flight for their device state). The watcher's own CPU
-time (read from ``/proc``) is reported per step against the training thread's.
+collectives) and "async" (``parallel.async_collectives``, NCCL-like: calls return at once and run
+on communication threads), for each layout: "default" (the preset as ``make run`` trains it: tiny,
+TP1, DP over the ranks) and "tp2". The device state of an op in flight costs CPU off the training
+thread: completion writes made by the thread that completes the op (the NCCL-like mode's
+communication thread, gloo's worker; counted per step, times a microbenchmark of one write), and
+the watcher thread's polling of the ops that cannot notify (its CPU time read from ``/proc``).
+Both are reported per step against the training thread's CPU time.
 
-    python benchmarks/flight_recorder.py                  # tiny preset, 2 ranks, TP2
-    python benchmarks/flight_recorder.py --nproc 1 --set parallel.tp=1 --rounds 100
+    python benchmarks/flight_recorder.py                  # tiny preset, 2 ranks, default and TP2
+    python benchmarks/flight_recorder.py --layouts tp2 --modes async --rounds 30
+    python benchmarks/flight_recorder.py --nproc 1 --layouts default --rounds 100
 """
 
 from __future__ import annotations
@@ -41,12 +46,13 @@ from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
 from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.robustness.flight_format import flight_path
+from megascale.robustness.flight_format import DeviceState, OpKind, flight_path
 from megascale.robustness.flight_recorder import FlightRecorder, _OpWrapper
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 
 VARIANTS = ("on", "off", "off, control")
+LAYOUTS = {"default": [], "tp2": ["parallel.tp=2"]}  # --set overrides on top of the preset
 
 
 def rank_main(job: JobConfig, run_dir: Path, rounds: int, warmup: int, calls: int) -> dict:
@@ -59,27 +65,31 @@ def rank_main(job: JobConfig, run_dir: Path, rounds: int, warmup: int, calls: in
     seed_everything(job.train.seed, groups.tp_rank, "cpu")
     trainer = Trainer(job, groups, "cpu", data_cache_dir=run_dir / "data")
     recorder = FlightRecorder(flight_path(run_dir, rank), rank, world)
+    writes = _count_writes(recorder)
     for _ in range(warmup):
         trainer.step()
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     orders = list(itertools.permutations(VARIANTS))
     watched = 0.0  # the watcher thread's CPU seconds during the "on" steps
+    writes[0] = 0
     for i in range(rounds):
         for variant in orders[i % len(orders)]:
             if variant == "on":
                 recorder.install()
             recorder.set_step(trainer.step_num + 1)
             gc.collect()  # not the garbage of (un)installing, inside the next timed step
-            watcher = _thread_cpu(recorder._watcher)
+            watcher = _thread_cpu(recorder._watcher.thread)
             start = time.thread_time()
             times[variant].append(trainer.step().step_time_s)
             cpu[variant].append(time.thread_time() - start)
             if variant == "on":
-                watched += _thread_cpu(recorder._watcher) - watcher
+                watched += _thread_cpu(recorder._watcher.thread) - watcher
                 recorder.uninstall()
     ops_per_step = recorder.written / rounds
+    writes_per_step = writes[0] / rounds  # before the microbenchmarks write their own
     per_op = _per_op_cost(recorder, groups.tp, calls)
+    per_write = _write_cost(recorder, calls)
     recorder.close()
     destroy_groups()
     return {
@@ -88,7 +98,36 @@ def rank_main(job: JobConfig, run_dir: Path, rounds: int, warmup: int, calls: in
         "ops_per_step": ops_per_step,
         "per_op_s": per_op,
         "watcher_s": watched / rounds,
+        "writes_per_step": writes_per_step,
+        "per_write_s": per_write,
     }
+
+
+def _count_writes(recorder: FlightRecorder) -> list[int]:
+    """Count the device-state writes of the recorder's watcher (notified and polled alike)."""
+    count, write = [0], recorder.device
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        write(*args, **kwargs)
+
+    recorder._watcher._write = recorder._watcher._poller._write = counted
+    return count
+
+
+def _write_cost(recorder: FlightRecorder, calls: int) -> float:
+    """Seconds one device-state write costs (a completion, as a notification writes it), on
+    records entered for it (outside the timed loop)."""
+    n = min(calls, recorder.capacity // 2)
+    channel = recorder.add_group(0xBE7C, (recorder.rank,), "bench")
+    samples = []
+    for _ in range(5):
+        indices = [recorder.enter(OpKind.ALL_REDUCE, channel, 4, 0) for _ in range(n)]
+        start = time.perf_counter()
+        for index in indices:
+            recorder.device(index, DeviceState.COMPLETED, 1.0, 2.0)
+        samples.append((time.perf_counter() - start) / n)
+    return min(samples)
 
 
 def _thread_cpu(thread) -> float:
@@ -133,12 +172,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--calls", type=int, default=20000, help="calls per microbenchmark")
     parser.add_argument("--modes", default="gloo,async", help="CPU modes measured, in order")
+    parser.add_argument(
+        "--layouts", default="default,tp2", help=f"layouts measured: {', '.join(LAYOUTS)}"
+    )
     args = parser.parse_args(argv)
-    out = []
-    for mode in args.modes.split(","):
-        if mode not in ("gloo", "async"):
-            parser.error(f"--modes: {mode!r} is not a mode; accepted: gloo, async")
-        overrides = ["parallel.tp=2", "optim.warmup_steps=0", *args.overrides]
+    runs = []
+    for layout in args.layouts.split(","):
+        if layout not in LAYOUTS:
+            parser.error(f"--layouts: {layout!r} is not a layout; accepted: {', '.join(LAYOUTS)}")
+        for mode in args.modes.split(","):
+            if mode not in ("gloo", "async"):
+                parser.error(f"--modes: {mode!r} is not a mode; accepted: gloo, async")
+            runs.append((layout, mode))
+    out, rows = [], []
+    for layout, mode in runs:
+        overrides = [*LAYOUTS[layout], "optim.warmup_steps=0", *args.overrides]
         overrides.append(f"parallel.async_collectives={str(mode == 'async').lower()}")
         job = validate(load(args.config, overrides), args.nproc, "gloo")
         run_dir = Path(tempfile.mkdtemp(prefix="megascale-bench-"))
@@ -149,12 +197,29 @@ def main(argv: list[str] | None = None) -> int:
             (job, run_dir, args.rounds, args.warmup, args.calls),
             timeout_s=3600,
         )
-        out.append(report(args, job, per_rank, mode))
-    print("\n\n".join(out))
+        text, row = report(args, job, per_rank, f"{layout}, {mode}")
+        out.append(text)
+        rows.append(row)
+    print("\n\n".join([*out, summary(rows)]))
     return 0
 
 
-def report(args, job: JobConfig, per_rank: list[dict], mode: str) -> str:
+def summary(rows: list[str]) -> str:
+    """The runs side by side: the records' cost as a share of the training thread's CPU time."""
+    return "\n".join(
+        [
+            "# summary: share of the training thread's CPU time per step",
+            "",
+            "| run | ops/step | us/op | records on the training thread | completion writes "
+            "(other threads) | watcher polling | total |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
+def report(args, job: JobConfig, per_rank: list[dict], mode: str) -> tuple[str, str]:
+    """The run's table and figures, and its row of the summary."""
     rounds = range(args.rounds)
     wall = {v: [max(r["times"][v][i] for r in per_rank) for i in rounds] for v in VARIANTS}
     cpu = {
@@ -163,6 +228,9 @@ def report(args, job: JobConfig, per_rank: list[dict], mode: str) -> str:
     ops = max(r["ops_per_step"] for r in per_rank)
     per_op = statistics.median(r["per_op_s"] for r in per_rank)
     watcher = statistics.fmean(r["watcher_s"] for r in per_rank)
+    writes = statistics.fmean(r["writes_per_step"] for r in per_rank)
+    per_write = statistics.median(r["per_write_s"] for r in per_rank)
+    written = writes * per_write
     off_wall, off_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
     p = job.parallel
     lines = [
@@ -189,10 +257,19 @@ def report(args, job: JobConfig, per_rank: list[dict], mode: str) -> str:
         f"ops recorded per step: {ops:.0f}; one recorded op costs {per_op * 1e6:.2f} us "
         f"(microbenchmark); modelled overhead {ops * per_op / off_wall * 100:.3f}% of the "
         f"median step ({ops * per_op / off_cpu * 100:.3f}% of its CPU time)",
-        f"watcher thread: {watcher * 1e3:.3f} ms CPU per step, {watcher / off_cpu * 100:.2f}% of "
-        "the training thread's CPU time (mean over ranks)",
+        f"completion writes: {writes:.0f} per step x {per_write * 1e6:.2f} us "
+        f"= {writes * per_write * 1e3:.3f} ms CPU per step on the threads that complete ops, "
+        f"{written / off_cpu * 100:.2f}% of the training thread's CPU time",
+        f"watcher thread (polling): {watcher * 1e3:.3f} ms CPU per step, "
+        f"{watcher / off_cpu * 100:.2f}% of the training thread's CPU time (mean over ranks)",
     ]
-    return "\n".join(lines)
+    host = ops * per_op / off_cpu * 100
+    row = (
+        f"| {mode} | {ops:.0f} | {per_op * 1e6:.2f} | {host:.2f}% | "
+        f"{written / off_cpu * 100:.2f}% | {watcher / off_cpu * 100:.2f}% | "
+        f"{host + (written + watcher) / off_cpu * 100:.2f}% |"
+    )
+    return "\n".join(lines), row
 
 
 if __name__ == "__main__":

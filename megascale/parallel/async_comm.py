@@ -344,6 +344,11 @@ class _CoalescedHandle:
     def is_completed(self) -> bool:
         return self.op is None or self.op.is_completed()
 
+    def observe(self, fn: Callable[[CommOp], None]) -> None:
+        """``CommOp.observe`` of the block's op (nothing to observe if the block was empty)."""
+        if self.op is not None:
+            self.op.observe(fn)
+
     def append(self, work) -> None:
         pass
 
