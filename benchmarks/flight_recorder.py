@@ -23,6 +23,7 @@ Both are reported per step against the training thread's CPU time.
     python benchmarks/flight_recorder.py                  # tiny preset, 2 ranks, default and TP2
     python benchmarks/flight_recorder.py --layouts tp2 --modes async --rounds 30
     python benchmarks/flight_recorder.py --nproc 1 --layouts default --rounds 100
+    python benchmarks/flight_recorder.py --watch poll     # every op polled, as on CUDA
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ VARIANTS = ("on", "off", "off, control")
 LAYOUTS = {"default": [], "tp2": ["parallel.tp=2"]}  # --set overrides on top of the preset
 
 
-def rank_main(job: JobConfig, run_dir: Path, rounds: int, warmup: int, calls: int) -> dict:
+def rank_main(
+    job: JobConfig, run_dir: Path, rounds: int, warmup: int, calls: int, poll: bool
+) -> dict:
     rank, world = init_distributed("cpu")
     cpu_backend.activate()
     if job.parallel.async_collectives:
@@ -77,6 +80,7 @@ def rank_main(job: JobConfig, run_dir: Path, rounds: int, warmup: int, calls: in
         for variant in orders[i % len(orders)]:
             if variant == "on":
                 recorder.install()
+                recorder._watcher.notify = not poll  # --watch poll: as on CUDA, every op polled
             recorder.set_step(trainer.step_num + 1)
             gc.collect()  # not the garbage of (un)installing, inside the next timed step
             watcher = _thread_cpu(recorder._watcher.thread)
@@ -175,6 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layouts", default="default,tp2", help=f"layouts measured: {', '.join(LAYOUTS)}"
     )
+    parser.add_argument(
+        "--watch",
+        choices=("notify", "poll"),
+        default="notify",
+        help="how ops in flight are followed: completion callbacks where the op offers them (as "
+        "in training on CPU), or every op polled with the adaptive interval (as on CUDA)",
+    )
     args = parser.parse_args(argv)
     runs = []
     for layout in args.layouts.split(","):
@@ -194,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = run_local(
             rank_main,
             args.nproc,
-            (job, run_dir, args.rounds, args.warmup, args.calls),
+            (job, run_dir, args.rounds, args.warmup, args.calls, args.watch == "poll"),
             timeout_s=3600,
         )
         text, row = report(args, job, per_rank, f"{layout}, {mode}")

@@ -27,6 +27,10 @@ The default model (hidden 256, seq 128, 4 micro-batches of 2 per DP rank) comput
 collective on a rank, as training does; the collectives per step are what megatron-core issues for
 the layout, whatever the model size.
 
+Each mode of the CPU backend is measured in turn in one run (``--modes gloo,async``, the default):
+blocking gloo, and the NCCL-like ``parallel.async_collectives`` mode, where the calls return at once
+and the flight recorder's records carry each op's device state and times.
+
     python benchmarks/timers.py                 # 8 CPU ranks: TP2 x PP2 x DP2 + SP, 30 rounds
     python benchmarks/timers.py --no-flight-recorder
     python benchmarks/timers.py --rounds 10 --set model.hidden_size=64 --set model.seq_length=64
@@ -60,7 +64,7 @@ from megascale.diagnostics.comm_timer import CommTimer, timeline_comm
 from megascale.launcher.local import run_local
 from megascale.logs import quiet_expected_noise
 from megascale.overlap.trace import CommTrace
-from megascale.parallel import cpu_backend
+from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.robustness.flight_format import flight_path
 from megascale.robustness.flight_recorder import FlightRecorder, NullFlightRecorder
@@ -107,6 +111,8 @@ def _rank(
         else NullFlightRecorder()
     )  # installed first, as run_rank does
     cpu_backend.activate()
+    if job.parallel.async_collectives:
+        async_comm.install()  # before the recorder records a call (under it, as run_rank does)
     groups = build_groups(job.parallel)
     seed_everything(job.train.seed, groups.tp_rank, "cpu")
     timeline = timers.build_timeline(job.diagnostics, run_dir, groups, "cpu")
@@ -284,21 +290,30 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="run without the flight recorder: the timeline times each call with its own wrapper",
     )
+    parser.add_argument("--modes", default="gloo,async", help="CPU modes measured, in order")
     args = parser.parse_args(argv)
-
-    job = validate(load(args.config, [*DEFAULT_SETS, *args.overrides]), args.nproc, "gloo")
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in ("gloo", "async"):
+            parser.error(f"--modes: {mode!r} is not a mode; accepted: gloo, async")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as run_rank does
     quiet_expected_noise()
     work = Path(tempfile.mkdtemp(prefix="megascale-bench-timers-"))
     data_dir = work / "data"
     default_token_file(data_dir)
-    per_rank = run_local(
-        _rank,
-        args.nproc,
-        (job, data_dir, work / "run", args.rounds, args.warmup, args.flight, args.subject),
-        timeout_s=3600,
-    )
-    print(report(args, job, per_rank))
+    out = []
+    for mode in modes:
+        sets = [*DEFAULT_SETS, *args.overrides]
+        sets.append(f"parallel.async_collectives={str(mode == 'async').lower()}")
+        job = validate(load(args.config, sets), args.nproc, "gloo")
+        per_rank = run_local(
+            _rank,
+            args.nproc,
+            (job, data_dir, work / mode, args.rounds, args.warmup, args.flight, args.subject),
+            timeout_s=3600,
+        )
+        out.append(report(args, job, per_rank))
+    print("\n\n".join(out))
     return 0
 
 
@@ -330,7 +345,9 @@ def report(args, job, per_rank: list[dict]) -> str:
     rank_cpu = statistics.median(cpu_off) / args.nproc
     return "\n".join(
         [
-            f"# {what} overhead benchmark — {datetime.date.today()}",
+            f"# {what} overhead benchmark, "
+            f"{'async (NCCL-like)' if p.async_collectives else 'gloo'} mode — "
+            f"{datetime.date.today()}",
             f"command: {' '.join(sys.argv)}",
             f"layout: {args.nproc} CPU ranks (gloo), TP{p.tp} x PP{p.pp} x "
             f"DP{args.nproc // (p.tp * p.pp)}, sequence_parallel={p.sequence_parallel}; "
