@@ -326,7 +326,8 @@ class FlightRecorder:
             return
         self.uninstall()
         self.set_section("done")
-        self._mm.close()
+        with self._lock:  # not under a completion write of another thread
+            self._mm.close()
 
     # -- records ---------------------------------------------------------------------------------
 
