@@ -105,14 +105,14 @@ def _rank(
 ) -> dict:
     torch.set_num_threads(1)
     rank, world = init_distributed("cpu")
+    if job.parallel.async_collectives:
+        async_comm.install()  # under the flight recorder, which must see the host's calls
     recorder = (
         FlightRecorder(flight_path(run_dir, rank), rank, world).install()
         if flight
         else NullFlightRecorder()
     )  # installed first, as run_rank does
     cpu_backend.activate()
-    if job.parallel.async_collectives:
-        async_comm.install()  # before the recorder records a call (under it, as run_rank does)
     groups = build_groups(job.parallel)
     seed_everything(job.train.seed, groups.tp_rank, "cpu")
     timeline = timers.build_timeline(job.diagnostics, run_dir, groups, "cpu")
