@@ -49,6 +49,7 @@ from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.robustness.flight_format import DeviceState, OpKind, flight_path
 from megascale.robustness.flight_recorder import FlightRecorder, _OpWrapper
+from megascale.robustness.flight_watcher import MAX_INTERVAL_S, MIN_INTERVAL_S, Backoff
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 
@@ -57,7 +58,12 @@ LAYOUTS = {"default": [], "tp2": ["parallel.tp=2"]}  # --set overrides on top of
 
 
 def rank_main(
-    job: JobConfig, run_dir: Path, rounds: int, warmup: int, calls: int, poll: bool
+    job: JobConfig,
+    run_dir: Path,
+    rounds: int,
+    warmup: int,
+    calls: int,
+    poll: tuple[float, float] | None,
 ) -> dict:
     rank, world = init_distributed("cpu")
     cpu_backend.activate()
@@ -69,6 +75,8 @@ def rank_main(
     trainer = Trainer(job, groups, "cpu", data_cache_dir=run_dir / "data")
     recorder = FlightRecorder(flight_path(run_dir, rank), rank, world)
     writes = _count_writes(recorder)
+    if poll is not None:
+        recorder._watcher._poller.backoff = Backoff(*poll)
     for _ in range(warmup):
         trainer.step()
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -80,7 +88,7 @@ def rank_main(
         for variant in orders[i % len(orders)]:
             if variant == "on":
                 recorder.install()
-                recorder._watcher.notify = not poll  # --watch poll: as on CUDA, every op polled
+                recorder._watcher.notify = poll is None  # --watch poll: as on CUDA, all polled
             recorder.set_step(trainer.step_num + 1)
             gc.collect()  # not the garbage of (un)installing, inside the next timed step
             watcher = _thread_cpu(recorder._watcher.thread)
@@ -186,7 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         help="how ops in flight are followed: completion callbacks where the op offers them (as "
         "in training on CPU), or every op polled with the adaptive interval (as on CUDA)",
     )
+    parser.add_argument(
+        "--poll-ms",
+        default=f"{MIN_INTERVAL_S * 1e3:g},{MAX_INTERVAL_S * 1e3:g}",
+        help="with --watch poll: the polling interval's low,high bounds in ms",
+    )
     args = parser.parse_args(argv)
+    try:
+        low, high = (float(x) / 1e3 for x in args.poll_ms.split(","))
+    except ValueError:
+        parser.error(f"--poll-ms: {args.poll_ms!r} is not LOW,HIGH in milliseconds, e.g. 1,20")
+    poll = (low, high) if args.watch == "poll" else None
     runs = []
     for layout in args.layouts.split(","):
         if layout not in LAYOUTS:
@@ -205,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         per_rank = run_local(
             rank_main,
             args.nproc,
-            (job, run_dir, args.rounds, args.warmup, args.calls, args.watch == "poll"),
+            (job, run_dir, args.rounds, args.warmup, args.calls, poll),
             timeout_s=3600,
         )
-        text, row = report(args, job, per_rank, f"{layout}, {mode}")
+        label = f"{layout}, {mode}" + (f", polled {args.poll_ms} ms" if poll else "")
+        text, row = report(args, job, per_rank, label)
         out.append(text)
         rows.append(row)
     print("\n\n".join([*out, summary(rows)]))
