@@ -411,12 +411,13 @@ class FlightRecorder:
 
     # -- completion, as the device sees it --------------------------------------------------------
 
-    def track(self, index: int, result: object) -> None:
+    def track(self, index: int, result: object, key: object = None) -> None:
         """Follow record ``index``'s op to completion where it runs: ``result`` is what the host
         call returned (a work handle, or None for a synchronous call). The NCCL-like mode's
         ``CommOp`` tells when it started; a torch ``Work`` or a CUDA event recorded after a
         synchronous NCCL call only when it completed. Nothing to follow in the blocking gloo
-        mode's synchronous calls (the host call was the op)."""
+        mode's synchronous calls (the host call was the op). ``key``: the ops tracked with one
+        key complete in issue order (a group's collectives), None: no order is known (p2p)."""
         tracker = result if hasattr(result, "is_completed") else None
         if tracker is None and result is None:
             tracker = self._completion_of_sync()
@@ -424,7 +425,7 @@ class FlightRecorder:
             return
         queued = getattr(tracker, "started", None) is not None
         self.device(index, DeviceState.QUEUED if queued else DeviceState.STARTED)
-        self._watcher.add(index, tracker, queued)
+        self._watcher.add(index, tracker, queued, key)
 
     def device(self, index: int, state: DeviceState, start: float = 0.0, done: float = 0.0):
         """Write record ``index``'s device state (and its start / completion time, if given).
@@ -610,7 +611,7 @@ class FlightRecorder:
                 recorder.mark(indices, _FAILED)
                 raise
             for i in indices:
-                recorder.track(i, getattr(handle, "_work", None))
+                recorder.track(i, getattr(handle, "_work", None), handle.channel.gid)
             if not async_ops:
                 recorder.mark(indices, _LEFT)
 
@@ -700,7 +701,7 @@ class _OpWrapper(CommWrapper):
             local.inside = False
         if index is None:
             return result
-        recorder.track(index, result)
+        recorder.track(index, result, channel.gid if self.peer_kw is None else None)
         if is_async and result is not None:
             return _RecordedWork(result, recorder, (index,), channel)
         left = _monotonic()  # the record's leave time, and the end of the blocked interval

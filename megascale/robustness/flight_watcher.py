@@ -73,48 +73,72 @@ class Backoff:
 
 
 class Poller:
-    """The polled trackers of one process and one pass over them (``poll``); no thread."""
+    """The polled trackers of one process and one pass over them (``poll``); no thread.
+
+    Ops are kept in *lanes*: the ops added with the same ``key`` complete in the order they were
+    added (a NCCL communicator's stream, a CUDA stream, the NCCL-like mode's group thread), so a
+    pass queries a lane's oldest op only, and the ones behind it once it finished. An op added
+    with ``key=None`` is a lane of its own (gloo's p2p ops: no order between them)."""
 
     def __init__(self, write: Write) -> None:
         self._write = write
-        self.lock = threading.RLock()  # guards ``watched`` and ``backoff``
-        self.watched: list[list] = []  # [index, tracker, queued, started written]
+        self.lock = threading.RLock()  # guards ``lanes`` and ``backoff``
+        self.lanes: dict[object, list[list]] = {}  # key -> [[index, tracker, queued, shown]]
         self.backoff = Backoff()
 
-    def add(self, index: int, tracker, queued: bool) -> bool:
+    def add(self, index: int, tracker, queued: bool, key: object = None) -> bool:
         """Follow ``tracker``; returns whether a backed-off waiter should be woken."""
         with self.lock:
-            self.watched.append([index, tracker, queued, False])
+            self.lanes.setdefault(object() if key is None else key, []).append(
+                [index, tracker, queued, False]
+            )
             return self.backoff.added()
 
-    def poll(self) -> bool:
-        """Query every op in flight once, write what changed, drop the finished ones; returns
-        whether any state changed."""
-        changed, finished = False, set()
+    def in_flight(self) -> list[int]:
+        """The record indices followed now, lane by lane."""
         with self.lock:
-            watched = list(self.watched)
-        for entry in watched:
-            index, tracker, queued, shown = entry
-            started = getattr(tracker, "started", 0.0) if queued else 0.0
-            try:
-                done = tracker.is_completed()
-            except RuntimeError:  # the op failed
-                done = None
-            if done is None:
-                self._write(index, DeviceState.FAILED, done=time.monotonic())
-                finished.add(id(entry))
-            elif done:
-                when = getattr(tracker, "completed", 0.0) or time.monotonic()
-                self._write(index, DeviceState.COMPLETED, started, when)
-                finished.add(id(entry))
-            elif started and not shown:
-                self._write(index, DeviceState.STARTED, started)
-                entry[3] = changed = True
-        if finished:
-            changed = True
-            with self.lock:
-                self.watched = [e for e in self.watched if id(e) not in finished]
+            return [e[0] for lane in self.lanes.values() for e in lane]
+
+    def poll(self) -> bool:
+        """Query each lane's oldest op (and the next ones while they finished), write what
+        changed, drop the finished ones; returns whether any state changed."""
+        changed = False
+        with self.lock:
+            lanes = [(key, list(lane)) for key, lane in self.lanes.items()]
+        for key, lane in lanes:
+            finished = 0
+            for entry in lane:
+                outcome = self._query(entry)
+                changed = changed or outcome != ""
+                if outcome != "finished":
+                    break  # the ops behind it in its lane have not completed either
+                finished += 1
+            if finished:
+                with self.lock:
+                    del self.lanes[key][:finished]
+                    if not self.lanes[key]:
+                        del self.lanes[key]
         return changed
+
+    def _query(self, entry: list) -> str:
+        """Write ``entry``'s op's state if it changed: "finished" (completed or failed),
+        "started" (its start written now), or "" (nothing new)."""
+        index, tracker, queued, shown = entry
+        started = getattr(tracker, "started", 0.0) if queued else 0.0
+        try:
+            done = tracker.is_completed()
+        except RuntimeError:  # the op failed
+            self._write(index, DeviceState.FAILED, done=time.monotonic())
+            return "finished"
+        if done:
+            when = getattr(tracker, "completed", 0.0) or time.monotonic()
+            self._write(index, DeviceState.COMPLETED, started, when)
+            return "finished"
+        if started and not shown:
+            self._write(index, DeviceState.STARTED, started)
+            entry[3] = True
+            return "started"
+        return ""
 
 
 class CompletionWatcher:
@@ -130,18 +154,18 @@ class CompletionWatcher:
         self._cv = threading.Condition(self._poller.lock)
         self.thread: threading.Thread | None = None
 
-    def add(self, index: int, tracker, queued: bool) -> None:
-        """Follow record ``index``'s op; ``queued``: its tracker tells when it started."""
+    def add(self, index: int, tracker, queued: bool, key: object = None) -> None:
+        """Follow record ``index``'s op; ``queued``: its tracker tells when it started; ``key``:
+        the ops added with one key complete in order (see ``Poller``), None: no order known."""
         if self.notify and self._subscribe(index, tracker):
             return
         with self._cv:
-            if self._poller.add(index, tracker, queued):
+            idle = not self._poller.lanes
+            if self._poller.add(index, tracker, queued, key) or idle:
                 self._cv.notify()
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="flight-watcher", daemon=True)
                 self.thread.start()
-            elif len(self._poller.watched) == 1:
-                self._cv.notify()  # idle thread: wake it
 
     def _subscribe(self, index: int, tracker) -> bool:
         """Ask ``tracker`` to call back on its state changes; False if it cannot."""
@@ -179,7 +203,7 @@ class CompletionWatcher:
         poller = self._poller
         while True:
             with self._cv:
-                while not poller.watched:
+                while not poller.lanes:
                     self._cv.wait()
             changed = poller.poll()
             with self._cv:

@@ -50,7 +50,7 @@ def test_completed_op_is_written_once_and_a_hung_op_keeps_its_state():
     assert writes[2:] == [(0, C)]
     for _ in range(5):  # the hung op is never rewritten, the queued one never leaves QUEUED
         assert p.poll() is False
-    assert writes[3:] == [] and len(p.watched) == 2
+    assert writes[3:] == [] and p.in_flight() == [1, 2]
 
 
 def test_failed_op_is_written_failed_and_dropped():
@@ -58,7 +58,22 @@ def test_failed_op_is_written_failed_and_dropped():
     t = Tracker()
     p.add(7, t, queued=False)
     t.error = True
-    assert p.poll() is True and writes == [(7, F)] and p.watched == []
+    assert p.poll() is True and writes == [(7, F)] and p.in_flight() == []
+
+
+def test_a_lane_is_queried_from_its_oldest_op_only():
+    """Ops of one key complete in order: those behind an op in flight are not queried."""
+    p, writes = poller()
+    first, second, alone = Tracker(), Tracker(), Tracker()
+    p.add(0, first, queued=False, key="tp")
+    p.add(1, second, queued=False, key="tp")
+    p.add(2, alone, queued=False)
+    second.completed = alone.completed = 1.0
+    assert p.poll() is True
+    assert writes == [(2, C)] and p.in_flight() == [0, 1]  # 1 waits behind 0
+    first.completed = 2.0
+    assert p.poll() is True
+    assert writes[1:] == [(0, C), (1, C)] and p.in_flight() == []
 
 
 def test_backoff_doubles_while_nothing_changes_and_resets_on_a_change_or_a_new_op():
