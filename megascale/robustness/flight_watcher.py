@@ -8,7 +8,7 @@ An op is followed through a *tracker*, in the cheapest way it allows:
   communication thread starts it and when it completes (``CommOp.observe``); a CPU collective's
   torch ``Work`` (gloo) completes a future whose callback runs when the op completes
   (``Work.get_future().add_done_callback``). The write happens on the thread that ran the op.
-  Not on CUDA: a NCCL ``Work``'s future completes before the kernel has run.
+  Not on CUDA: a NCCL ``Work``'s future may complete once the kernel is enqueued, not run.
 * **polled** (everything else: a CUDA event recorded after a synchronous NCCL call, ``EventDone``;
   a NCCL ``Work``; gloo's p2p ``Work``, which has no future): one thread per process calls
   ``is_completed()`` with an adaptive interval (``Backoff``): ``MIN_INTERVAL_S`` after a change, or
@@ -25,14 +25,11 @@ ignores a write that would move one back), so a late notification cannot undo a 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 
 from megascale.robustness.flight_format import DeviceState
-
-logger = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 0.001  # polling interval after a change or a new op
 MAX_INTERVAL_S = 0.02  # polling interval once nothing has changed for a while (worst-case lag)
