@@ -9,6 +9,7 @@ while the others are blocked, runs ``stall_suspects``, then releases the culprit
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -29,6 +30,7 @@ from megascale.robustness.flight_format import (
     DeviceState,
     OpKind,
     OpState,
+    RankState,
     flight_path,
     last_state,
     read_flight,
@@ -343,5 +345,10 @@ def test_a_mismatched_collective_hangs_and_is_named_from_the_flight_files(
     else:
         assert odd.kind != peer.kind and odd.nbytes == peer.nbytes
     assert culprits[0].op == f"{odd.kind.name.lower()} of {odd.nbytes} bytes"
+    # what the controller analyses: the states as the agents' heartbeats carry them
+    carried = {
+        r: RankState.from_json(json.loads(json.dumps(st.to_json()))) for r, st in states.items()
+    }
+    assert stall_culprits(carried) == culprits
     if mode == "nccl-like":  # every member's device started it; none completes
         assert {st.blocked[0].device for st in states.values()} == {DeviceState.STARTED}
