@@ -45,7 +45,9 @@ decision is an ``elastic`` event whose ``text`` says what and why. Restarts are 
 ``EXIT_JOB_FATAL`` (``robustness.fatal``) stops every node and fails the job with the rank's
 reason, evicting and restarting nothing; so does an uncaught exception that would follow the job
 to any node (its signature ended every rank, or came back after a restart). Only node-local
-evidence (a lost lease, a failed self-check, a device error, a stall's culprit) evicts.
+evidence (a lost lease, a failed self-check, a device error, a stall's culprit) evicts. A stall
+held up only by mismatched collectives (``mismatch_signature``) is the program's bug: it blames
+no node; the same mismatch after a restart fails the job as a repeated exception does.
 
 Protocol events (``on_start``, ``on_all_stopped``, ``on_selfcheck_result``,
 ``on_generation_started``, ``on_training_finished``, ``on_stall_detected``) in a state that does
@@ -79,6 +81,7 @@ from megascale.robustness.controller_types import (
     SendCommand,
     StartGeneration,
     State,
+    mismatch_signature,
     stall_suspects,
 )
 from megascale.robustness.fatal import EXIT_JOB_FATAL
@@ -469,14 +472,27 @@ class ControllerFSM:
         detail.update(suspects=[layout.describe(r) for r in suspects], suspect_nodes=nodes)
         node = nodes[0] if len(nodes) == 1 else None
         rank = suspects[0] if len(suspects) == 1 else None
-        return self._on_fault(Fault("stall", node, rank, detail, suspects))
+        signature = mismatch_signature(detail.get("culprits") or ())
+        if signature is None:
+            return self._on_fault(Fault("stall", node, rank, detail, suspects))
+        # A mismatched collective is the program's bug: no node is blamed. The first one may be a
+        # one-off (a restart replays the steps from the checkpoint); the same again fails the job.
+        first = self.error_signatures.setdefault(signature, self.generation)
+        detail.update(classified="software: mismatched collective", signature=signature)
+        if first < self.generation:
+            why = f"the same collective mismatch after a restart (generations {first}, "
+            why += f"{self.generation})"
+            fatal = {**detail, "reason": f"{signature} ({why})", "classified": why}
+            return self._on_fault(Fault("job_fatal", node, rank, fatal, suspects, False))
+        return self._on_fault(Fault("stall", node, rank, detail, suspects, False))
 
     def _on_fault(self, fault: Fault) -> list[Action]:
         self.fault = fault
         self.faults.append(fault)
-        culprits = {fault.node} if fault.node and fault.kind != "job_fatal" else set()
-        culprits |= {n for r in fault.suspects if (n := self.node_of(r)) is not None}
-        self.culprits.update(culprits)
+        if fault.blames_nodes:
+            culprits = {fault.node} if fault.node and fault.kind != "job_fatal" else set()
+            culprits |= {n for r in fault.suspects if (n := self.node_of(r)) is not None}
+            self.culprits.update(culprits)
         where = self.layout.describe(fault.rank) if fault.rank is not None else None
         detail = {**fault.detail, "fault": fault.kind, "where": where, "step": self.step}
         actions: list[Action] = [

@@ -46,6 +46,7 @@ def snapshot(fsm: ControllerFSM) -> dict[str, Any]:
             "rank": fault.rank,
             "detail": dict(fault.detail),
             "suspects": list(fault.suspects),
+            "blames_nodes": fault.blames_nodes,
         },
         "faults": len(fsm.faults),
         "culprits": dict(fsm.culprits),
@@ -77,7 +78,10 @@ def restore(fsm: ControllerFSM, snapshot: Mapping[str, Any], now: float) -> None
         fsm.timeouts.samples[section].extend(samples)
     if snapshot.get("fault"):
         f = snapshot["fault"]
-        fsm.fault = Fault(f["kind"], f["node"], f["rank"], f["detail"], tuple(f["suspects"]))
+        fsm.fault = Fault(
+            f["kind"], f["node"], f["rank"], f["detail"], tuple(f["suspects"]),
+            bool(f.get("blames_nodes", True)),
+        )  # fmt: skip
     fsm._reset_generation_tracking()
     fsm.step = snapshot.get("step")
     fsm.stepped = snapshot.get("section") != "init"

@@ -330,3 +330,18 @@ class Fault:
     rank: int | None = None
     detail: Mapping[str, Any] = field(default_factory=dict)
     suspects: tuple[int, ...] = ()
+    blames_nodes: bool = True
+    """Whether its node and suspects' nodes count as culprits (``evict_repeat_culprit``); False
+    for a fault of the program (a mismatched collective), which would follow it to any node."""
+
+
+def mismatch_signature(culprits: Iterable[Mapping[str, Any]]) -> str | None:
+    """The signature of a stall whose culprits (a ``stall`` event's ``culprits``) are all
+    mismatched collectives: what each odd rank issued, where; None for any other stall."""
+    culprits = list(culprits)
+    if not culprits or any(c.get("reason") != "mismatch" for c in culprits):
+        return None
+    odd = "; ".join(
+        sorted(f"rank {c.get('rank')} issued {c.get('op')} on {c.get('group')}" for c in culprits)
+    )
+    return f"mismatched collective: {odd} while its group's other members issued another"

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -549,7 +550,11 @@ def stall_culprits(states: Mapping[int, RankState]) -> list[Culprit]:
     the collective, gone, or with their communication stuck. Those are the suspects, with ranks
     waiting for each other in a cycle (a mismatched order). A rank waiting where every member has
     started is no suspect (that collective itself hangs: nobody is behind), unless the members'
-    records of it differ in op or size: then the ranks in the minority are named ("mismatch").
+    records of it differ in op or size: then the ranks in the minority are named ("mismatch"),
+    and they alone (with stopped ranks): every other wait is behind that collective, which never
+    completes. In a tie (a pair) the op that the same-labelled groups' waiters record at that
+    sequence number wins (data-parallel replicas issue the same calls); failing that, the lower
+    rank's.
     Ranks whose process is stopped (SIGSTOP, /proc state "T", known only on the same host) are
     suspects wherever they stopped. [] when no rank waits and none is stopped.
 
@@ -578,10 +583,11 @@ def stall_culprits(states: Mapping[int, RankState]) -> list[Culprit]:
             }
     culprits: dict[int, Culprit] = {}
     for (gid, seq), by_rank in ops.items():
-        culprits.update({c.rank: c for c in _mismatched(states, gid, seq, by_rank)})
-    dead = _dead_links(states)
-    culprits.update({r: c for r, c in dead.items() if r not in culprits})
-    for comp in [] if dead else _sink_components(edges):
+        culprits.update({c.rank: c for c in _mismatched(states, gid, seq, by_rank, ops)})
+    # A mismatch hangs its group for good: every rank waiting or queued behind it is downstream.
+    dead = {} if culprits else _dead_links(states)
+    culprits.update(dead)
+    for comp in [] if dead or culprits else _sink_components(edges):
         for node in comp:
             if isinstance(node, int) and node not in culprits:
                 culprits[node] = _why(states, node, comp, edges)
@@ -622,25 +628,40 @@ def _dead_links(states: Mapping[int, RankState]) -> dict[int, Culprit]:
 
 
 def _mismatched(
-    states: Mapping[int, RankState], gid: int, seq: int, by_rank: Mapping[int, OpRecord]
+    states: Mapping[int, RankState],
+    gid: int,
+    seq: int,
+    by_rank: Mapping[int, OpRecord],
+    ops: Mapping[tuple[int, int], Mapping[int, OpRecord]],
 ) -> list[Culprit]:
-    """The ranks whose record of (gid, seq) differs in op or size from the most common one."""
+    """The ranks whose record of (gid, seq) differs in op or size from the most common one
+    (ties: see ``stall_culprits``; ``ops`` is every blocked op by (group, seq))."""
     if len(by_rank) < 2:
         return []
     shapes: dict[tuple[object, int], list[int]] = {}
     for rank, op in by_rank.items():
-        # The two ends of a p2p transfer record a send and a receive at the same number.
-        shape = ("p2p", 0) if op.flags & P2P else (op.kind, op.nbytes)
-        shapes.setdefault(shape, []).append(rank)
+        shapes.setdefault(_shape(op), []).append(rank)
     if len(shapes) < 2:
         return []
-    common = max(shapes.values(), key=lambda ranks: (len(ranks), -min(ranks)))
     label = _label(states, gid)
+    kind = label.split(" [")[0]  # the label without the ranks: the same for every replica
+    elsewhere = Counter(
+        _shape(op)
+        for (other, other_seq), members in ops.items()
+        if other != gid and other_seq == seq and _label(states, other).split(" [")[0] == kind
+        for op in members.values()
+    )
+    common = max(shapes.items(), key=lambda kv: (len(kv[1]), elsewhere[kv[0]], -min(kv[1])))[1]
     return [
         Culprit(rank, "mismatch", label, f"{op.kind.name.lower()} of {op.nbytes} bytes", seq)
         for rank, op in by_rank.items()
         if rank not in common
     ]
+
+
+def _shape(op: OpRecord) -> tuple[object, int]:
+    # The two ends of a p2p transfer record a send and a receive at the same number.
+    return ("p2p", 0) if op.flags & P2P else (op.kind, op.nbytes)
 
 
 def _why(states: Mapping[int, RankState], rank: int, comp: list[object], edges: Mapping) -> Culprit:

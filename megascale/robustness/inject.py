@@ -8,6 +8,12 @@ A spec is ``KIND:KEY=VALUE,KEY=VALUE`` (``corrupt-checkpoint:latest`` takes a ba
                                       host goes on issuing until it blocks on a result (a dead NIC,
                                       a stuck NCCL kernel); with parallel.async_collectives the
                                       ops stay queued on its communication threads
+    mismatch-comm:rank=5,step=30[,kind=size|op]
+                                      rank 5's first collective of step 30 is issued with twice
+                                      the size (or another op) than its group peers issue at the
+                                      same sequence number, and hangs as NCCL's would
+                                      (``megascale.robustness.inject_comm``); a software bug: the
+                                      controller evicts nobody for it
     slow-rank:rank=2,factor=1.5       rank 2's forward and backward compute takes factor x as long
     slow-node:node=1,factor=1.5       so does every rank that runs on node 1 (a slow machine: the
                                       ranks it gets in a later generation are slow too)
@@ -74,6 +80,7 @@ KINDS: dict[str, Kind] = {
     "kill-worker": Kind(("rank", "step"), (), "worker", "SIGKILL a worker before a step"),
     "hang-worker": Kind(("rank", "step"), (), "worker", "SIGSTOP a worker before a step"),
     "hang-comm": Kind(("rank", "step"), (), "worker", "a rank's communication stops completing"),
+    "mismatch-comm": Kind(("rank", "step"), ("kind",), "worker", "a rank's collective mismatches"),
     "slow-rank": Kind(("rank", "factor"), (), "worker", "a rank computes factor x as long"),
     "slow-node": Kind(("node", "factor"), (), "worker", "a node's ranks compute factor x as long"),
     "kill-agent": Kind(("node", "step"), (), "launcher", "SIGKILL a node's agent and workers"),
@@ -89,6 +96,7 @@ KINDS: dict[str, Kind] = {
 }
 _INT_KEYS = ("rank", "step", "node")
 _FLOAT_KEYS = {"factor": 1.0, "downtime": 0.0, "seconds": 0.0}  # key -> smallest value accepted
+_WORD_KEYS = {"kind": ("size", "op")}  # key -> the words accepted
 
 
 def accepted() -> str:
@@ -151,7 +159,7 @@ def parse(text: str) -> FaultSpec:
 def _needs(kind_name: str) -> str:
     kind = KINDS[kind_name]
     keys = ["latest" if k == "latest" else f"{k}=N" for k in kind.required]
-    keys += [f"optional {k}=N" for k in kind.optional]
+    keys += [f"optional {k}={'|'.join(_WORD_KEYS.get(k, ('N',)))}" for k in kind.optional]
     return f"{', '.join(keys)} (e.g. {kind_name}:{_example(kind_name)})"
 
 
@@ -160,6 +168,7 @@ def _example(kind_name: str) -> str:
         "kill-worker": "rank=1,step=12",
         "hang-worker": "rank=1,step=12",
         "hang-comm": "rank=1,step=12",
+        "mismatch-comm": "rank=1,step=12,kind=op",
         "slow-rank": "rank=1,factor=1.5",
         "slow-node": "node=1,factor=1.5",
         "kill-agent": "node=1,step=12",
@@ -176,6 +185,11 @@ def _example(kind_name: str) -> str:
 
 
 def _value(text: str, key: str, value: str) -> Any:
+    if key in _WORD_KEYS:
+        if value not in _WORD_KEYS[key]:
+            words = " or ".join(_WORD_KEYS[key])
+            raise InjectError(f"--inject {text!r}: {key}={value!r} must be {words}")
+        return value
     if key in _INT_KEYS:
         if not value.isdigit():
             raise InjectError(f"--inject {text!r}: {key}={value!r} must be an integer >= 0")
@@ -210,7 +224,7 @@ def check_fits(specs: Iterable[FaultSpec], *, nodes: int, world_size: int, steps
             raise InjectError(
                 f"--inject {spec.text!r}: step={step} is after the last step ({steps})"
             )
-    restarting = {"kill-worker", "hang-worker", "hang-comm", "kill-agent"}
+    restarting = {"kill-worker", "hang-worker", "hang-comm", "mismatch-comm", "kill-agent"}
     if any(s.kind == "corrupt-checkpoint" for s in specs) and not any(
         s.kind in restarting for s in specs
     ):
@@ -302,11 +316,16 @@ class WorkerFaults:
             if spec.kind == "hang-comm":
                 _halt_communication()
                 continue
+            if spec.kind == "mismatch-comm":
+                from megascale.robustness import inject_comm  # torch: the worker side only
+
+                inject_comm.arm(spec.get("kind", "size"))
+                continue
             sig = signal.SIGKILL if spec.kind == "kill-worker" else signal.SIGSTOP
             os.kill(os.getpid(), sig)
 
 
-_STEP_FAULTS = ("kill-worker", "hang-worker", "hang-comm")
+_STEP_FAULTS = ("kill-worker", "hang-worker", "hang-comm", "mismatch-comm")
 
 
 def _halt_communication() -> None:

@@ -8,6 +8,8 @@ while the others are blocked, runs ``stall_suspects``, then releases the culprit
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import threading
@@ -23,10 +25,12 @@ from harness import with_changes
 from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
+from megascale.robustness import inject
 from megascale.robustness.flight_format import (
     DeviceState,
     OpKind,
     OpState,
+    RankState,
     flight_path,
     last_state,
     read_flight,
@@ -281,3 +285,70 @@ def test_training_run_leaves_plausible_records(tmp_path, data_dir):
         assert (progress.section, progress.step) == ("done", 2)
         assert progress.tokens_per_s > 0 and {"init", "step"} <= set(progress.durations)
     assert kinds_by_rank[0] == kinds_by_rank[1]  # both TP ranks recorded the same calls
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind"), [("gloo", "size"), ("nccl-like", "op")], ids=["gloo-size", "nccl-like-op"]
+)
+def test_a_mismatched_collective_hangs_and_is_named_from_the_flight_files(
+    tmp_path, data_dir, monkeypatch, mode, kind
+):
+    # DP4 training, the real injection: rank 2's first collective of step 2 is issued with twice
+    # the size (or another op) and hangs, as on NCCL (gloo would abort the process on a size
+    # mismatch). Read from outside as the agent reads them, the flight files name rank 2 alone.
+    job = with_changes(
+        load("tiny"),
+        parallel={"async_collectives": mode == "nccl-like"},
+        data={"path": str(default_token_file(data_dir))},
+        optim={"warmup_steps": 1},
+        train={"steps": 3, "log_interval": 1},
+        checkpoint={"interval": 0},
+    )
+    job = validate(job, WORLD, "gloo")
+    monkeypatch.setenv(inject.ENV, f"mismatch-comm:rank=2,step=2,kind={kind}")
+    outcome: dict = {}
+
+    def ranks():
+        try:
+            outcome["results"] = run_local(run_rank, WORLD, (job, tmp_path), timeout_s=120)
+        except BaseException as e:  # the test kills the hung ranks
+            outcome["error"] = e
+
+    def hung(states) -> bool:  # every rank blocked in the same op
+        return len({(op.group, op.seq) for st in states.values() for op in st.blocked[:1]}) == 1
+
+    thread = threading.Thread(target=ranks)
+    thread.start()
+    states, culprits = {}, []
+    deadline = time.monotonic() + 90
+    try:
+        while time.monotonic() < deadline and not outcome and not culprits:
+            paths = [flight_path(tmp_path, r) for r in range(WORLD)]
+            if all(p.exists() for p in paths):
+                states = {r: last_state(p) for r, p in enumerate(paths)}
+                if all(st.blocked for st in states.values()) and hung(states):
+                    culprits = stall_culprits(states)
+            time.sleep(0.05)
+    finally:
+        for state in states.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(state.pid, signal.SIGKILL)
+        thread.join(timeout=60)
+    assert "results" not in outcome, "the mismatched collective completed"
+    assert [(c.rank, c.reason) for c in culprits] == [(2, "mismatch")], (culprits, states)
+    # alive and waiting when read, not aborted (a size mismatch aborts a plain gloo process)
+    assert all(st.process in ("R", "S") for st in states.values()), states
+    odd, peer = states[2].blocked[0], states[0].blocked[0]
+    assert culprits[0].seq == odd.seq == peer.seq and culprits[0].group.endswith(" [0, 1, 2, 3]")
+    if kind == "size":
+        assert (odd.kind, odd.nbytes) == (peer.kind, 2 * peer.nbytes)
+    else:
+        assert odd.kind != peer.kind and odd.nbytes == peer.nbytes
+    assert culprits[0].op == f"{odd.kind.name.lower()} of {odd.nbytes} bytes"
+    # what the controller analyses: the states as the agents' heartbeats carry them
+    carried = {
+        r: RankState.from_json(json.loads(json.dumps(st.to_json()))) for r, st in states.items()
+    }
+    assert stall_culprits(carried) == culprits
+    if mode == "nccl-like":  # every member's device started it; none completes
+        assert {st.blocked[0].device for st in states.values()} == {DeviceState.STARTED}

@@ -380,22 +380,52 @@ def test_nccl_like_hang_names_the_rank_alone_and_a_spare_replaces_its_node(
     assert start["nodes"] == ["node-0", "node-2"] and start["replaced"] == {"node-1": "node-2"}
 
 
+def test_a_mismatched_collective_is_named_and_evicts_nobody(tmp_path):
+    # 2 nodes x 2 ranks (DP4, so that the odd rank is in a minority), a policy that evicts a node
+    # named culprit once: rank 2's collective mismatches at step 12 and hangs; the stall names it
+    # (a mismatch, its group and op), no node is blamed, the job restarts on the same nodes and
+    # finishes (the injection fires once; a mismatch that came back would fail the job).
+    run = Run(
+        tmp_path,
+        "--nproc-per-node", "2", "--spares", "1",
+        "--inject", "mismatch-comm:rank=2,step=12",
+        "--set", "fault_tolerance.evict_repeat_culprit=1",
+    )  # fmt: skip
+    assert run.rc == 0 and run.final["finished"] and run.final["final_step"] == STEPS, run.output
+    assert run.final["generations"] == 2 and run.final["evicted"] == []
+    [fault] = run.faults()
+    assert fault["detail"]["fault"] == "stall" and (fault["node"], fault["rank"]) == ("node-1", 2)
+    assert fault["detail"]["classified"] == "software: mismatched collective"
+    [culprit] = fault["detail"]["culprits"]
+    assert (culprit["rank"], culprit["reason"]) == (2, "mismatch"), culprit
+    assert culprit["group"].endswith(" [0, 1, 2, 3]") and culprit["op"].endswith(" bytes")
+    assert not run.of("evict")
+    start = run.of("generation_start")[-1]["detail"]
+    assert start["nodes"] == ["node-0", "node-1"] and not start.get("replaced")
+
+
 def test_slow_rank_is_not_a_fault(reference, tmp_path):
     run = Run(tmp_path, "--inject", "slow-rank:rank=1,factor=2")
     run.check_recovered(reference, generations=1)
     assert not run.faults() and run.final["faults_detected"] == {}
 
 
-def test_slow_node_is_evicted_when_configured_and_a_spare_takes_its_ranks(reference, tmp_path):
+@pytest.mark.parametrize("async_collectives", [False, True], ids=["gloo", "nccl-like"])
+def test_slow_node_is_evicted_when_configured_and_a_spare_takes_its_ranks(
+    reference, tmp_path, async_collectives
+):
     # Flagging takes 6 heartbeats per node that each carry a new step (a window of 4, slow in 3
     # windows in a row), all before step 20: 8 x slow steps make that so even on a fast machine,
     # where 4 x the tiny model's step can be well under a heartbeat interval. It costs little:
-    # the node is evicted after those 6 heartbeats.
+    # the node is evicted after those 6 heartbeats. In the NCCL-like mode the host never blocks
+    # in a collective, so the slow node is told by its compute time alone: the same result (and
+    # the same numbers as the blocking gloo reference).
     run = Run(
         tmp_path,
         "--spares", "1",
         "--inject", "slow-node:node=1,factor=8",
         "--set", "diagnostics.straggler_action=evict",
+        "--set", f"parallel.async_collectives={str(async_collectives).lower()}",
     )  # fmt: skip
     run.check_recovered(reference)
     # The first generation's report names the slow machine (on a loaded 2-core box a later

@@ -25,6 +25,22 @@ def test_specs_parse_and_keep_a_stable_id():
         inject.parse("kill-worker:rank=1,step=0")
 
 
+def test_a_mismatch_spec_takes_a_kind_word_and_refuses_others_in_one_line():
+    spec = inject.parse("mismatch-comm:rank=2,step=3,kind=op")
+    assert (spec.side, dict(spec.params)) == ("worker", {"rank": 2, "step": 3, "kind": "op"})
+    assert inject.parse("mismatch-comm:rank=2,step=3").get("kind", "size") == "size"
+    with pytest.raises(inject.InjectError) as bad:
+        inject.parse("mismatch-comm:rank=2,step=3,kind=shape")
+    assert str(bad.value) == (
+        "--inject 'mismatch-comm:rank=2,step=3,kind=shape': kind='shape' must be size or op"
+    )
+    with pytest.raises(inject.InjectError, match=r"takes rank=N, step=N, optional kind=size\|op"):
+        inject.parse("mismatch-comm:rank=2,step=3,size=4")
+    with pytest.raises(inject.InjectError, match="rank=4 is not one of the job's 4 ranks"):
+        inject.check_fits([inject.parse("mismatch-comm:rank=4,step=3")], nodes=2, world_size=4,
+                          steps=9)  # fmt: skip
+
+
 def test_worker_side_specs_travel_in_the_environment(monkeypatch, tmp_path):
     specs = [inject.parse(s) for s in ("kill-worker:rank=1,step=5", "kill-agent:node=1,step=5")]
     value = inject.to_env(specs)

@@ -3,7 +3,7 @@ a 2 node x 1 rank CPU run with rank 1 three times slow (``slow-rank``) serves ``
 metrics (the validation loss too) from the controller and the agents while it runs, scores each rank
 against its pipeline stage's (rank 1 slow, rank 0 even, per rank), and records a ``straggler``
 event naming node-1 and rank 1 (and no fault). And a PP2 run whose second stage (one node) is
-evenly 3x as heavy flags nobody."""
+evenly 3x as heavy flags nobody, in the blocking gloo and the NCCL-like mode."""
 
 from __future__ import annotations
 
@@ -121,13 +121,16 @@ def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
     assert not [e for e in events if e["kind"] == "fault"]
 
 
-def test_an_evenly_heavier_pipeline_stage_is_not_a_straggler(tmp_path):
+@pytest.mark.parametrize("async_collectives", [False, True], ids=["gloo", "nccl-like"])
+def test_an_evenly_heavier_pipeline_stage_is_not_a_straggler(tmp_path, async_collectives):
     # PP2 x DP2 on 2 nodes of 2: node-0 holds stage 0 (ranks 0, 1), node-1 stage 1 (ranks 2, 3),
     # whose compute is made 3x as long on both ranks, as a stage with the LM head and loss is
-    # naturally heavier. Every rank is scored against its stage's other rank: all even.
+    # naturally heavier. Every rank is scored against its stage's other rank: all even. The same
+    # in the NCCL-like mode, where the host never blocks in a collective.
     args = [
         "--nodes", "2", "--nproc-per-node", "2", "--heartbeat-interval", "0.5",
         "--timeout", "120", "--set", "parallel.pp=2", "--set", "train.steps=24",
+        "--set", f"parallel.async_collectives={str(async_collectives).lower()}",
         "--set", "checkpoint.interval=0", "--inject", "slow-node:node=1,factor=3",
         # Two even ranks on a loaded 2-core box differ by up to ~10%; scored across stages,
         # stage 1 would be ~3x: a threshold of 1.5 still tells the two models apart.

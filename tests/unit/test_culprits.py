@@ -96,6 +96,22 @@ def test_mismatched_size_at_the_same_sequence_number_names_the_odd_rank():
     ]
 
 
+def test_a_mismatch_in_a_pair_is_told_by_the_other_replica_and_hides_what_waits_behind_it():
+    # TP {0,1} #4: rank 0 broadcasts, rank 1 all-reduces, as TP {2,3} does at #4 (caught in it):
+    # the lower rank is the odd one. 2's DP #4 started (another thread), 0's is queued behind its
+    # hung TP op: 0 is named for the mismatch, not as a dead link, and nobody else.
+    states = {
+        0: state(0, {0x10: 4, 0x20: 4}, [op(0x10, 4, S, kind=OpKind.BROADCAST), op(0x20, 4, Q)]),
+        1: state(1, {0x10: 4, 0x21: 3}, [op(0x10, 4, S)]),
+        2: state(2, {0x11: 4, 0x20: 4}, [op(0x20, 4, S), op(0x11, 4, S)]),
+        3: state(3, {0x11: 4, 0x21: 3}, [op(0x11, 4, S)]),
+    }
+    culprits = stall_culprits(states)
+    assert [(c.rank, c.reason, c.group, c.op, c.seq) for c in culprits] == [
+        (0, "mismatch", "TP [0, 1]", "broadcast of 64 bytes", 4)
+    ]
+
+
 def test_mismatched_op_kind_in_a_larger_group_names_the_minority():
     groups = {0x30: GroupInfo(0x30, "DP", (0, 1, 2), 9)}
 

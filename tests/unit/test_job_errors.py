@@ -102,3 +102,41 @@ def test_events_of_a_deposed_controllers_term_are_not_read(tmp_path):
     ]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     assert [e["seq"] for e in read_events(tmp_path)] == [0, 1, 3, 4]
+
+
+MISMATCH = {"rank": 2, "reason": "mismatch", "group": "DP [0, 1, 2, 3]", "op": "broadcast of 8 bytes",
+            "seq": 7}  # fmt: skip
+
+
+def test_a_mismatched_collective_blames_no_node_and_fails_the_job_when_it_comes_back():
+    # A policy that evicts a node named culprit once: a stall with a "not-started" culprit
+    # would evict n2; a mismatch evicts nobody, restarts once, and the same again fails the job.
+    fsm, clock = four_nodes(NODES_AND_SPARE, evict_repeat_culprit=1)
+    out = fsm.on_stall_detected([2], clock(), {"culprits": [MISMATCH]})
+    [fault] = records(out, "fault")
+    assert fault.detail["fault"] == "stall" and (fault.node, fault.rank) == ("n2", 2)
+    assert fault.detail["classified"] == "software: mismatched collective"
+    signature = fault.detail["signature"]
+    assert signature.startswith("mismatched collective: rank 2 issued broadcast of 8 bytes on DP")
+    restarted(fsm, out, clock)
+    assert fsm.generation == 2 and fsm.blocklist == {} and fsm.spares == ["n4"]
+    fsm = ControllerFSM.restore(fsm.policy, json.loads(json.dumps(fsm.snapshot())), clock())
+    out = fsm.on_stall_detected([2], clock(), {"culprits": [{**MISMATCH, "seq": 3}]})
+    [fault] = records(out, "fault")
+    assert fault.detail["fault"] == "job_fatal"
+    assert fault.detail["classified"] == (
+        "the same collective mismatch after a restart (generations 1, 2)"
+    )
+    out = ack_all(fsm, out, clock)
+    assert fsm.state is State.FAILED and fsm.failure.startswith(
+        f"job-fatal error on rank 2: {signature} (the same collective mismatch"
+    )
+    assert not [a for a in out if isinstance(a, Evict)] and fsm.blocklist == {}
+
+
+def test_a_stall_with_a_node_culprit_besides_a_mismatch_still_blames_it():
+    fsm, clock = four_nodes(NODES_AND_SPARE, evict_repeat_culprit=1)
+    hung = {"rank": 3, "reason": "not-started", "group": "TP", "op": "all_reduce", "seq": 4}
+    out = fsm.on_stall_detected([2, 3], clock(), {"culprits": [MISMATCH, hung]})
+    assert "classified" not in records(out, "fault")[0].detail
+    assert fsm.culprits == {"n2": 1, "n3": 1}
