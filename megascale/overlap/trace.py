@@ -222,13 +222,16 @@ class _Wrapped(CommWrapper):
         """The NCCL-like mode: the engine queues the call (and waits out its cost on its thread);
         a synchronous call is waited for here, all of it exposed."""
         trace = self.trace
+        start = time.perf_counter()  # in backward the engine waits inside the call: count it
         with trace.entered():
             result = self.original(*args, **kwargs)
         op = result if hasattr(result, "wait") else trace.engine.last_op()
-        work = _DelayedWork(op, event, 0.0, trace)
         if is_async:
-            return work
-        work.wait()
+            return _DelayedWork(op, event, 0.0, trace)
+        if op is not None:
+            op.wait()
+        event.wait_start, event.wait_end = start, time.perf_counter()
+        trace.add_wait(event, start, event.wait_end)
         return result
 
 
