@@ -259,7 +259,8 @@ def report(args, base, summary: dict) -> str:
     ]
     for block, rows in summary["blocks"].items():
         for name, row in rows.items():
-            cells = [block, name, f"{row['step_time_s']:.3f}", f"{row['vs_off']:.2f}x"]
+            vs_off = "-" if row["vs_off"] is None else f"{row['vs_off']:.2f}x"  # no "off" run
+            cells = [block, name, f"{row['step_time_s']:.3f}", vs_off]
             for link in LINKS:
                 d = row[link]
                 cells.append(f"{d['comm_s']:.3f} / {d['exposed_comm_s']:.3f}")
