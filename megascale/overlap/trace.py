@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.overlap.cost import CostModel
+from megascale.parallel.async_comm import p2p_name
 from megascale.parallel.comm_hooks import (
     COLLECTIVES,
     P2P_ASYNC,
@@ -458,12 +459,7 @@ class CommTrace:
             inner = self.state.events[first:]
             if self.engine is not None and not inner:  # queued: its calls run on the engine
                 inner = [
-                    self.record(
-                        getattr(o.op, "name", o.op.__name__),
-                        (o.tensor,),
-                        coalesced=True,
-                        group=o.group,
-                    )
+                    self.record(p2p_name(o), (o.tensor,), coalesced=True, group=o.group)
                     for o in p2p_op_list
                 ]
             event, ready_at = self._grouped_event("batch_isend_irecv", inner, group)

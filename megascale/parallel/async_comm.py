@@ -184,6 +184,12 @@ class _Routed(CommWrapper):
         return op if is_async else None
 
 
+def p2p_name(op) -> str:
+    """``"isend"`` or ``"irecv"``: the name of a ``P2POp``'s function, wrapped or not."""
+    fn = op.op
+    return getattr(fn, "name", None) or fn.__name__
+
+
 def _key(group) -> object:
     return distributed_c10d.GroupMember.WORLD if group is None else group
 
@@ -317,10 +323,7 @@ class AsyncComm:
             if comm_thread_flag.active or not engine.active or not p2p_op_list:
                 return original(p2p_op_list)
             ops = list(p2p_op_list)
-            cost = sum(
-                engine.price(getattr(o.op, "name", o.op.__name__), o.group, (o.tensor,), {})
-                for o in ops
-            )
+            cost = sum(engine.price(p2p_name(o), o.group, (o.tensor,), {}) for o in ops)
             op = engine.submit("batch_isend_irecv", ops[0].group, lambda: original(ops), True, cost)
             return [op] * len(ops)
 
