@@ -20,6 +20,7 @@ from the same parameters, so their losses must match ("max loss diff vs off").
     python benchmarks/overlap.py                       # bytes model, serial + parallel block
     python benchmarks/overlap.py --cost fixed --latency-ms 20
     python benchmarks/overlap.py --json                # one JSON object
+    python benchmarks/overlap.py --shapes 175b-tp      # TP bytes per FLOP of megascale-175b
     python benchmarks/overlap.py --device cuda --cost fixed --latency-ms 0   # 8 GPUs, real links
 """
 
@@ -83,6 +84,13 @@ def _args(argv):
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--variants", default="off,all on", help=f"of: {', '.join(VARIANTS)}")
     parser.add_argument("--blocks", default="serial,parallel")
+    parser.add_argument(
+        "--shapes",
+        choices=("small", "175b-tp"),
+        default="small",
+        help="small: hidden 256, seq 256, mbs 4; 175b-tp: the hidden size whose TP bytes per "
+        "FLOP is megascale-175b's (seq 256, mbs 1, gbs 4); --set still overrides",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return parser.parse_args(argv)
@@ -95,9 +103,46 @@ def gemm_flops_per_call(job: JobConfig) -> float:
     return 2.0 * m.seq_length * job.train.micro_batch_size * m.hidden_size**2 * 3 / job.parallel.tp
 
 
+def tp_bytes_per_flop(job: JobConfig) -> float:
+    """TP/SP bytes each GPU sends per FLOP it computes in one transformer layer's forward: the
+    sequence-parallel all-gathers and reduce-scatters move ``(tp-1)/tp`` of an ``[s, b, h]``
+    16-bit tensor each (two per layer in the parallel block, four in the serial one: the ratio
+    below is the serial block's; the parallel block's is half of it at any shape) against the
+    layer's GEMM and attention FLOPs divided by ``tp``. The backward doubles both sides alike."""
+    m, tp = job.model, job.parallel.tp
+    tokens = m.seq_length * job.train.micro_batch_size
+    sent = 4 * (tp - 1) / tp * tokens * m.hidden_size * 2
+    flops = (24 * tokens * m.hidden_size**2 + 4 * tokens * m.seq_length * m.hidden_size) / tp
+    return sent / flops
+
+
+def matched_shape_sets(job: JobConfig, reference: JobConfig) -> list[str]:
+    """``--shapes 175b-tp``: the hidden size whose TP bytes per FLOP is ``reference``'s at
+    ``job``'s TP degree (``(tp-1) / h`` held equal, rounded to a multiple of 64), on short
+    sequences and one-sample micro-batches so the larger GEMMs still run in seconds on a CPU."""
+    tp, ref_tp = job.parallel.tp, reference.parallel.tp
+    if tp < 2:
+        raise SystemExit(f"--shapes 175b-tp: parallel.tp={tp}; needs tp >= 2 (TP communication)")
+    hidden = reference.model.hidden_size * (tp - 1) / (ref_tp - 1)
+    hidden = max(64, round(hidden / 64) * 64)
+    return [
+        f"model.hidden_size={hidden}",
+        "model.seq_length=256",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=4",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    base = load(args.config, [*DEFAULT_SETS, f"train.device={args.device}", *args.overrides])
+    shape_sets: list[str] = []
+    if args.shapes == "175b-tp":
+        pre = load(args.config, [*DEFAULT_SETS, f"train.device={args.device}", *args.overrides])
+        shape_sets = matched_shape_sets(pre, load("megascale-175b"))
+    base = load(
+        args.config,
+        [*DEFAULT_SETS, *shape_sets, f"train.device={args.device}", *args.overrides],
+    )
     backend = "nccl" if args.device == "cuda" else "gloo"
     names = [n.strip() for n in args.variants.split(",")]
     blocks = [b.strip() for b in args.blocks.split(",")]
@@ -115,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             args.config,
             [
                 *DEFAULT_SETS,
+                *shape_sets,
                 f"train.device={args.device}",
                 f"model.parallel_block={block == 'parallel'}".lower(),
                 *args.overrides,
@@ -192,7 +238,9 @@ def _layout(args, base) -> str:
         f"{args.nproc} {'GPU ranks (nccl)' if args.device == 'cuda' else 'CPU ranks (gloo)'}, "
         f"TP{p.tp} x PP{p.pp} (VPP{p.vpp}) x DP{args.nproc // (p.tp * p.pp)}, "
         f"sequence_parallel={p.sequence_parallel}; {m.num_layers} layers, hidden {m.hidden_size}, "
-        f"seq {m.seq_length}, gbs {t.global_batch_size}, mbs {t.micro_batch_size}"
+        f"seq {m.seq_length}, gbs {t.global_batch_size}, mbs {t.micro_batch_size}; "
+        f"TP bytes/FLOP {tp_bytes_per_flop(base):.2e} "
+        f"(megascale-175b: {tp_bytes_per_flop(load('megascale-175b')):.2e})"
     )
 
 
@@ -211,7 +259,8 @@ def report(args, base, summary: dict) -> str:
     ]
     for block, rows in summary["blocks"].items():
         for name, row in rows.items():
-            cells = [block, name, f"{row['step_time_s']:.3f}", f"{row['vs_off']:.2f}x"]
+            vs_off = "-" if row["vs_off"] is None else f"{row['vs_off']:.2f}x"  # no "off" run
+            cells = [block, name, f"{row['step_time_s']:.3f}", vs_off]
             for link in LINKS:
                 d = row[link]
                 cells.append(f"{d['comm_s']:.3f} / {d['exposed_comm_s']:.3f}")

@@ -92,7 +92,10 @@ class OverlapConfig:
     TE >= 1.9; ``megascale.overlap.tp_plan``)."""
     tp_chunks: int = 4
     """Chunks per pipelined GEMM for ``tp`` on the local spec; the per-rank sequence length must be
-    divisible by it."""
+    divisible by it. More chunks shrink the unhidden first gather / last reduce-scatter (1/k of
+    each) but make each GEMM and each collective smaller. On CPU 8 hid no more than 4 at small
+    shapes, and more (76% / 73% against 71% / 66%) at 175B's TP bytes per FLOP
+    (benchmarks/RESULTS.md)."""
     bucket_size: int | None = None
     """Parameters per DP bucket; None uses megatron-core's default (max(40M, 1M * dp))."""
 

@@ -6,8 +6,10 @@ round and each variant it rebuilds the trainer with that variant's ``overlap`` s
 modelled and exposed communication per link class (tp, dp, pp), loss, grad norm, and (optionally)
 the comm events and marks of the step — so benchmarks and ordering tests share one code path.
 Communication is priced by a fixed latency, or (``fabric``) by the byte-proportional model of
-``megascale.overlap.cost`` calibrated on every rank at once against this CPU's GEMM rate. Variants alternate within each round, so machine noise lands on
-all of them alike.
+``megascale.overlap.cost`` calibrated on every rank at once against this CPU's GEMM rate. With
+``parallel.async_collectives`` (the NCCL-like CPU mode) the costs are waited out on that mode's
+communication threads. Variants alternate within each round, so machine noise lands on all of
+them alike.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from megascale.config import JobConfig
 from megascale.overlap.cost import CostModel, measure_gemm_flops
 from megascale.overlap.trace import CommTrace
-from megascale.parallel import cpu_backend
+from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
@@ -126,7 +128,10 @@ def measure_rank(
     cost = (
         calibrated_cost(fabric, elem_scale, alpha_scale) if fabric else CostModel.fixed(latency_s)
     )
-    trace = CommTrace(cost=cost).install()
+    # The NCCL-like mode (every call returns at once, runs on a thread per group): its threads
+    # apply the costs. Installed under the trace, as under the flight recorder in training.
+    engine = async_comm.install() if first.parallel.async_collectives and device == "cpu" else None
+    trace = CommTrace(cost=cost, engine=engine).install()
     results: dict[str, list[dict]] = {name: [] for name in variants}
     order = list(variants)
     for r in range(rounds):
@@ -167,5 +172,7 @@ def measure_rank(
                 results[name].append(row)
             del trainer
     trace.uninstall()
+    if engine is not None:
+        engine.drain()
     destroy_groups()
     return results

@@ -15,11 +15,16 @@ fc2) reduce-scatters its output after it. MegaScale hides both:
 The serial block uses them per linear (``OverlappedColumnParallelLinear`` for QKV and fc1,
 ``OverlappedRowParallelLinear`` for the output projection and fc2). MegaScale's parallel block
 shares one gather of LN(x) between QKV and fc1 and one reduce-scatter between the output projection
-and fc2 (``megascale.model.parallel_block``): both weights' GEMMs run on each chunk.
+and fc2 (``megascale.model.parallel_block``): on each chunk the two weights run as one fused
+GEMM (QKV + fc1 on the weights side by side; output projection + fc2 on the inputs and weights
+side by side).
 
-Backward mirrors them (all-gather side: the local input gathered again chunk by chunk — only it is
-saved — with chunked GEMMs + reduce-scatter of the input gradient; reduce-scatter side: chunked
-all-gather of the output gradient, one chunk ahead, + GEMMs). Device-agnostic: the collectives are asynchronous
+Backward mirrors them. All-gather side: per chunk, the input-gradient GEMM (it needs no gathered
+input) runs while that chunk's local input is gathered again (only the local shard is saved), its
+reduce-scatter is issued at once, and the weight-gradient GEMM on the gathered chunk runs beside
+that reduce-scatter and the next chunk's gather — so neither the first gather nor the last
+reduce-scatter is left alone. Reduce-scatter side: chunked all-gather of the output gradient, one
+chunk ahead, + GEMMs. Device-agnostic: the collectives are asynchronous
 ``torch.distributed`` calls (gloo runs them on its own threads; NCCL on its own stream), so the same
 code overlaps on CPU and GPU.
 
@@ -81,10 +86,17 @@ def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x, w.t())
 
 
+def _fused(tensors, dim: int) -> torch.Tensor:
+    """One tensor of ``tensors`` side by side along ``dim`` (the tensor itself when alone): the
+    weights of linears that share an input (or an output) become one GEMM's operand."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
 class _ChunkedAllGatherLinear(torch.autograd.Function):
     """(all_gather_seq(x) @ w_i^T for each weight w_i), with the gather chunked and overlapped with
-    the GEMMs. Several weights share one gather (the parallel block's QKV and fc1: one fused GEMM
-    per chunk in the paper, here one GEMM per weight per chunk on the same chunk).
+    the GEMMs. Several weights share one gather (the parallel block's QKV and fc1) and run as one
+    fused GEMM per chunk on the weights concatenated along the output dimension (each output
+    column depends only on its own weight row, so the results are the separate GEMMs').
 
     Saves only the local input shard for backward (``1/tp`` of the gathered input), and gathers it
     again there, chunk by chunk behind the input-gradient GEMMs, as megatron-core's own
@@ -94,20 +106,27 @@ class _ChunkedAllGatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_local, k, group, *weights):
         tp = dist.get_world_size(group)
+        w = _fused(weights, 0)  # read here: after the modules' forward pre-hooks (param gather)
         outs = [
             torch.empty(
-                (x_local.shape[0] * tp, *x_local.shape[1:-1], w.shape[0]),
+                (x_local.shape[0] * tp, *x_local.shape[1:-1], wi.shape[0]),
                 dtype=x_local.dtype,
                 device=x_local.device,
             )
-            for w in weights
+            for wi in weights
         ]
         views = [_tp_chunk_view(out, tp, k) for out in outs]
         trace.mark("tp.ag.start")
         for j, chunk_full in enumerate(_gathered_one_ahead(x_local, k, group)):
             trace.mark(f"tp.ag.gemm_start.{j}")  # chunk j+1's all-gather is in flight
-            for view, w in zip(views, weights, strict=True):
-                view[:, j] = _matmul(chunk_full, w)
+            y = _matmul(chunk_full, w)
+            if len(weights) == 1:
+                views[0][:, j] = y
+            else:
+                for view, part in zip(
+                    views, y.split([wi.shape[0] for wi in weights], -1), strict=True
+                ):
+                    view[:, j] = part
             trace.mark(f"tp.ag.gemm_done.{j}")
         ctx.save_for_backward(x_local, *weights)
         ctx.k, ctx.group = k, group
@@ -118,52 +137,65 @@ class _ChunkedAllGatherLinear(torch.autograd.Function):
         x_local, *weights = ctx.saved_tensors
         k, group = ctx.k, ctx.group
         tp = dist.get_world_size(group)
-        grad_views = [_tp_chunk_view(g.contiguous(), tp, k) for g in grad_outs]
+        w = _fused(weights, 0)
+        grad_view = _tp_chunk_view(_fused([g.contiguous() for g in grad_outs], -1), tp, k)
         grad_x = torch.empty_like(x_local, dtype=grad_outs[0].dtype)
         grad_x_chunks = grad_x.chunk(k, dim=0)
-        grad_ws = [torch.zeros_like(w) for w in weights]
+        grad_w = torch.zeros_like(w)
+        h = x_local.shape[-1]
+        x_chunks = x_local.chunk(k, dim=0)
         handles = []
-        for j, x_full in enumerate(_gathered_one_ahead(x_local, k, group)):
-            x = x_full.reshape(-1, x_local.shape[-1])
-            gx = None
-            for grad_view, w, grad_w in zip(grad_views, weights, grad_ws, strict=True):
-                g = grad_view[:, j].reshape(-1, *grad_view.shape[3:])
-                gx = torch.matmul(g, w) if gx is None else gx + torch.matmul(g, w)
-                grad_w += g.reshape(-1, g.shape[-1]).t().matmul(x)
-            # Reduce-scatter chunk j while chunk j+1's GEMMs run.
-            gx = gx.contiguous()
+        pending = _start_gather(x_chunks[0], tp, group)
+        for j in range(k):
+            g = grad_view[:, j].reshape(-1, *grad_view.shape[3:])
+            # The input gradient needs no gathered input: its GEMM runs while chunk j's input
+            # gathers (so even the first gather has a GEMM beside it), and its reduce-scatter
+            # is issued at once, to run beside the weight-gradient GEMM below (the last one too).
+            gx = torch.matmul(g, w).contiguous()
             handles.append(
                 (gx, dist.reduce_scatter_tensor(grad_x_chunks[j], gx, group=group, async_op=True))
             )
+            full, handle = pending
+            if j + 1 < k:  # one gather ahead, queued behind chunk j's reduce-scatter
+                pending = _start_gather(x_chunks[j + 1], tp, group)
+            handle.wait()
+            grad_w += g.reshape(-1, g.shape[-1]).t().matmul(full.view(-1, h))
         for _, handle in handles:
             handle.wait()
+        grad_ws = grad_w.split([wi.shape[0] for wi in weights], 0)
         return (grad_x, None, None, *grad_ws)
 
 
 class _ChunkedReduceScatterLinear(torch.autograd.Function):
     """y_local = reduce_scatter_seq(sum_i x_i @ w_i^T), with the GEMMs chunked and each chunk's
-    reduce-scatter overlapped with the next chunk's GEMMs. Several (x_i, w_i) pairs share one
-    reduce-scatter (the parallel block's output projection and fc2)."""
+    reduce-scatter overlapped with the next chunk's GEMM. Several (x_i, w_i) pairs share one
+    reduce-scatter (the parallel block's output projection and fc2) and run as one fused GEMM
+    per chunk: the inputs side by side times the weights side by side (``[x_1 x_2] @ [w_1 w_2]^T
+    = x_1 @ w_1^T + x_2 @ w_2^T``)."""
+
+    @staticmethod
+    def _x_chunk(x_views, j: int) -> torch.Tensor:
+        """Chunk ``j`` of every input side by side, as ``[rows, sum of input widths]``."""
+        parts = [v[:, j].reshape(-1, v.shape[-1]) for v in x_views]
+        return _fused(parts, -1)
 
     @staticmethod
     def forward(ctx, k, group, *pairs):
         xs, weights = pairs[0::2], pairs[1::2]
         tp = dist.get_world_size(group)
         x_views = [_tp_chunk_view(x, tp, k) for x in xs]
+        w = _fused(weights, 1)
         x0 = xs[0]
         out = torch.empty(
-            (x0.shape[0] // tp, *x0.shape[1:-1], weights[0].shape[0]),
+            (x0.shape[0] // tp, *x0.shape[1:-1], w.shape[0]),
             dtype=x0.dtype,
             device=x0.device,
         )
         out_chunks = out.chunk(k, dim=0)
         handles = []
         for j in range(k):
-            partial = None
-            for x, x_view, w in zip(xs, x_views, weights, strict=True):
-                y = _matmul(x_view[:, j].reshape(-1, *x.shape[1:]), w)
-                partial = y if partial is None else partial + y
-            partial = partial.contiguous()
+            partial = _matmul(_ChunkedReduceScatterLinear._x_chunk(x_views, j), w)
+            partial = partial.view(-1, *out.shape[1:])  # gloo wants matching trailing dims
             trace.mark(f"tp.rs.gemm_done.{j}")
             # Chunk j's reduce-scatter runs while chunk j+1's GEMM computes.
             handles.append(
@@ -184,17 +216,19 @@ class _ChunkedReduceScatterLinear(torch.autograd.Function):
         xs, weights = pairs[0::2], pairs[1::2]
         k, group = ctx.k, ctx.group
         tp = dist.get_world_size(group)
+        widths = [x.shape[-1] for x in xs]
+        w = _fused(weights, 1)
         grad_xs = [torch.empty_like(x) for x in xs]
         grad_x_views = [_tp_chunk_view(g, tp, k) for g in grad_xs]
         x_views = [_tp_chunk_view(x, tp, k) for x in xs]
-        grad_ws = [torch.zeros_like(w) for w in weights]
+        grad_w = torch.zeros_like(w)
         for j, g in enumerate(_gathered_one_ahead(grad_out_local.contiguous(), k, group)):
-            g2 = g.reshape(-1, g.shape[-1]).t()
-            for x, x_view, grad_x_view, w, grad_w in zip(
-                xs, x_views, grad_x_views, weights, grad_ws, strict=True
-            ):
-                grad_x_view[:, j] = torch.matmul(g, w)
-                grad_w += g2.matmul(x_view[:, j].reshape(-1, x.shape[-1]))
+            gx = torch.matmul(g, w)
+            for grad_x_view, part in zip(grad_x_views, gx.split(widths, -1), strict=True):
+                grad_x_view[:, j] = part
+            x = _ChunkedReduceScatterLinear._x_chunk(x_views, j)
+            grad_w += g.reshape(-1, g.shape[-1]).t().matmul(x)
+        grad_ws = [gw.contiguous() for gw in grad_w.split(widths, 1)]
         grads = [t for pair in zip(grad_xs, grad_ws, strict=True) for t in pair]
         return (None, None, *grads)
 

@@ -23,6 +23,12 @@ issued. Ops issued together inside megatron-core's
 they run in the caller's thread after their group's queue drains (so every rank issues a group's
 calls in the same order), and their handle waits out their summed cost.
 
+In the NCCL-like CPU mode (``parallel.async_collectives``, ``megascale.parallel.async_comm``)
+pass its engine (``engine=``): the engine's own communication threads then wait out each call's
+cost (``AsyncComm.set_cost``) instead of this module's, so an asynchronous op runs beside compute
+there too; a synchronous call is waited for at once (the next kernel would wait for it) and
+counted as exposed.
+
 This is a measurement tool for benchmarks and ordering tests; nothing in training depends on it.
 Which names are patched and why (megatron-core's aliases, P2POp's identity checks, re-entry through
 ``handle_torch_function``) is ``megascale.parallel.comm_hooks``, shared with the flight recorder.
@@ -42,7 +48,14 @@ import torch
 import torch.distributed as dist
 
 from megascale.overlap.cost import CostModel
-from megascale.parallel.comm_hooks import COLLECTIVES, P2P_ASYNC, CommWrapper, Patches
+from megascale.parallel.async_comm import p2p_name
+from megascale.parallel.comm_hooks import (
+    COLLECTIVES,
+    P2P_ASYNC,
+    CommWrapper,
+    Patches,
+    comm_thread_flag,
+)
 
 _ACTIVE: CommTrace | None = None
 _P2P = ("isend", "irecv", "send", "recv")
@@ -173,7 +186,9 @@ class _Wrapped(CommWrapper):
 
     def __call__(self, *args, **kwargs):
         trace = self.trace
-        if trace.reentered or not trace.installed:  # or uninstalled while stacked under another
+        if trace.reentered or not trace.installed or comm_thread_flag.active:
+            # (or uninstalled while stacked under another; or on the NCCL-like mode's thread,
+            # running a call the host issued and this trace recorded already)
             # torch's handle_torch_function (a TorchFunctionMode is active on CPU) calls the
             # function again through the patched module name: already recorded by the outer call.
             return self.original(*args, **kwargs)
@@ -182,6 +197,8 @@ class _Wrapped(CommWrapper):
             with trace.entered():
                 return self.original(*args, **kwargs)
         is_async = self.name in P2P_ASYNC or kwargs.get("async_op", False)
+        if trace.engine is not None:
+            return self._on_engine(args, kwargs, event, is_async)
         result = None
         if not trace.threaded or self.name in ("irecv", "recv"):
             with trace.entered():
@@ -202,6 +219,22 @@ class _Wrapped(CommWrapper):
             trace.add_wait(event, event.issued, event.wait_end)
         return result if self.name == "recv" else work._real()
 
+    def _on_engine(self, args, kwargs, event: CommEvent, is_async: bool):
+        """The NCCL-like mode: the engine queues the call (and waits out its cost on its thread);
+        a synchronous call is waited for here, all of it exposed."""
+        trace = self.trace
+        start = time.perf_counter()  # in backward the engine waits inside the call: count it
+        with trace.entered():
+            result = self.original(*args, **kwargs)
+        op = result if hasattr(result, "wait") else trace.engine.last_op()
+        if is_async:
+            return _DelayedWork(op, event, 0.0, trace)
+        if op is not None:
+            op.wait()
+        event.wait_start, event.wait_end = start, time.perf_counter()
+        trace.add_wait(event, start, event.wait_end)
+        return result
+
 
 class CommTrace:
     """Records (and with a cost model delays) this process's communication. Install once per
@@ -218,10 +251,14 @@ class CommTrace:
         *,
         cost: CostModel | None = None,
         link_of: Callable[[object], str] | None = None,
+        engine=None,
     ) -> None:
         self.cost = cost if cost is not None else CostModel.fixed(latency_s)
         self.link_of = link_of or (lambda _group: "other")
-        self.threaded = self.cost.fabric is not None or self.cost.fixed_latency_s > 0
+        self.engine = engine
+        """The NCCL-like mode's ``AsyncComm``, whose threads then apply the costs; or None."""
+        costly = self.cost.fabric is not None or self.cost.fixed_latency_s > 0
+        self.threaded = costly and engine is None
         self.state = _State()
         self._local = threading.local()
         self._patches = Patches()
@@ -259,6 +296,8 @@ class CommTrace:
         ``last_by_link`` then holds the cleared step's (comm, exposed) seconds per link class."""
         for lane in list(self._lanes.values()):
             lane.drain()
+        if self.engine is not None:
+            self.engine.drain()
         state, self.state = self.state, _State()
         self.last_by_link = {
             link: (state.comm_by_link.get(link, 0.0), state.exposed_by_link.get(link, 0.0))
@@ -306,14 +345,22 @@ class CommTrace:
 
     # -- pricing and lanes -------------------------------------------------------------------------
 
+    def _link(self, kind: str, group) -> str:
+        return "pp" if kind in _P2P or kind == "batch_isend_irecv" else self.link_of(group)
+
+    def price(self, kind: str, group, args=(), kwargs=None) -> float:
+        """The modelled seconds of one call (p2p receives cost nothing: their send carries it)."""
+        if kind in ("irecv", "recv"):
+            return 0.0
+        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        return self.cost.delay(kind, _nbytes(args, kwargs or {}), size, self._link(kind, group))
+
     def record(self, kind: str, args=(), kwargs=None, *, coalesced=False, group=None) -> CommEvent:
-        """Append the event of one call, priced by the cost model (p2p receives cost nothing)."""
+        """Append the event of one call, priced by the cost model (``price``)."""
         kwargs = kwargs or {}
         group = group if group is not None else _group_of(args, kwargs)
-        link = "pp" if kind in _P2P or kind == "batch_isend_irecv" else self.link_of(group)
-        nbytes = _nbytes(args, kwargs)
-        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        cost = 0.0 if kind in ("irecv", "recv") else self.cost.delay(kind, nbytes, size, link)
+        link, nbytes = self._link(kind, group), _nbytes(args, kwargs)
+        cost = self.price(kind, group, args, kwargs)
         event = CommEvent(kind, time.perf_counter(), coalesced=coalesced, link=link, nbytes=nbytes)
         event.cost_s = cost
         self.state.events.append(event)
@@ -357,12 +404,19 @@ class CommTrace:
             batch=self._batch,
             coalescing=self._coalescing,
         )
+        if self.engine is not None:
+            self.engine.set_cost(
+                lambda kind, group, args, kwargs: self.price(kind, group, args, kwargs),
+                lambda group, start, end: self._busy(self.link_of(group))(start, end),
+            )
         return self
 
     def uninstall(self) -> None:
         global _ACTIVE
         _ACTIVE = None
         self.installed = False
+        if self.engine is not None:
+            self.engine.set_cost(None)
         self._patches.restore()
         for lane in self._lanes.values():
             lane.executor.shutdown(wait=True)
@@ -403,6 +457,11 @@ class CommTrace:
             with self._grouped():
                 works = original(p2p_op_list)
             inner = self.state.events[first:]
+            if self.engine is not None and not inner:  # queued: its calls run on the engine
+                inner = [
+                    self.record(p2p_name(o), (o.tensor,), coalesced=True, group=o.group)
+                    for o in p2p_op_list
+                ]
             event, ready_at = self._grouped_event("batch_isend_irecv", inner, group)
             return [_DelayedWork(w, event, ready_at, self) for w in works]
 

@@ -19,6 +19,10 @@ Ordering, the CUDA stream model mapped onto a CPU host that is its own compute s
 * every op first waits for the synchronous ops issued before it (an NCCL op's stream waits for the
   current stream); ops on one group run in issue order; ``torch.cuda.synchronize()`` drains all.
 
+A cost model (``set_cost``, used by ``megascale.overlap.trace``) prices each op when the host
+issues it; its thread then waits out that time before running the op, as a transfer of that
+length would keep an NCCL stream busy, while the host computes on.
+
 ``halt()`` makes every communication thread stop before its next op, forever: a dead NIC or a stuck
 NCCL kernel; the host goes on issuing until it blocks on a result (``hang-comm`` injection).
 """
@@ -75,8 +79,16 @@ class CommOp:
     ``observe(fn)`` has the communication thread call ``fn(op)`` when it starts and completes it.
     """
 
-    def __init__(self, name: str, run: Callable[[], object], deps: list[CommOp]) -> None:
+    def __init__(
+        self,
+        name: str,
+        run: Callable[[], object],
+        deps: list[CommOp],
+        cost_s: float = 0.0,
+        on_cost: Callable[[float, float], None] | None = None,
+    ) -> None:
         self.name, self._run, self.deps = name, run, deps
+        self.cost_s, self._on_cost = cost_s, on_cost
         self.enqueued, self.started, self.completed = _monotonic(), 0.0, 0.0
         self.error: BaseException | None = None
         self._done = threading.Event()
@@ -118,6 +130,11 @@ class CommOp:
         for dep in self.deps:
             dep._done.wait()
         self.deps = []
+        if self.cost_s > 0:  # the modelled transfer: this stream is busy for that long
+            start = time.perf_counter()
+            time.sleep(self.cost_s)
+            if self._on_cost is not None:
+                self._on_cost(start, time.perf_counter())
         self.started = _monotonic()
         if self._observers:
             self._notify()
@@ -175,17 +192,24 @@ class _Routed(CommWrapper):
         group = args[self.group_at] if 0 <= self.group_at < n else kwargs.get("group")
         capture = engine.local.capture
         if capture is not None and capture[0] == _key(group):  # inside a coalescing block
-            capture[1].append((self.original, args, kwargs))
+            capture[1].append((self.name, self.original, args, kwargs))
             return capture[2]
         at = self.async_at
         is_async = self.name in _ALWAYS_ASYNC or (
             at >= 0 and bool(args[at] if n > at else kwargs.get("async_op"))
         )
         original = self.original
-        op = engine.submit(self.name, group, lambda: original(*args, **kwargs), is_async)
+        cost = engine.price(self.name, group, args, kwargs)
+        op = engine.submit(self.name, group, lambda: original(*args, **kwargs), is_async, cost)
         if self.name == "barrier":
             op.wait()  # a barrier holds the host (NCCL's synchronises the device too)
         return op if is_async else None
+
+
+def p2p_name(op) -> str:
+    """``"isend"`` or ``"irecv"``: the name of a ``P2POp``'s function, wrapped or not."""
+    fn = op.op
+    return getattr(fn, "name", None) or fn.__name__
 
 
 def _key(group) -> object:
@@ -210,15 +234,37 @@ class AsyncComm:
         self._stream: list[CommOp] = []  # synchronous ops the host's next compute waits for
         self._lock = threading.Lock()
         self._patches = Patches()
+        self._price: Callable[[str, object, tuple, dict], float] | None = None
+        self._on_cost: Callable[[object, float, float], None] | None = None
+
+    def set_cost(
+        self,
+        price: Callable[[str, object, tuple, dict], float] | None,
+        on_cost: Callable[[object, float, float], None] | None = None,
+    ) -> None:
+        """Price every op the host issues from now on: ``price(name, group, args, kwargs)`` is
+        its modelled seconds (0: none), waited out on its group's thread just before it runs;
+        ``on_cost(group, start, end)`` is called there with each such wait (perf_counter
+        seconds). ``None`` removes the model."""
+        self._price, self._on_cost = price, on_cost
+
+    def price(self, name: str, group, args: tuple, kwargs: dict) -> float:
+        """The modelled seconds of one call (0 without a cost model)."""
+        return self._price(name, group, args, kwargs) if self._price is not None else 0.0
 
     # -- host side ---------------------------------------------------------------------------
 
-    def submit(self, name: str, group, run: Callable[[], object], is_async: bool) -> CommOp:
-        """Queue ``run`` on ``group``'s thread behind the synchronous ops issued so far."""
+    def submit(
+        self, name: str, group, run: Callable[[], object], is_async: bool, cost_s: float = 0.0
+    ) -> CommOp:
+        """Queue ``run`` on ``group``'s thread behind the synchronous ops issued so far; the
+        thread waits ``cost_s`` (the modelled transfer) before running it."""
         stream = self._stream
         if stream:
             stream[:] = [op for op in stream if not op.is_completed()]
-        op = CommOp(name, run, list(stream))
+        on_cost = self._on_cost
+        report = (lambda start, end: on_cost(group, start, end)) if on_cost else None
+        op = CommOp(name, run, list(stream), cost_s, report)
         self._channel(group).queue.put(op)
         self.local.last = op
         if not is_async:
@@ -299,7 +345,8 @@ class AsyncComm:
             if comm_thread_flag.active or not engine.active or not p2p_op_list:
                 return original(p2p_op_list)
             ops = list(p2p_op_list)
-            op = engine.submit("batch_isend_irecv", ops[0].group, lambda: original(ops), True)
+            cost = sum(engine.price(p2p_name(o), o.group, (o.tensor,), {}) for o in ops)
+            op = engine.submit("batch_isend_irecv", ops[0].group, lambda: original(ops), True, cost)
             return [op] * len(ops)
 
         return batch_isend_irecv
@@ -324,11 +371,12 @@ class AsyncComm:
 
             def run():
                 with original(group, device, True) as cm:
-                    for fn, args, kwargs in calls:
+                    for _name, fn, args, kwargs in calls:
                         fn(*args, **kwargs)
                 return cm
 
-            handle.op = engine.submit("coalesced", group, run, async_ops)
+            cost = sum(engine.price(name, group, args, kwargs) for name, _, args, kwargs in calls)
+            handle.op = engine.submit("coalesced", group, run, async_ops, cost)
 
         return coalescing_manager
 

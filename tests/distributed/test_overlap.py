@@ -194,3 +194,23 @@ def test_pp_plain_1f1b_receives_are_posted_ahead_and_sends_are_not_waited(traced
         sends, last_recv = _p2p(on, "isend"), max(e["issued"] for e in _p2p(on, "irecv"))
         assert len(sends) == 8 and all(e["wait_start"] > last_recv for e in sends), stage
         assert all(not e["coalesced"] for e in sends + _p2p(on, "irecv")), stage
+
+
+def test_nccl_like_mode_prices_calls_on_its_threads_and_keeps_the_numbers(data_dir):
+    """With ``parallel.async_collectives`` the cost model's delays run on that mode's threads:
+    calls are priced per link, the delays are waited out there (megatron-core's synchronous TP
+    collectives expose them), and overlap on vs off keeps loss and grad norm (parallel block)."""
+    world, parallel = LAYOUTS["tp2-pp2-dp2-sp-vpp2"]
+    variants = {"off": VARIANTS["off"], "on": VARIANTS["on"]}
+    job = _job({**parallel, "async_collectives": True}, parallel_block=True)
+    jobs = {n: validate(with_overlap(job, **v), world, "gloo") for n, v in variants.items()}
+    fn = functools.partial(measure_rank, steps=2, warmup=0, rounds=1, latency_s=0.002)
+    results = run_local(fn, world, (jobs, data_dir), timeout_s=600)
+    for rank, result in enumerate(results):
+        for got, want in zip(result["on"], result["off"], strict=True):
+            for key in ("loss", "grad_norm"):
+                assert math.isclose(got[key], want[key], rel_tol=1e-6), (rank, key)
+        for name, rows in result.items():
+            for link in ("tp", "pp", "dp"):
+                assert all(row["by_link"][link]["comm_s"] > 0 for row in rows), (rank, name, link)
+        assert sum(row["by_link"]["tp"]["exposed_s"] for row in result["off"]) > 0, rank

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
 
 from megascale.overlap.cost import FABRICS, CostModel
+from megascale.parallel.async_comm import CommOp
 
 H100 = "h100-nvlink4-8x400g"
 
@@ -57,3 +60,22 @@ def test_fixed_latency_model_prices_every_call_alike():
 def test_bad_parameters_name_the_field_and_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CostModel.calibrated(**kwargs)
+
+
+def test_nccl_like_op_waits_out_its_cost_on_its_thread_before_running():
+    """The NCCL-like mode's op (``parallel.async_collectives``) with a modelled cost: its
+    communication thread is busy for that long, then runs the call."""
+    spans, ran = [], []
+    op = CommOp(
+        "all_reduce",
+        lambda: ran.append(time.perf_counter()),
+        [],
+        cost_s=0.02,
+        on_cost=lambda start, end: spans.append((start, end)),
+    )
+    thread = threading.Thread(target=op.execute)
+    thread.start()
+    assert op.wait()
+    thread.join()
+    ((start, end),) = spans
+    assert end - start >= 0.02 and ran == [ran[0]] and ran[0] >= end
