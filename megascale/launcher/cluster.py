@@ -43,13 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from megascale.launcher import gpus
-from megascale.launcher.outcome import current_step, summarize
+from megascale.launcher.outcome import FINAL_FILE, current_step, summarize
 from megascale.launcher.runlock import prepare_run_dir
 from megascale.launcher.signals import StopSignals, reset_in_child
 from megascale.launcher.supervise import Supervisor
 from megascale.machine_check import check_machine
 from megascale.machine_check import gpu_count as _gpu_count
-from megascale.messages import read_metrics
+from megascale.messages import ControllerState, decoded, read_metrics
 from megascale.robustness import inject
 
 logger = logging.getLogger("megascale.launch")
@@ -381,7 +381,8 @@ class LocalCluster:
             kv = self.store.get(self.keys.state)
         except StoreError:
             return None
-        return kv.json().get("state") if kv is not None else None
+        state = decoded(ControllerState, kv)
+        return state.state if state is not None else None
 
     def stop(self) -> None:
         """SIGTERM every agent and controller (agents stop their workers), then stop etcd."""
@@ -612,11 +613,12 @@ def launch(opts: LaunchOptions) -> int:
     started = time.monotonic()
     state, reason = _run_cluster(opts, job, notes, run_dir, stop_signals, started)
     final = summarize(run_dir, job, state, time.monotonic() - started, opts, reason=reason)
-    (run_dir / "final.json").write_text(json.dumps(final, indent=1, sort_keys=True) + "\n")
+    path = run_dir / FINAL_FILE
+    path.write_text(json.dumps(final.encode(), indent=1, sort_keys=True) + "\n")
     logger.info(
         "%s: step %s/%s, faults detected %s, recoveries %d, %.1f s; %s",
-        state, final["final_step"], job.train.steps, final["faults_detected"],
-        final["recoveries"], final["wall_time_s"], run_dir / "final.json",
+        state, final.final_step, job.train.steps, final.faults_detected,
+        final.recoveries, final.wall_time_s, path,
     )  # fmt: skip
     stop_signals.restore()
     lock.release()
