@@ -77,13 +77,13 @@ class JobSummary:
         return self.changed and (force or now - self._written_at >= interval_s)
 
     def to_json(self, fsm: ControllerFSM, effective: EffectiveTime, now: float) -> dict[str, Any]:
-        """The ``summary`` value (module docstring) at ``now`` (the clock ``effective`` uses),
-        encoded; clears ``changed``."""
-        self.changed, self._written_at = False, now
-        return self.record(fsm, effective, now).encode()
+        """``take``'s record, encoded."""
+        return self.take(fsm, effective, now).encode()
 
-    def record(self, fsm: ControllerFSM, effective: EffectiveTime, now: float) -> JobSummaryRecord:
-        """The job's figures at ``now`` (``to_json`` without clearing ``changed``)."""
+    def take(self, fsm: ControllerFSM, effective: EffectiveTime, now: float) -> JobSummaryRecord:
+        """The ``summary`` value (module docstring) at ``now`` (the clock ``effective`` uses),
+        to be written now: clears ``changed``."""
+        self.changed, self._written_at = False, now
         wall_s = now - effective.start
         return JobSummaryRecord(
             time=time.time(),

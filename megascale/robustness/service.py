@@ -610,7 +610,10 @@ class ControllerService:
         now = self.clock()
         # the job's figures (small): with any decision's writes, like the snapshot, else rate-limited
         if self.summary.due(now, self.opts.snapshot_s, force or bool(self._outbox)):
-            self._outbox[self.keys.summary] = self.summary.to_json(self.fsm, self.effective, now)
+            record = self.summary.take(self.fsm, self.effective, now)
+            self._outbox[self.keys.summary] = record
+            if self.metrics is not None:
+                self.metrics.set_job_summary(record)
         if self._dirty and (
             force or self._outbox or now - self._snapshot_at >= self.opts.snapshot_s
         ):

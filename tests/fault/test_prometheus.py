@@ -296,6 +296,18 @@ def test_every_dashboard_query_returns_data_from_a_live_launch(prometheus, live)
     assert len(shown) > 1, shown  # the window saw the figure change: it is live
     unmatched = [v for v in shown if not any(v == pytest.approx(x, rel=1e-9) for x in logged)]
     assert not unmatched, (unmatched, logged[-10:])
+    # The controller's job-wide series: one per job, the figures rank 0 logged, never summed.
+    job_sel = f'{{megascale_job="{job}"}}'
+    [controller_tokens] = _instant(base, f"megascale_job_tokens_per_second{job_sel}")
+    value = float(controller_tokens["value"][1])
+    assert any(value == pytest.approx(x, rel=1e-9) for x in logged), (value, logged[-10:])
+    [controller_mfu] = _instant(base, f"megascale_job_mfu_ratio{job_sel}")
+    assert 0 < float(controller_mfu["value"][1]) < 1, controller_mfu
+    [step] = _instant(base, f"megascale_job_step{job_sel}")
+    [saved] = _instant(base, f"megascale_job_last_checkpoint_step{job_sel}")
+    assert 0 < float(saved["value"][1]) <= float(step["value"][1]) and (
+        float(saved["value"][1]) % 5 == 0  # checkpoint.interval
+    ), (saved, step)
     # Our job label survives scraping untouched: nothing was renamed to exported_job.
     assert _get(base, "/api/v1/label/exported_job/values")["data"] == []
 
@@ -316,6 +328,7 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
         beats = [
             Heartbeat.decode(kv.json()) for kv in store.get_prefix(JobKeys(job).heartbeats_prefix)
         ]
+        _assert_controller_messages_produced(store, JobKeys(job), run_dir)
     finally:
         store.close()
     assert {b.node for b in beats} == {"node-0", "node-1"}
@@ -337,6 +350,58 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
     for field in ("val_loss", "checkpoint_stall_s"):  # on their steps only
         assert any(getattr(m, field) is not None for m in lines), field
     _assert_produced(lines[-1], {"val_loss", "checkpoint_stall_s"})
+
+
+def _assert_controller_messages_produced(store, keys, run_dir: Path) -> None:
+    """The controller's messages of the live run (restarted once, healthy again): commands
+    and acks, its state, status, generation and summary, and the events, in etcd and in
+    events.jsonl, decode and carry every field a consumer reads."""
+    from megascale.messages import (
+        Ack,
+        Command,
+        ControllerState,
+        ControllerStatus,
+        Event,
+        GenerationRecord,
+        JobSummaryRecord,
+    )
+    from megascale.robustness.events import read_events
+
+    def read(kind, key):
+        kv = store.get(key)
+        assert kv is not None, key
+        return kind.decode(kv.json())
+
+    commands = {
+        keys.name_of(kv.key): Command.decode(kv.json())
+        for kv in store.get_prefix(keys.commands_prefix)
+    }
+    assert {c.kind for c in commands.values()} == {"start"}, commands  # the restart's
+    for node, command in commands.items():
+        _assert_produced(command, {"neighbours"})  # a self-check's only
+        _assert_produced(command.rank_assignment, set())
+        ack = read(Ack, keys.ack(node))
+        _assert_produced(ack, set())
+        assert (ack.id, ack.ok) == (command.id, True), (ack, command)
+    # healthy again: no fault in hand, nothing awaited, no failure, nobody evicted or blamed
+    quiet = {"fault", "failure", "awaiting", "awaiting_kind", "blocklist", "culprits"}
+    state = read(ControllerState, keys.state)
+    _assert_produced(state, quiet | {"spares", "error_signatures", "topology", "restart_ages_s"})
+    assert state.state == "running" and state.generation >= 2 and state.restarts >= 1, state
+    status = read(ControllerStatus, keys.status)
+    assert (status.state, status.generation) == (state.state, state.generation)
+    _assert_produced(read(GenerationRecord, keys.generation), set())
+    summary = read(JobSummaryRecord, keys.summary)
+    _assert_produced(summary, set())
+    for nested in (summary.last_checkpoint, summary.effective):
+        _assert_produced(nested, set())
+    events = read_events(run_dir)
+    mirrored = [Event.decode(kv.json()) for kv in store.get_prefix(keys.events_prefix)]
+    assert [e.seq for e in mirrored] == [e.seq for e in events][: len(mirrored)]
+    kinds = {e.kind for e in events}
+    assert {"fault", "generation_start", "generation_running"} <= kinds, kinds
+    fault = next(e for e in events if e.kind == "fault")
+    _assert_produced(fault, set())  # node, rank, detail, term: every field of a rank's fault
 
 
 def _assert_produced(message, allowed_empty: set[str]) -> None:
