@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from megascale.k8s.status import rfc3339
+from megascale.launcher.outcome import read_final
 from megascale.robustness.events import Event, read_events
 
 pytestmark = pytest.mark.slow
@@ -114,7 +115,8 @@ class Run:
                 self.watch.join()
         self.rc, self.output = proc.returncode, stdout + stderr
         final = run_dir / "final.json"
-        self.final = json.loads(final.read_text()) if final.exists() else {}
+        # decoded (schema and fields checked), then read as the JSON a user sees
+        self.final = read_final(run_dir).encode() if final.exists() else {}
         self.events = read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
 
     def of(self, kind: str) -> list[Event]:
