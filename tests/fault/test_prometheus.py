@@ -413,12 +413,35 @@ def _assert_produced(message, allowed_empty: set[str]) -> None:
     assert not empty, f"{type(message).__name__}: never produced: {sorted(empty)}"
 
 
-def test_the_live_runs_report_shows_mfu_and_the_comm_breakdown(live):
-    from megascale.diagnostics import report
+def test_the_live_runs_report_shows_mfu_and_the_comm_breakdown(live, tmp_path):
+    """``megascale report`` of the live run, opened in headless Chromium: the step figures show
+    MFU as a percentage in (0, 100) and the exposed communication of each group, and the fault
+    of the live run (the killed worker) is on the events' time axis."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    from browser_support import CHROMIUM, browser_or_skip
 
-    page = report.build(live[0])
-    figures = page[page.index('id="figures-table"') :]
-    for row in ("exposed comm dp", "exposed comm tp", "data wait", "checkpoint stall", "MFU"):
-        assert row in figures, row
-    mfu = re.search(r"<td>MFU</td><td class=num>([0-9.]+)%</td>", figures)
-    assert mfu and 0 < float(mfu.group(1)) < 100, figures[:2000]
+    from megascale import cli
+
+    sync_playwright = browser_or_skip()
+    out = tmp_path / "report.html"
+    assert cli.main(["report", str(live[0]), "--out", str(out)]) == 0
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.goto(out.as_uri())
+            page.wait_for_load_state("load")
+            table = page.locator("#figures-table")
+            assert table.is_visible()
+            rows = dict(
+                row.split("\t", 1) for row in table.locator("tr").all_inner_texts()[1:]
+            )  # figure -> mean, as shown
+            for group in ("dp", "tp"):
+                assert float(rows[f"exposed comm {group}"].removesuffix(" ms")) >= 0, rows
+            assert float(rows["compute"].removesuffix(" ms")) > 0, rows
+            assert 0 < float(rows["MFU"].removesuffix("%")) < 100, rows
+            events = page.locator("#events")
+            assert events.locator("svg line[stroke-dasharray]").count() >= 1
+            assert "fault" in events.inner_text()
+        finally:
+            browser.close()
