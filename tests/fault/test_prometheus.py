@@ -386,7 +386,8 @@ def _assert_controller_messages_produced(store, keys, run_dir: Path) -> None:
     # healthy again: no fault in hand, nothing awaited, no failure, nobody evicted or blamed
     quiet = {"fault", "failure", "awaiting", "awaiting_kind", "blocklist", "culprits"}
     state = read(ControllerState, keys.state)
-    _assert_produced(state, quiet | {"spares", "error_signatures", "topology", "restart_ages_s"})
+    learned = {"samples", "restart_ages_s"}  # the learned timeouts, the restart budget's window
+    _assert_produced(state, quiet | learned | {"spares", "error_signatures", "topology"})
     assert state.state == "running" and state.generation >= 2 and state.restarts >= 1, state
     status = read(ControllerStatus, keys.status)
     assert (status.state, status.generation) == (state.state, state.generation)
@@ -397,7 +398,7 @@ def _assert_controller_messages_produced(store, keys, run_dir: Path) -> None:
         _assert_produced(nested, set())
     events = read_events(run_dir)
     mirrored = [Event.decode(kv.json()) for kv in store.get_prefix(keys.events_prefix)]
-    assert [e.seq for e in mirrored] == [e.seq for e in events][: len(mirrored)]
+    assert {e.seq for e in events} <= {e.seq for e in mirrored}  # the file after etcd
     kinds = {e.kind for e in events}
     assert {"fault", "generation_start", "generation_running"} <= kinds, kinds
     fault = next(e for e in events if e.kind == "fault")
