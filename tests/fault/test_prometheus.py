@@ -387,7 +387,10 @@ def _assert_controller_messages_produced(store, keys, run_dir: Path) -> None:
     quiet = {"fault", "failure", "awaiting", "awaiting_kind", "blocklist", "culprits"}
     state = read(ControllerState, keys.state)
     learned = {"samples", "restart_ages_s"}  # the learned timeouts, the restart budget's window
-    _assert_produced(state, quiet | learned | {"spares", "error_signatures", "topology"})
+    # written with decisions: the step of the last one (None from a generation's start until
+    # a decision); the job's current step is the summary's, refreshed while it trains
+    decided = {"step"}
+    _assert_produced(state, quiet | learned | decided | {"spares", "error_signatures", "topology"})
     assert state.state == "running" and state.generation >= 2 and state.restarts >= 1, state
     status = read(ControllerStatus, keys.status)
     assert (status.state, status.generation) == (state.state, state.generation)
