@@ -8,9 +8,12 @@ controller found through ``RUN_DIR/metrics/*.url``. While the job trains it runs
 PromQL through the HTTP API (``query_range`` for time series and heat maps, ``query`` for
 instant tables) and fails on any query error or empty result; then it checks what a person would
 read off the dashboards: the slow node first in the straggler table, the slow rank's compute time
-highest, MFU in (0, 1), tokens/s equal to ``metrics.jsonl``'s. The same live run proves the
-message contract (every field of the heartbeat, the progress record and the metrics line that a
-consumer reads is produced) and that its HTML report shows MFU and the communication breakdown.
+highest, MFU in (0, 1), tokens/s equal to ``metrics.jsonl``'s, and the controller's job-wide
+series (step, tokens/s, MFU, last durable checkpoint) once per job. The same live run proves the
+message contract (every field of the heartbeat, the progress record, the metrics line, the
+controller's commands, acks, state, status, generation and summary in etcd, and its events, that
+a consumer reads is produced) and, in headless Chromium, that its HTML report shows MFU and the
+communication breakdown.
 """
 
 from __future__ import annotations
