@@ -32,7 +32,7 @@ def fill(shell: ControllerService) -> None:
         shell._outbox[shell.keys.command(f"n{i}")] = make_command(
             shell.opts.job_id, 1, "stop", f"g1-stop-{i}"
         )
-    shell._outbox[shell.keys.generation] = {"generation": 1, "assignment": {}}
+    shell._outbox[shell.keys.generation] = GenerationRecord(1, {})
     shell._outbox[shell.keys.state] = shell.fsm.snapshot()  # last in the outbox: written first
 
 
