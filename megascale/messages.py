@@ -9,6 +9,9 @@ message             producer -> consumers                        where it travel
 ``Ack``             agent -> controller                          etcd ``acks/<node>``
 ==================  ===========================================  =================================
 
+The job-level messages (commands, the controller's ``state``/``status``/``summary``/``generation``
+/``blocklist`` values, events, ``final.json``) are in ``megascale.messages_job``, re-exported here.
+
 Each is a slotted dataclass: producing a field it does not declare is a ``TypeError`` and reading
 one an ``AttributeError``, wherever it happens. ``encode()`` gives the JSON-ready dict, headed by
 ``"schema": "MAJOR.MINOR"`` (``SCHEMA``); ``decode()`` is the one reader and raises
@@ -41,7 +44,7 @@ import json
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -63,6 +66,8 @@ _JSON = (
     msgspec.json.Decoder()
 )  # parses JSON ~3x faster than json.loads (benchmarks/heartbeat_cost.py)
 
+
+M = TypeVar("M", bound="Message")
 
 _warned: set[tuple[str, frozenset[str]]] = set()
 
@@ -437,6 +442,19 @@ class StepMetrics(Message):
     time: float | None = None
 
 
+def decoded(kind: type[M], value: Any) -> M | None:
+    """``kind`` decoded from an etcd value (anything with ``json()``: a key-value, a watch
+    event); None when ``value`` is None or is not a readable ``kind`` (logged: a reader keeps
+    going past one bad value, e.g. a command a newer-major controller wrote)."""
+    if value is None:
+        return None
+    try:
+        return kind.decode(value.json())
+    except ValueError as e:  # MessageError, or not JSON
+        logger.error("ignoring %s value: %s", kind.__name__, e)
+        return None
+
+
 def read_metrics(lines: Iterable[str]) -> list[StepMetrics]:
     """The records of ``metrics.jsonl`` lines, oldest first. A torn line (a crash mid-write) is
     skipped; a line without a schema (written before messages were versioned, the same fields)
@@ -451,3 +469,41 @@ def read_metrics(lines: Iterable[str]) -> list[StepMetrics]:
             data = {SCHEMA_KEY: "1.0", **data}
         out.append(StepMetrics.decode(data))
     return out
+
+
+# -- the job-level messages (defined in messages_job, which builds on this module) ---------------
+
+if TYPE_CHECKING:
+    from megascale.messages_job import (  # noqa: F401
+        BlockedNode,
+        Command,
+        ControllerState,
+        ControllerStatus,
+        Event,
+        FinalOutcome,
+        GenerationRecord,
+        JobSummaryRecord,
+    )
+
+_JOB_MESSAGES = frozenset(
+    {
+        "BlockedNode",
+        "Command",
+        "ControllerState",
+        "ControllerStatus",
+        "Event",
+        "FinalOutcome",
+        "GenerationRecord",
+        "JobSummaryRecord",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    """The job-level messages, from ``messages_job`` on first use (it imports this module, so
+    either may be imported first)."""
+    if name in _JOB_MESSAGES:
+        from megascale import messages_job
+
+        return getattr(messages_job, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,8 +10,9 @@ Every panel queries Prometheus through the ``$datasource`` variable and filters 
 ``megascale_job="$megascale_job"`` (never ``job``: that is the scrape job's label). A test runs
 every query of every panel (``panel_queries``) against a real Prometheus scraping real exporters.
 
-- ``megascale-mfu``: MFU, tokens/s, effective training time, restarts (stats); MFU and tokens/s
-  over time; step time (median and slowest rank); the step-time breakdown (compute, exposed
+- ``megascale-mfu``: MFU, tokens/s, step, last durable checkpoint, effective training time,
+  restarts (stats: the controller's job-wide series, one per job); MFU and tokens/s over time
+  (rank 0's node's agent series); step time (median and slowest rank); the step-time breakdown (compute, exposed
   communication by group); checkpoint stall; faults by kind; heartbeats per node.
 - ``megascale-stragglers``: heat maps of rank x time of step time, compute time, and compute time
   over the job median; the top slow machines (straggler score and compute slowdown by node);
@@ -139,17 +140,34 @@ def mfu_dashboard() -> dash_b.Dashboard:
         .with_panel(
             _stat(
                 "MFU",
-                "avg by (megascale_job) (megascale_mfu_ratio{JOB})",
+                "max by (megascale_job) (megascale_job_mfu_ratio{JOB})",
                 "percentunit",
-                "Model FLOPs utilisation against the dense bf16 peak the trainer logs.",
+                "Model FLOPs utilisation against the peak the trainer logs (the controller's "
+                "job summary).",
             )
         )
         .with_panel(
             _stat(
                 "Tokens / s",
-                "avg by (megascale_job) (megascale_tokens_per_second{JOB})",
+                "max by (megascale_job) (megascale_job_tokens_per_second{JOB})",
                 "short",
-                "Job-wide training throughput.",
+                "Job-wide training throughput (the controller's job summary).",
+            )
+        )
+        .with_panel(
+            _stat(
+                "Step",
+                "max by (megascale_job) (megascale_job_step{JOB})",
+                "none",
+                "The job's highest completed step (the controller's job summary).",
+            )
+        )
+        .with_panel(
+            _stat(
+                "Last durable checkpoint",
+                "max by (megascale_job) (megascale_job_last_checkpoint_step{JOB})",
+                "none",
+                "Step of the newest checkpoint saved completely (the controller's job summary).",
             )
         )
         .with_panel(

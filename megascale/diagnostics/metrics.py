@@ -31,7 +31,16 @@ megascale_restarts_total                    counter    --                       
 megascale_generation                        gauge      --                          controller
 megascale_effective_training_time_ratio     gauge      --                          controller
 megascale_productive_seconds                gauge      --                          controller
+megascale_job_step                          gauge      --                          controller
+megascale_job_tokens_per_second             gauge      --                          controller
+megascale_job_mfu_ratio                     gauge      --                          controller
+megascale_job_last_checkpoint_step          gauge      --                          controller
 ==========================================  =========  ==========================  ==========
+
+Two sources, one meaning each: the ``megascale_job_*`` series are the controller's job summary
+(``messages.JobSummaryRecord``, written with decisions or every ``snapshot_s``): one series per job
+whatever the number of nodes, read by the dashboards' job-level stat panels; the agents' series are
+per node and rank, read by the over-time and per-rank panels. No panel mixes the two.
 
 Meanings: step/compute/comm times are the last completed step's, per rank (compute = forward +
 backward + optimizer kernels; comm = communication time *not* hidden behind compute, per group).
@@ -51,7 +60,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from megascale.messages import Heartbeat
+from megascale.messages import Heartbeat, JobSummaryRecord
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +205,34 @@ METRICS: dict[str, MetricSpec] = {
             "megascale_productive_seconds",
             Gauge,
             "Wall time spent in steps whose progress was kept.",
+            (),
+            "controller",
+        ),
+        MetricSpec(
+            "megascale_job_step",
+            Gauge,
+            "The job's highest completed step (the controller's summary).",
+            (),
+            "controller",
+        ),
+        MetricSpec(
+            "megascale_job_tokens_per_second",
+            Gauge,
+            "Job-wide training throughput, rank 0's figure (the controller's summary).",
+            (),
+            "controller",
+        ),
+        MetricSpec(
+            "megascale_job_mfu_ratio",
+            Gauge,
+            "Job-wide model FLOPs utilisation (0-1), rank 0's (the controller's summary).",
+            (),
+            "controller",
+        ),
+        MetricSpec(
+            "megascale_job_last_checkpoint_step",
+            Gauge,
+            "Step of the newest checkpoint saved completely (the controller's summary).",
             (),
             "controller",
         ),
@@ -422,6 +459,21 @@ class ControllerMetrics(_Exporter):
         if wall_s > 0:
             self._metric("megascale_effective_training_time_ratio").set(productive_s / wall_s)
         self._metric("megascale_productive_seconds").set(productive_s)
+
+    def set_job_summary(self, summary: JobSummaryRecord) -> None:
+        """The job's figures as the controller publishes them (``summary`` key); a figure not
+        known yet (None) leaves its gauge unset."""
+        figures = {
+            "megascale_job_step": summary.step,
+            "megascale_job_tokens_per_second": summary.tokens_per_s,
+            "megascale_job_mfu_ratio": summary.mfu,
+            "megascale_job_last_checkpoint_step": None
+            if summary.last_checkpoint is None
+            else summary.last_checkpoint.step,
+        }
+        for name, value in figures.items():
+            if value is not None:
+                self._metric(name).set(value)
 
 
 def metric_names(exporter: str | None = None) -> Iterable[str]:

@@ -26,8 +26,9 @@ from typing import Any
 
 from megascale import config
 from megascale.diagnostics import straggler
-from megascale.diagnostics.timeline import breakdowns, load_run, read_jsonl
-from megascale.messages import StepMetrics, read_metrics
+from megascale.diagnostics.timeline import breakdowns, load_run
+from megascale.messages import Event, StepMetrics, read_metrics
+from megascale.robustness.events import EVENTS_FILE, read_events
 
 logger = logging.getLogger(__name__)
 
@@ -462,7 +463,7 @@ def _figures_section(metrics: list[StepMetrics]) -> str:
     )
 
 
-def _events_section(events: list[dict[str, Any]], metrics: list[StepMetrics]) -> str:
+def _events_section(events: list[Event], metrics: list[StepMetrics]) -> str:
     title = "Faults and recoveries"
     if not events:
         return _section(
@@ -474,15 +475,13 @@ def _events_section(events: list[dict[str, Any]], metrics: list[StepMetrics]) ->
             "events",
         )
     timed = [m for m in metrics if m.time is not None]
-    starts = [m.time - m.step_time_s for m in timed] + [e["time"] for e in events if "time" in e]
-    t0 = min(starts)
+    t0 = min([m.time - m.step_time_s for m in timed] + [e.time for e in events])
     series = [("step time", _BLUE, [(m.time - t0, m.step_time_s) for m in timed])]
     markers = []
     for e in events:
-        if "time" in e:
-            where = e.get("node") or (f"rank {e['rank']}" if e.get("rank") is not None else "")
-            text = f"{e.get('kind', 'event')}{' ' + str(where) if where else ''}"
-            markers.append((e["time"] - t0, _EVENT_COLOURS.get(e.get("kind"), _GREY), text))
+        where = e.node or (f"rank {e.rank}" if e.rank is not None else "")
+        text = f"{e.kind}{' ' + str(where) if where else ''}"
+        markers.append((e.time - t0, _EVENT_COLOURS.get(e.kind, _GREY), text))
     chart = line_chart(
         series,
         label="faults and recoveries over time",
@@ -493,10 +492,10 @@ def _events_section(events: list[dict[str, Any]], metrics: list[StepMetrics]) ->
         height=280,
     )
     rows = "".join(
-        f"<tr><td class=num>{e.get('time', 0) - t0:.1f}</td><td>{esc(e.get('kind'))}</td>"
-        f"<td class=num>{esc(e.get('generation', ''))}</td><td>{esc(e.get('node') or '')}</td>"
-        f"<td class=num>{esc('' if e.get('rank') is None else e['rank'])}</td>"
-        f"<td>{esc(e.get('detail', ''))}</td></tr>"
+        f"<tr><td class=num>{e.time - t0:.1f}</td><td>{esc(e.kind)}</td>"
+        f"<td class=num>{esc(e.generation)}</td><td>{esc(e.node or '')}</td>"
+        f"<td class=num>{esc('' if e.rank is None else e.rank)}</td>"
+        f"<td>{esc(e.detail)}</td></tr>"
         for e in events
     )
     table = (
@@ -531,7 +530,7 @@ def build(run_dir: str | Path, peak_tflops: float | None = None) -> str:
     """The report's HTML for ``run_dir``."""
     run_dir = Path(run_dir)
     metrics = _read_metrics(run_dir / "metrics.jsonl")
-    events = read_jsonl(run_dir / "events.jsonl")
+    events = read_events(run_dir) if (run_dir / EVENTS_FILE).is_file() else []
     if peak_tflops is None:
         peak_tflops = _configured_peak(run_dir)
     try:

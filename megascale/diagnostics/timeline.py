@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from megascale.diagnostics.timers import CATEGORIES, TIMELINE_DIR
+from megascale.messages import Event
 from megascale.parallel.layout import Coord, Layout
+from megascale.robustness.events import EVENTS_FILE, read_events
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +244,7 @@ _THREAD_NAMES = {cat: cat.replace("comm.", "comm ") for cat in CATEGORIES}
 
 def chrome_trace(
     ranks: list[RankTimeline],
-    events: list[dict[str, Any]] = (),
+    events: list[Event] = (),
     metrics: list[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """The merged trace (Chrome trace event format, which Perfetto reads).
@@ -285,21 +287,18 @@ def chrome_trace(
                 out.append({**common, "ph": "b", "ts": us(start), "args": {"step": step}})
                 out.append({**common, "ph": "e", "ts": us(start + dur)})
     for ev in events:
-        if "time" not in ev:
-            continue
-        who = ", ".join(
-            f"{k} {ev[k]}" for k in ("node", "rank", "generation") if ev.get(k) is not None
-        )
+        where = {"node": ev.node, "rank": ev.rank, "generation": ev.generation}
+        who = ", ".join(f"{k} {v}" for k, v in where.items() if v is not None)
         out.append(
             {
-                "name": f"{ev.get('kind', 'event')}" + (f" ({who})" if who else ""),
+                "name": ev.kind + (f" ({who})" if who else ""),
                 "cat": "fault",
                 "ph": "i",
                 "s": "g",
-                "ts": us(int(ev["time"] * 1e9)),
+                "ts": us(int(ev.time * 1e9)),
                 "pid": 0,
                 "tid": 0,
-                "args": {k: v for k, v in ev.items() if k != "time"},
+                "args": {k: v for k, v in ev.encode().items() if k != "time"},
             }
         )
     for m in metrics:
@@ -366,7 +365,9 @@ def write_trace(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pat
     run_dir = Path(run_dir)
     ranks = load_run(run_dir)
     trace = chrome_trace(
-        ranks, read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
+        ranks,
+        read_events(run_dir) if (run_dir / EVENTS_FILE).is_file() else [],
+        read_jsonl(run_dir / "metrics.jsonl"),
     )
     out = Path(out) if out is not None else run_dir / TIMELINE_DIR / "trace.json"
     out.parent.mkdir(parents=True, exist_ok=True)

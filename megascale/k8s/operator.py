@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from megascale.config import ConfigError
 from megascale.k8s import builders, crd, node_selfcheck
@@ -50,6 +50,14 @@ from megascale.k8s.status import (
     WorkerPod,
     decide,
     rfc3339,
+)
+from megascale.messages import (
+    BlockedNode,
+    ControllerState,
+    Event,
+    Heartbeat,
+    JobSummaryRecord,
+    decoded,
 )
 from megascale.robustness.keys import JobKeys
 from megascale.robustness.store import Store, StoreConfig, StoreError
@@ -182,30 +190,24 @@ class LightkubeAPI:
 # -- etcd -------------------------------------------------------------------------------------
 
 
+M = TypeVar("M")
+
+
 def read_view(store: Store, keys: JobKeys, events: int = EVENTS_READ) -> EtcdView:
-    """What the controller wrote for the job (values that are not JSON are skipped, logged)."""
+    """What the controller wrote for the job, decoded (``messages.decoded``: a value that is
+    not a readable message of its type is skipped, logged)."""
 
-    def parse(kv: Any) -> Any:
-        try:
-            return kv.json()
-        except ValueError:
-            logger.warning("etcd key %s: not JSON, ignored", kv.key)
-            return None
+    def by_name(kind: type[M], prefix: str) -> dict[str, M]:
+        items = ((keys.name_of(kv.key), decoded(kind, kv)) for kv in store.get_prefix(prefix))
+        return {name: value for name, value in items if value is not None}
 
-    def by_name(prefix: str) -> dict[str, Any]:
-        items = ((keys.name_of(kv.key), parse(kv)) for kv in store.get_prefix(prefix))
-        return {name: value for name, value in items if isinstance(value, dict)}
-
-    state_kv, summary_kv = store.get(keys.state), store.get(keys.summary)
-    state = parse(state_kv) if state_kv is not None else None
-    summary = parse(summary_kv) if summary_kv is not None else None
     newest = store.get_prefix(keys.events_prefix, limit=events, descending=True)
     return EtcdView(
-        state=state if isinstance(state, dict) else None,
-        summary=summary if isinstance(summary, dict) else None,
-        blocklist=by_name(keys.blocklist_prefix),
-        heartbeats=by_name(keys.heartbeats_prefix),
-        events=[e for e in map(parse, newest) if isinstance(e, dict)],
+        state=decoded(ControllerState, store.get(keys.state)),
+        summary=decoded(JobSummaryRecord, store.get(keys.summary)),
+        blocklist=by_name(BlockedNode, keys.blocklist_prefix),
+        heartbeats=by_name(Heartbeat, keys.heartbeats_prefix),
+        events=[e for e in (decoded(Event, kv) for kv in newest) if e is not None],
     )
 
 

@@ -41,6 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megascale.k8s.builders import ANNOTATION_EXCLUDED, LABEL_INDEX, Job
+from megascale.messages import (
+    BlockedNode,
+    ControllerState,
+    Event,
+    Heartbeat,
+    JobSummaryRecord,
+)
 
 STARTING_STATES = ("init", "waiting_for_nodes", "starting")
 RECOVERING_STATES = ("stopping", "diagnosing", "restarting")
@@ -53,13 +60,14 @@ CONDITION_TYPES = ("Created", "Running", "Recovering", "Succeeded", "Failed", "S
 
 @dataclass(frozen=True)
 class EtcdView:
-    """What the controller wrote for one job (values as JSON); ``events`` newest first."""
+    """What the controller wrote for one job, decoded (``megascale.messages``); ``events``
+    newest first."""
 
-    state: Mapping[str, Any] | None = None
-    summary: Mapping[str, Any] | None = None
-    blocklist: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    heartbeats: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    events: Sequence[Mapping[str, Any]] = ()
+    state: ControllerState | None = None
+    summary: JobSummaryRecord | None = None
+    blocklist: Mapping[str, BlockedNode] = field(default_factory=dict)
+    heartbeats: Mapping[str, Heartbeat] = field(default_factory=dict)
+    events: Sequence[Event] = ()
 
 
 @dataclass(frozen=True)
@@ -201,15 +209,15 @@ def phase_of(controller_state: str | None) -> str:
     raise ValueError(f"controller state = {controller_state!r}: not a known state")
 
 
-def fault_message(state: Mapping[str, Any] | None) -> str | None:
-    fault = (state or {}).get("fault")
-    if not fault:
+def fault_message(state: ControllerState | None) -> str | None:
+    fault = state.fault if state is not None else None
+    if fault is None:
         return None
-    where = [f"node {fault['node']}"] if fault.get("node") else []
-    if fault.get("rank") is not None:
-        where.append(f"rank {fault['rank']}")
-    suspects = fault.get("suspects") or []
-    text = f"{fault.get('kind', 'fault')}" + (f" on {', '.join(where)}" if where else "")
+    where = [f"node {fault.node}"] if fault.node else []
+    if fault.rank is not None:
+        where.append(f"rank {fault.rank}")
+    suspects = fault.suspects
+    text = fault.kind + (f" on {', '.join(where)}" if where else "")
     return text + (f" (suspect ranks {suspects})" if suspects else "")
 
 
@@ -219,10 +227,11 @@ def fault_message(state: Mapping[str, Any] | None) -> str | None:
 def plan_workers(
     job: Job,
     pods: Sequence[WorkerPod],
-    blocklist: Mapping[str, Mapping[str, Any]],
+    blocklist: Mapping[str, str],
     phase: str,
 ) -> list[Effect]:
-    """The pod effects that bring the worker pods in line (rules in the module docstring)."""
+    """The pod effects that bring the worker pods in line (rules in the module docstring);
+    ``blocklist``: evicted node -> why."""
     live = [p for p in pods if not p.deleting]
     if phase == "Suspended":
         return [DeletePod(p.name, "job suspended") for p in live]
@@ -238,7 +247,7 @@ def plan_workers(
         if pod.index is None or pod.index >= job.pods:
             effects.append(DeletePod(pod.name, "scaled down"))
         elif pod.node in evicted:
-            reason = blocklist[pod.node].get("reason", "evicted")
+            reason = blocklist[pod.node]
             effects.append(DeletePod(pod.name, f"node {pod.node} evicted: {reason}", True))
         elif pod.phase == "Failed":
             effects.append(DeletePod(pod.name, "pod failed", True))
@@ -253,7 +262,7 @@ def plan_workers(
 
 
 def _evicted_nodes(
-    blocklist: Mapping[str, Mapping[str, Any]],
+    blocklist: Mapping[str, BlockedNode],
     prior: Sequence[Mapping[str, Any]],
     pods: Sequence[WorkerPod],
 ) -> list[dict[str, Any]]:
@@ -261,44 +270,35 @@ def _evicted_nodes(
     pod_on = {p.node: p.name for p in pods if p.node}
     for node, info in blocklist.items():
         entry = by_node.setdefault(node, {"node": node})
-        if info.get("reason") is not None:
-            entry["reason"] = str(info["reason"])
-        if info.get("generation") is not None:
-            entry["generation"] = int(info["generation"])
-        if info.get("time") is not None:
-            entry["time"] = rfc3339(float(info["time"]))
+        entry.update(reason=info.reason, generation=info.generation, time=rfc3339(info.time))
         if node in pod_on and "pod" not in entry:
             entry["pod"] = pod_on[node]
     return [by_node[n] for n in sorted(by_node)]
 
 
-def _figures(summary: Mapping[str, Any]) -> dict[str, Any]:
+def _figures(summary: JobSummaryRecord) -> dict[str, Any]:
     """The status fields of the controller's ``summary`` (``robustness.job_summary``): only
     those it has a value for, so that an absent figure keeps the status' last one."""
-    out: dict[str, Any] = {}
-    if summary.get("step") is not None:
-        out["step"] = int(summary["step"])
-    if summary.get("tokens_per_s") is not None:
-        out["tokensPerSecond"] = float(summary["tokens_per_s"])
-    if summary.get("mfu") is not None:
-        out["mfu"] = float(summary["mfu"])
-        if summary.get("mfu_peak"):
-            out["mfuPeak"] = str(summary["mfu_peak"])
-    mark = summary.get("last_checkpoint") or {}
-    if mark.get("step") is not None:
-        out["lastCheckpoint"] = {"step": int(mark["step"])}
-        if mark.get("time") is not None:
-            out["lastCheckpoint"]["time"] = rfc3339(float(mark["time"]))
-        if mark.get("url"):
-            out["lastCheckpoint"]["url"] = str(mark["url"])
-    if summary.get("faults") is not None:
-        out["faults"] = int(summary["faults"])
-    effective = summary.get("effective") or {}
-    if effective.get("wall_s"):
+    out: dict[str, Any] = {"faults": summary.faults}
+    if summary.step is not None:
+        out["step"] = summary.step
+    if summary.tokens_per_s is not None:
+        out["tokensPerSecond"] = float(summary.tokens_per_s)
+    if summary.mfu is not None:
+        out["mfu"] = float(summary.mfu)
+        if summary.mfu_peak:
+            out["mfuPeak"] = summary.mfu_peak
+    mark = summary.last_checkpoint
+    if mark is not None:
+        out["lastCheckpoint"] = {"step": mark.step, "time": rfc3339(mark.time)}
+        if mark.url:
+            out["lastCheckpoint"]["url"] = mark.url
+    effective = summary.effective
+    if effective is not None and effective.wall_s:
         out["effectiveTrainingTime"] = {
-            "productiveSeconds": round(float(effective["productive_s"]), 3),
-            "wallSeconds": round(float(effective["wall_s"]), 3),
-            "ratio": round(float(effective["ratio"]), 4),
+            "productiveSeconds": round(effective.productive_s, 3),
+            "wallSeconds": round(effective.wall_s, 3),
+            "ratio": round(effective.ratio, 4),
         }
     return out
 
@@ -324,17 +324,17 @@ def _camel(word: str) -> str:
     return "".join(part.capitalize() for part in word.split("_"))
 
 
-def _phase(job: Job, prior: Mapping[str, Any], state: Mapping[str, Any] | None) -> tuple[str, str]:
+def _phase(job: Job, prior: Mapping[str, Any], state: ControllerState | None) -> tuple[str, str]:
     """(phase, reason) before the run policy is applied."""
     if prior.get("phase") in TERMINAL_PHASES:
         return prior["phase"], prior.get("reason", "Finished")
     if job.suspended:
         return "Suspended", "Suspended"
     if state is not None:
-        fault = state.get("fault") or {}
-        if state.get("state") == "failed" and fault.get("kind") == "job_fatal":
+        fault = state.fault
+        if state.state == "failed" and fault is not None and fault.kind == "job_fatal":
             return "Failed", "JobFatal"  # the job itself cannot proceed (robustness/fatal.py)
-        return phase_of(state.get("state")), f"Controller{_camel(str(state.get('state')))}"
+        return phase_of(state.state), f"Controller{_camel(state.state)}"
     if prior.get("phase") in (None, "Suspended"):  # new, or resumed: until the controller says
         return "Pending", "WaitingForController"
     return prior["phase"], prior.get("reason", "WaitingForController")
@@ -353,13 +353,14 @@ def decide(
     view = view or EtcdView()
     state = view.state
     known = {e["node"] for e in prior.get("evictedNodes", [])}
-    blocklist = {n: {"reason": "evicted"} for n in known} | dict(view.blocklist)
+    blocklist = dict.fromkeys(known, "evicted") | {n: b.reason for n, b in view.blocklist.items()}
 
     out: dict[str, Any] = {**prior, "observedGeneration": job.generation}
     if not job.suspended and "startTime" not in out:
         out["startTime"] = rfc3339(now)
     phase, reason = _phase(job, prior, state)
-    message = (state or {}).get("failure") or fault_message(state) or prior.get("message", "")
+    failed = state.failure if state is not None else None
+    message = failed or fault_message(state) or prior.get("message", "")
     pod_effects = plan_workers(job, pods, blocklist, phase)
     replacements = int(prior.get("replacements", 0))
     replacements += sum(1 for e in pod_effects if isinstance(e, DeletePod) and e.replace)
@@ -372,8 +373,8 @@ def decide(
 
     effects: list[Effect] = []
     if job.spec["faultTolerance"]["cordonEvictedNodes"]:
-        reasons = {n: str(view.blocklist[n].get("reason", "evicted")) for n in view.blocklist}
-        effects += [CordonNode(n, reasons[n]) for n in sorted(set(view.blocklist) - known)]
+        new = sorted(set(view.blocklist) - known)
+        effects += [CordonNode(n, view.blocklist[n].reason) for n in new]
     effects += pod_effects
 
     out.update(phase=phase, reason=reason, replacements=replacements)
@@ -382,16 +383,14 @@ def decide(
     if phase in TERMINAL_PHASES and "completionTime" not in out:
         out["completionTime"] = rfc3339(now)
     if state is not None:
-        out["controllerState"] = str(state.get("state"))
-        out["currentGeneration"] = int(state.get("generation", 0))
-        out["restarts"] = int(state.get("restarts", 0))
-        if state.get("step") is not None:
-            out["step"] = int(state["step"])
-        out["activeNodes"] = [str(n) for n in state.get("order", [])]
-        out["spareNodes"] = [str(n) for n in state.get("spares", [])]
-    if view.summary is not None and (
-        state is None or view.summary.get("generation") == state.get("generation")
-    ):
+        out["controllerState"] = state.state
+        out["currentGeneration"] = state.generation
+        out["restarts"] = state.restarts
+        if state.step is not None:
+            out["step"] = state.step
+        out["activeNodes"] = list(state.order)
+        out["spareNodes"] = list(state.spares)
+    if view.summary is not None and (state is None or view.summary.generation == state.generation):
         out.update(_figures(view.summary))
     out["evictedNodes"] = _evicted_nodes(view.blocklist, prior.get("evictedNodes", []), pods)
     if phase in ("Running", "Succeeded") and out.get("step") is not None:

@@ -44,11 +44,15 @@ from megascale.launcher.nodeinfo import gpu_status, hardware_info, network_count
 from megascale.launcher.workers import WorkerPool, Zygote, free_port
 from megascale.messages import (
     Ack,
+    Command,
+    ControllerStatus,
+    GenerationRecord,
     Heartbeat,
     RankFigures,
     RankProgress,
     Reported,
     WorkerStatus,
+    decoded,
 )
 from megascale.robustness import inject
 from megascale.robustness.fatal import EXIT_JOB_FATAL, RUN_DIR_ENV, read_exit_error, read_fatal
@@ -133,17 +137,12 @@ class _Reported:
     seq: int = 0
 
 
-def ack_message(command: dict[str, Any], ok: bool, detail: str) -> dict[str, Any]:
+def ack_message(command: Command, ok: bool, detail: str) -> Ack:
     """The ``acks/<node>`` value (``messages.Ack``, encoded) answering ``command``: its id,
     generation and kind, whether it succeeded, and ``detail`` (cut to 2,000 characters)."""
-    ack = Ack(
-        id=str(command["id"]),
-        generation=int(command["generation"]),
-        kind=str(command["kind"]),
-        ok=ok,
-        detail=detail[:2000],
+    return Ack(
+        id=command.id, generation=command.generation, kind=command.kind, ok=ok, detail=detail[:2000]
     )
-    return ack.encode()
 
 
 def progress_figures(progress: dict[int, RankProgress]) -> dict[str, Any]:
@@ -285,9 +284,9 @@ class Agent:
         }
 
     def _watch_commands(self) -> None:
-        generation = self.store.get(self.keys.generation)
+        generation = decoded(GenerationRecord, self.store.get(self.keys.generation))
         if generation is not None:
-            self.generation = max(self.generation, int(generation.json()["generation"]))
+            self.generation = max(self.generation, generation.generation)
         # From now on: a command written before this agent started is never run.
         start = self.store.snapshot(self.keys.command(self.opts.node)).revision + 1
         self._watches.append(
@@ -296,9 +295,9 @@ class Agent:
             )
         )
         self._watches.append(self.store.watch(self.keys.status, callback=self._on_status))
-        status = self.store.get(self.keys.status)
+        status = decoded(ControllerStatus, self.store.get(self.keys.status))
         if status is not None:
-            self._job_state = status.json().get("state")
+            self._job_state = status.state
 
     def _lease_lost(self, lease: Lease) -> None:
         logger.warning("lease %x expired: registering again", lease.id)
@@ -307,11 +306,15 @@ class Agent:
 
     def _on_command(self, event: WatchEvent) -> None:
         if event.kind == "put":
-            self._commands.put(event.json())
+            command = decoded(Command, event)
+            if command is not None:
+                self._commands.put(command)
 
     def _on_status(self, event: WatchEvent) -> None:
         if event.kind == "put":
-            self._job_state = event.json().get("state")
+            status = decoded(ControllerStatus, event)
+            if status is not None:
+                self._job_state = status.state
             if self._job_state in TERMINAL_STATES:
                 self.wake()
 
@@ -500,48 +503,46 @@ class Agent:
             if ack is not None:
                 self._ack(ack)
 
-    def execute(self, command: dict[str, Any]) -> dict[str, Any] | None:
+    def execute(self, command: Command) -> Ack | None:
         """Run ``command`` if it is current (``keys.is_current``) and not run before (by id);
         returns the ``acks/<node>`` value to write, None when the command was skipped. Called
         for one command at a time, in the order they were written."""
         if not is_current(command, self.opts.job_id, self.generation):
             logger.info("ignoring command %s (agent at generation %d)", command, self.generation)
             return None
-        if command.get("id") in self._done_ids:
+        if command.id in self._done_ids:
             return None
-        if int(command["generation"]) > self.generation and not self._published(command):
+        if command.generation > self.generation and not self._published(command):
             return None
-        self._done_ids.add(str(command.get("id")))
-        self.generation = max(self.generation, int(command["generation"]))
-        logger.info(
-            "command %s %s (generation %d)", command["kind"], command["id"], self.generation
-        )
+        self._done_ids.add(command.id)
+        self.generation = max(self.generation, command.generation)
+        logger.info("command %s %s (generation %d)", command.kind, command.id, self.generation)
         try:
-            ok, detail = getattr(self, f"_cmd_{command['kind']}")(command)
+            ok, detail = getattr(self, f"_cmd_{command.kind}")(command)
         except Exception as e:  # a failed command is a failed ack, not a dead agent
-            logger.exception("command %s failed", command["id"])
+            logger.exception("command %s failed", command.id)
             ok, detail = False, f"{type(e).__name__}: {e}"
         return ack_message(command, ok, detail)
 
-    def _published(self, command: dict[str, Any]) -> bool:
+    def _published(self, command: Command) -> bool:
         """Whether the controller has published ``command``'s generation (``generation``, which
         it writes with or before that generation's commands): a command of a generation beyond
         it was not written by the controller, and running it would make this agent ignore every
         real command after it."""
         try:
             kv = self.store.get(self.keys.generation)
-            published = int(kv.json()["generation"]) if kv is not None else 0
-        except (StoreError, ValueError, KeyError, TypeError) as e:
+            published = GenerationRecord.decode(kv.json()).generation if kv is not None else 0
+        except (StoreError, ValueError) as e:
             logger.warning("ignoring command %s: cannot read the generation (%s)", command, e)
             return False
-        if int(command["generation"]) > published:
+        if command.generation > published:
             logger.warning(
                 "ignoring command %s: generation beyond the controller's (%d)", command, published
             )
             return False
         return True
 
-    def _ack(self, ack: dict[str, Any]) -> None:
+    def _ack(self, ack: Ack) -> None:
         """Write ``ack``, retrying until etcd takes it or the agent stops."""
         while not self.stopping.is_set():
             try:
@@ -551,12 +552,12 @@ class Agent:
                 self._etcd_failed(e)
                 time.sleep(min(1.0, self.opts.heartbeat_interval))
 
-    def _cmd_stop(self, command: dict[str, Any]) -> tuple[bool, str]:
+    def _cmd_stop(self, command: Command) -> tuple[bool, str]:
         codes = self.pool.stop(self.opts.stop_grace_s)
         self.wake()
         return True, f"stopped; exit codes {codes}"
 
-    def _cmd_selfcheck(self, command: dict[str, Any]) -> tuple[bool, str]:
+    def _cmd_selfcheck(self, command: Command) -> tuple[bool, str]:
         self.selfchecks += 1
         self.pool.stop(self.opts.stop_grace_s)  # nothing of ours may run during the check
         for spec in self.opts.faults:
@@ -573,7 +574,7 @@ class Agent:
         log("self-check %s: %s", "passed" if ok else "FAILED", detail)
         return ok, detail
 
-    def _neighbour_job(self, command: dict[str, Any]) -> dict[str, Any] | None:
+    def _neighbour_job(self, command: Command) -> dict[str, Any] | None:
         """``run_selfcheck_neighbours``'s arguments for the command's neighbours (None: none)."""
         down = None
         for spec in self.opts.faults:
@@ -581,7 +582,7 @@ class Agent:
                 inject.claim(self.opts.run_dir, spec, node=self.opts.node)
                 down = f"network down (injected fault {spec.text})"
         return neighbour_check.neighbour_job(
-            command.get("neighbours"),
+            command.neighbours,
             self._registration_of,
             host=self.opts.addr,
             port=self.neighbour_port,
@@ -623,15 +624,17 @@ class Agent:
         path = path.selfcheck_thresholds
         return None if path is None else str(self.opts.run_dir / path)
 
-    def _cmd_start(self, command: dict[str, Any]) -> tuple[bool, str]:
-        assignment = command["rank_assignment"]
-        generation = int(command["generation"])
+    def _cmd_start(self, command: Command) -> tuple[bool, str]:
+        assignment = command.rank_assignment
+        if assignment is None:
+            return False, "a start command without a rank_assignment"
+        generation = command.generation
         self.pool.stop(self.opts.stop_grace_s)
         with self._lock:
             self._reported = _Reported()
-        addr, port = self._rendezvous(generation, str(assignment["master_node"]))
+        addr, port = self._rendezvous(generation, assignment.master_node)
         env = {
-            "WORLD_SIZE": str(assignment["world_size"]),
+            "WORLD_SIZE": str(assignment.world_size),
             "MASTER_ADDR": addr,
             "MASTER_PORT": str(port),
             "MEGASCALE_JOB": self.opts.job_id,
@@ -645,7 +648,7 @@ class Agent:
                 else {}
             ),
         }
-        ranks = [int(r) for r in assignment["ranks"]]
+        ranks = list(assignment.ranks)
         self.pool.start(generation, ranks, env, self.opts.train_argv(), self.opts.worker_nice)
         self.wake()
         return True, f"generation {generation}: ranks {ranks}, master {addr}:{port}"

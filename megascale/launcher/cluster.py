@@ -43,13 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from megascale.launcher import gpus
-from megascale.launcher.outcome import current_step, summarize
+from megascale.launcher.outcome import FINAL_FILE, current_step, summarize
 from megascale.launcher.runlock import prepare_run_dir
 from megascale.launcher.signals import StopSignals, reset_in_child
 from megascale.launcher.supervise import Supervisor
 from megascale.machine_check import check_machine
 from megascale.machine_check import gpu_count as _gpu_count
-from megascale.messages import read_metrics
+from megascale.messages import ControllerState, Event, decoded, read_metrics
 from megascale.robustness import inject
 
 logger = logging.getLogger("megascale.launch")
@@ -381,7 +381,8 @@ class LocalCluster:
             kv = self.store.get(self.keys.state)
         except StoreError:
             return None
-        return kv.json().get("state") if kv is not None else None
+        state = decoded(ControllerState, kv)
+        return state.state if state is not None else None
 
     def stop(self) -> None:
         """SIGTERM every agent and controller (agents stop their workers), then stop etcd."""
@@ -423,10 +424,12 @@ class Tail:
         return [p for p in parts if p.strip()]
 
 
-def describe_event(event: dict[str, Any]) -> str | None:
+def describe_event(event: Event) -> str | None:
     """One line for the launcher's log, or None for events not worth showing."""
-    kind, d = event.get("kind"), event.get("detail") or {}
-    where = " ".join(f"{k} {event[k]}" for k in ("node", "rank") if event.get(k) is not None)
+    kind, d = event.kind, event.detail
+    where = " ".join(
+        f"{k} {v}" for k, v in (("node", event.node), ("rank", event.rank)) if v is not None
+    )
     text = {
         "fault": lambda: (
             f"FAULT {d.get('fault')} {where} at step {d.get('step')}: "
@@ -440,10 +443,10 @@ def describe_event(event: dict[str, Any]) -> str | None:
             f"self-check {where}: {'pass' if d.get('ok') else 'FAIL'} ({d.get('detail', '')[:120]})"
         ),
         "generation_start": lambda: (
-            f"generation {event.get('generation')} starts on "
+            f"generation {event.generation} starts on "
             f"{d.get('nodes')}" + (f", replacing {d.get('replaced')}" if d.get("replaced") else "")
         ),
-        "generation_running": lambda: f"generation {event.get('generation')} running",
+        "generation_running": lambda: f"generation {event.generation} running",
         "all_stopped": lambda: "all workers stopped",
         "finished": lambda: f"training finished at step {d.get('step')}",
         "failed": lambda: f"job FAILED: {d.get('reason')}",
@@ -454,7 +457,7 @@ def describe_event(event: dict[str, Any]) -> str | None:
         "controller_takeover": lambda: f"{d.get('controller')} took over as controller",
         "node_lost": lambda: f"node lost: {where} ({d.get('reason')})",
         "resumed": lambda: (
-            f"generation {event.get('generation')} resumed from "
+            f"generation {event.generation} resumed from "
             + d.get("text", "").rsplit("resumed from ", 1)[-1]
         ),
     }.get(kind)
@@ -515,8 +518,8 @@ class Monitor:
                 )
         for line in self.events.lines():
             try:
-                text = describe_event(json.loads(line))
-            except ValueError:
+                text = describe_event(Event.from_json(line))
+            except ValueError:  # a torn line (MessageError is one too)
                 continue
             if text:
                 logger.info("%s", text)
@@ -612,11 +615,12 @@ def launch(opts: LaunchOptions) -> int:
     started = time.monotonic()
     state, reason = _run_cluster(opts, job, notes, run_dir, stop_signals, started)
     final = summarize(run_dir, job, state, time.monotonic() - started, opts, reason=reason)
-    (run_dir / "final.json").write_text(json.dumps(final, indent=1, sort_keys=True) + "\n")
+    path = run_dir / FINAL_FILE
+    path.write_text(json.dumps(final.encode(), indent=1, sort_keys=True) + "\n")
     logger.info(
         "%s: step %s/%s, faults detected %s, recoveries %d, %.1f s; %s",
-        state, final["final_step"], job.train.steps, final["faults_detected"],
-        final["recoveries"], final["wall_time_s"], run_dir / "final.json",
+        state, final.final_step, job.train.steps, final.faults_detected,
+        final.recoveries, final.wall_time_s, path,
     )  # fmt: skip
     stop_signals.restore()
     lock.release()

@@ -21,6 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from megascale.messages_job import NeighbourEntry
 from megascale.robustness.neighbours import NeighbourResult, NeighbourTest, judge
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def free_port_block(host: str, count: int = CHANNELS, attempts: int = 50) -> int
 
 
 def neighbour_job(
-    neighbours: Any,
+    neighbours: Iterable[NeighbourEntry],
     registration: Callable[[str], Mapping[str, Any] | None],
     *,
     host: str,
@@ -75,12 +76,8 @@ def neighbour_job(
     down: str | None = None,
 ) -> dict[str, Any] | None:
     """``run_selfcheck_neighbours``'s arguments (but ``out``) for a self-check command's
-    ``neighbours`` entry; None when there are none (or the entry is malformed: logged)."""
-    try:
-        tests = [NeighbourTest.from_json(n) for n in neighbours or ()]
-    except ValueError as e:
-        logger.warning("self-check command: %s; neighbour all-reduce skipped", e)
-        return None
+    ``neighbours``; None when there are none."""
+    tests = [NeighbourTest(n.node, n.channel) for n in neighbours]
     if not tests:
         return None
     resolved = resolve(tests, registration)

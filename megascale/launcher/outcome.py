@@ -1,8 +1,7 @@
-"""What a ``megascale launch`` run produced: ``RUN_DIR/final.json`` (``summarize``).
+"""What a ``megascale launch`` run produced: ``RUN_DIR/final.json`` (``summarize``; the record is
+``messages.FinalOutcome``, read back with ``read_final``)::
 
-``final.json``::
-
-    {"finished": true, "state": "finished", "reason": null, "final_step": 50, "steps": 50,
+    {"schema": "1.0", "finished": true, "state": "finished", "reason": null, "final_step": 50, "steps": 50,
      "param_digest": "<sha256>", "digest_step": 50,
      "faults_injected": ["kill-worker:rank=1,step=25"],
      "faults_detected": {"worker_exit": 1},          # controller faults + notices, by kind
@@ -25,11 +24,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megascale.messages import read_metrics
+from megascale.messages import FinalOutcome, read_metrics
+from megascale.messages_job import FatalError, FaultTiming
 from megascale.robustness import inject
-from megascale.robustness.events import read_events
+from megascale.robustness.events import Event, read_events
 
 logger = logging.getLogger(__name__)
+
+FINAL_FILE = "final.json"
 
 NOTICES = ("checkpoint_fallback", "etcd_unavailable", "controller_takeover")
 """Events counted in ``faults_detected`` besides the controller's faults."""
@@ -69,7 +71,7 @@ def parameter_digest(run_dir: Path, job: Any) -> tuple[str | None, int | None]:
     return model_digest(location(job.checkpoint, run_dir))
 
 
-def fault_timings(run_dir: Path, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def fault_timings(run_dir: Path, events: list[Event]) -> list[FaultTiming]:
     """Per fired fault: how long until the controller decided (the next event that counts, see
     ``DECISIONS``) and until training next completed a step (``metrics.jsonl``)."""
     metrics = []
@@ -80,88 +82,84 @@ def fault_timings(run_dir: Path, events: list[dict[str, Any]]) -> list[dict[str,
     out = []
     for fault in inject.fired(run_dir):
         kinds, t0 = DECISIONS.get(fault["kind"], ("fault",)), fault["time"]
-        found = [e for e in events if e["kind"] in kinds and e["time"] >= t0]
+        found = [e for e in events if e.kind in kinds and e.time >= t0]
         decided = found[0] if found else None
         # The rank that names the cause: every rank reports a checkpoint it skipped, one says why.
-        named = next((e for e in found if "another rank" not in str(e.get("detail"))), decided)
+        named = next((e for e in found if "another rank" not in str(e.detail)), decided)
         resumed = next((m.time for m in metrics if (m.time or 0) > t0), None)
-        row = {"fault": fault["spec"], "fired_at": t0, "step": fault.get("step")}
-        if decided is not None:
-            row.update(
-                decision=decided["kind"],
-                detected_as=(decided.get("detail") or {}).get("fault", decided["kind"]),
-                node=named.get("node"),
-                rank=named.get("rank"),
-                detection_s=round(decided["time"] - t0, 3),
-            )
+        row = FaultTiming(fault=fault["spec"], fired_at=t0, step=fault.get("step"))
+        if decided is not None and named is not None:
+            row.decision = decided.kind
+            row.detected_as = decided.detail.get("fault", decided.kind)
+            row.node, row.rank = named.node, named.rank
+            row.detection_s = round(decided.time - t0, 3)
         if resumed is not None:
-            row["resumed_s"] = round(resumed - t0, 3)
+            row.resumed_s = round(resumed - t0, 3)
         out.append(row)
     return out
 
 
-def faults_detected(events: list[dict[str, Any]]) -> dict[str, int]:
+def faults_detected(events: list[Event]) -> dict[str, int]:
     """The controller's faults by kind, and the notices; a checkpoint fallback (every rank
     reports the checkpoint it skipped) counts once per generation."""
     detected: dict[str, int] = {}
     fallbacks = set()
     for e in events:
-        kind = (e.get("detail") or {}).get("fault") if e["kind"] == "fault" else e["kind"]
+        kind = e.detail.get("fault") if e.kind == "fault" else e.kind
         if kind == "checkpoint_fallback":
-            if e.get("generation") in fallbacks:
+            if e.generation in fallbacks:
                 continue
-            fallbacks.add(e.get("generation"))
-        if e["kind"] == "fault" or kind in NOTICES:
+            fallbacks.add(e.generation)
+        if e.kind == "fault" or kind in NOTICES:
             detected[str(kind)] = detected.get(str(kind), 0) + 1
     return detected
 
 
-def failure(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """``failure``: the reason of the controller's ``failed`` event (None when it did not fail
-    the job); ``fatal``: the job-fatal error a rank ended the job with (``robustness.fatal``)."""
-    failed = [e for e in events if e["kind"] == "failed"]
-    fatal = [e for e in events if e["kind"] == "fault" and e["detail"].get("fault") == "job_fatal"]
-    return {
-        "failure": failed[-1]["detail"].get("reason") if failed else None,
-        "fatal": {
-            "node": fatal[0].get("node"),
-            "rank": fatal[0].get("rank"),
-            "reason": fatal[0]["detail"].get("reason"),
-        }
-        if fatal
-        else None,
-    }
+def failure(events: list[Event]) -> tuple[str | None, FatalError | None]:
+    """The reason of the controller's ``failed`` event (None when it did not fail the job),
+    and the job-fatal error a rank ended the job with (``robustness.fatal``)."""
+    failed = [e for e in events if e.kind == "failed"]
+    fatal = [e for e in events if e.kind == "fault" and e.detail.get("fault") == "job_fatal"]
+    return (
+        failed[-1].detail.get("reason") if failed else None,
+        FatalError(fatal[0].node, fatal[0].rank, fatal[0].detail.get("reason")) if fatal else None,
+    )
 
 
 def summarize(
     run_dir: Path, job: Any, state: str, wall_s: float, opts: Any, reason: str | None = None
-) -> dict[str, Any]:
+) -> FinalOutcome:
     """The content of ``final.json`` (see the module docstring); ``reason``: why the launcher
     stopped the job (a signal, a timeout, etcd or the controller lost for good), else None."""
     events = read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
     digest, digest_step = parameter_digest(run_dir, job)
-    return {
-        "finished": state == "finished",
-        "state": state,
-        "reason": reason,
-        "final_step": current_step(run_dir / "metrics.jsonl"),
-        "steps": job.train.steps,
-        "param_digest": digest,
-        "digest_step": digest_step,
-        "faults_injected": [f["spec"] for f in inject.fired(run_dir)],
-        "faults_detected": faults_detected(events),
-        "recoveries": sum(
-            1 for e in events if e["kind"] == "generation_running" and e["generation"] > 1
-        ),
-        "generations": max((e.get("generation") or 0 for e in events), default=0),
-        "evicted": [e["node"] for e in events if e["kind"] == "evict"],
-        "fault_timings": fault_timings(run_dir, events),
-        **failure(events),
-        "wall_time_s": round(wall_s, 3),
-        "nodes": opts.nodes,
-        "nproc_per_node": opts.nproc_per_node,
-        "spares": opts.spares,
-        "heartbeat_interval_s": opts.heartbeat_interval,
-        "job_id": opts.job_id,
-        "run_dir": str(run_dir),
-    }
+    failed, fatal = failure(events)
+    return FinalOutcome(
+        finished=state == "finished",
+        state=state,
+        reason=reason,
+        final_step=current_step(run_dir / "metrics.jsonl"),
+        steps=job.train.steps,
+        param_digest=digest,
+        digest_step=digest_step,
+        faults_injected=[f["spec"] for f in inject.fired(run_dir)],
+        faults_detected=faults_detected(events),
+        recoveries=sum(1 for e in events if e.kind == "generation_running" and e.generation > 1),
+        generations=max((e.generation for e in events), default=0),
+        evicted=[e.node for e in events if e.kind == "evict" and e.node is not None],
+        fault_timings=fault_timings(run_dir, events),
+        failure=failed,
+        fatal=fatal,
+        wall_time_s=round(wall_s, 3),
+        nodes=opts.nodes,
+        nproc_per_node=opts.nproc_per_node,
+        spares=opts.spares,
+        heartbeat_interval_s=opts.heartbeat_interval,
+        job_id=opts.job_id,
+        run_dir=str(run_dir),
+    )
+
+
+def read_final(run_dir: Path) -> FinalOutcome:
+    """``RUN_DIR/final.json``, decoded (``MessageError`` for another major's file)."""
+    return FinalOutcome.from_json((Path(run_dir) / FINAL_FILE).read_bytes())

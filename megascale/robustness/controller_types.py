@@ -13,12 +13,15 @@ import enum
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megascale.config_validate import fault_tolerance_problems
 from megascale.parallel.layout import Layout
 from megascale.robustness.keys import make_command
 from megascale.robustness.neighbours import NeighbourTest
+
+if TYPE_CHECKING:
+    from megascale.messages_job import Command
 
 
 class State(enum.Enum):
@@ -117,8 +120,8 @@ class SendCommand:
     neighbours: tuple[NeighbourTest, ...] = ()
     """``selfcheck``: the neighbour all-reduces the node runs (``robustness.neighbours``)."""
 
-    def message(self, job_id: str) -> dict[str, Any]:
-        """The JSON value for ``commands/<node>`` (see ``keys.make_command``)."""
+    def message(self, job_id: str) -> Command:
+        """The ``commands/<node>`` message (see ``keys.make_command``)."""
         neighbours = [n.to_json() for n in self.neighbours]
         return make_command(
             job_id, self.generation, self.kind, self.id, self.rank_assignment, neighbours

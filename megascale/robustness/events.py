@@ -1,14 +1,14 @@
 """The controller's decision log: one JSON object per decision, append-only, in
 ``RUN_DIR/events.jsonl`` and mirrored to etcd under ``/megascale/<job>/events/<seq>``.
 
-An event::
+An event (``messages.Event``)::
 
-    {"seq": 7, "time": 1764000000.1, "generation": 2, "kind": "fault",
+    {"schema": "1.0", "seq": 7, "time": 1764000000.1, "generation": 2, "kind": "fault",
      "node": "node-1", "rank": 5, "detail": {...}}
 
 ``kind`` is one of the names the controller uses (``EVENT_KINDS`` in ``controller.py``: ``fault``,
 ``evict``, ``generation_started``, ...); ``node``/``rank`` are null when the decision is about the
-job as a whole. Reports and tests read the file with ``read_events``.
+job as a whole. Reports and tests read the file with ``read_events`` (typed events).
 
 Unbuffered (the default), ``append`` writes the event to etcd and the file before it returns.
 Buffered (``buffered=True``, the controller's), ``append`` only queues it and ``flush`` writes every
@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from megascale.messages import SCHEMA_KEY, Event
 from megascale.robustness.keys import JobKeys
 from megascale.robustness.store import TXN_MAX_OPS, Compare, Put, Store, StoreError, missing
 
@@ -85,7 +86,7 @@ class EventLog:
         self.term: int | None = None
         """Stamped on every event from now on (the leader key's create revision)."""
         self._lock = threading.Lock()
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[Event] = []
         self._next_seq = self._first_seq()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -94,7 +95,7 @@ class EventLog:
         last = -1
         if self.path is not None and self.path.exists():
             for event in read_events(self.path):
-                last = max(last, int(event.get("seq", -1)))
+                last = max(last, event.seq)
         if self.store is not None and self.keys is not None:
             try:
                 newest = self.store.get_prefix(self.keys.events_prefix, limit=1, descending=True)
@@ -112,20 +113,19 @@ class EventLog:
         node: str | None = None,
         rank: int | None = None,
         detail: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> Event:
         """Record one decision; returns the event as written (with its ``seq`` and ``time``)."""
         with self._lock:
-            event = {
-                "seq": self._next_seq,
-                "time": self.clock(),
-                "generation": generation,
-                "kind": kind,
-                "node": node,
-                "rank": rank,
-                "detail": dict(detail or {}),
-            }
-            if self.term is not None:
-                event["term"] = self.term
+            event = Event(
+                seq=self._next_seq,
+                time=self.clock(),
+                generation=generation,
+                kind=kind,
+                node=node,
+                rank=rank,
+                detail=dict(detail or {}),
+                term=self.term,
+            )
             self._next_seq += 1
             if self.buffered:
                 self._pending.append(event)
@@ -133,11 +133,11 @@ class EventLog:
                 self._mirror(event)  # first: it may move the event to a later free seq
                 self._write([event])
         logger.info(
-            "event %s gen=%s node=%s rank=%s %s", kind, generation, node, rank, event["detail"]
+            "event %s gen=%s node=%s rank=%s %s", kind, generation, node, rank, event.detail
         )
         return event
 
-    def record(self, action: Any) -> dict[str, Any]:
+    def record(self, action: Any) -> Event:
         """Append a controller ``RecordEvent`` action (anything with ``kind``, ``generation``,
         ``node``, ``rank``, ``detail``)."""
         return self.append(
@@ -173,7 +173,7 @@ class EventLog:
         """Drop the queued events (their writer lost the lead); their kinds."""
         with self._lock:
             dropped, self._pending = self._pending, []
-        return [str(e["kind"]) for e in dropped]
+        return [e.kind for e in dropped]
 
     def resync(self) -> None:
         """Continue numbering after the newest event in etcd (a standby that just took over:
@@ -181,13 +181,13 @@ class EventLog:
         with self._lock:
             self._next_seq = max(self._next_seq, self._first_seq())
             for event in self._pending:  # queued before: keep their order, after the newest
-                event["seq"], self._next_seq = self._next_seq, self._next_seq + 1
+                event.seq, self._next_seq = self._next_seq, self._next_seq + 1
 
-    def _mirror_batch(self, events: list[dict[str, Any]], fence: list[Compare]) -> None:
+    def _mirror_batch(self, events: list[Event], fence: list[Compare]) -> None:
         if self.store is None or self.keys is None:
             return
         for _ in range(100):
-            keys = [self.keys.event(e["seq"]) for e in events]
+            keys = [self.keys.event(e.seq) for e in events]
             done = self.store.txn(
                 [*fence, *(missing(k) for k in keys)],
                 [Put(k, e) for k, e in zip(keys, events, strict=True)],
@@ -199,32 +199,36 @@ class EventLog:
             newest = self.store.get_prefix(self.keys.events_prefix, limit=1, descending=True)
             self._next_seq = max(self._next_seq, self.keys.seq_of(newest[0].key) + 1)
             for event in events:
-                event["seq"], self._next_seq = self._next_seq, self._next_seq + 1
+                event.seq, self._next_seq = self._next_seq, self._next_seq + 1
         logger.warning("event log: no free seqs for %d events", len(events))
 
-    def _write(self, events: list[dict[str, Any]]) -> None:
+    def _write(self, events: list[Event]) -> None:
         if self.path is not None:
             with open(self.path, "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(e, sort_keys=True, default=str) + "\n" for e in events)
+                f.writelines(
+                    json.dumps(e.encode(), sort_keys=True, default=str) + "\n" for e in events
+                )
 
-    def _mirror(self, event: dict[str, Any]) -> None:
+    def _mirror(self, event: Event) -> None:
         if self.store is None or self.keys is None:
             return
         try:
             # Another writer (a controller we took over from) may hold this seq: skip ahead.
             for _ in range(100):
-                if self.store.create(self.keys.event(event["seq"]), event):
+                if self.store.create(self.keys.event(event.seq), event):
                     return
-                event["seq"] = self._next_seq
+                event.seq = self._next_seq
                 self._next_seq += 1
             logger.warning("event log: no free seq for %s", event)
         except StoreError as e:
-            logger.warning("event log: etcd mirror failed for event %d: %s", event["seq"], e)
+            logger.warning("event log: etcd mirror failed for event %d: %s", event.seq, e)
 
 
-def read_events(path: str | Path) -> list[dict[str, Any]]:
+def read_events(path: str | Path) -> list[Event]:
     """Every event in an ``events.jsonl`` (a path to the file or to its run directory); a torn
-    last line (the writer crashed mid-write) is skipped."""
+    last line (the writer crashed mid-write) is skipped; a line without a schema (written
+    before messages were versioned, the same fields) reads as 1.0; ``MessageError`` for a line
+    of another major."""
     path = Path(path)
     if path.is_dir():
         path = path / EVENTS_FILE
@@ -235,10 +239,13 @@ def read_events(path: str | Path) -> list[dict[str, Any]]:
         except ValueError:
             logger.warning("skipping a torn line in %s", path)
             continue
-        if isinstance(event, dict) and isinstance(event.get("term"), int):
-            if event["term"] < term:
+        if isinstance(event, dict) and SCHEMA_KEY not in event:
+            event = {SCHEMA_KEY: "1.0", **event}
+        record = Event.decode(event)
+        if record.term is not None:
+            if record.term < term:
                 logger.warning("skipping an event of a deposed controller: %s", line[:200])
                 continue
-            term = event["term"]
-        events.append(event)
+            term = record.term
+        events.append(record)
     return events

@@ -6,9 +6,9 @@ the controller decides something; the figures of a healthy job change with every
 controller decides nothing. ``JobSummary`` collects them from the heartbeats (``observe``: rank 0's
 node carries the job-wide figures, ``messages.Heartbeat``), and the controller
 writes ``to_json`` at most every ``ServiceOptions.snapshot_s`` while they change. One small key:
-O(1) bytes whatever the number of nodes. The value (version 1)::
+O(1) bytes whatever the number of nodes. The value is a ``messages.JobSummaryRecord``::
 
-    {"version": 1, "time": <wall>, "state": str, "generation": int,
+    {"schema": "1.0", "time": <wall>, "state": str, "generation": int,
      "step": int | None            the job's highest completed step (the controller's view),
      "tokens_per_s": float | None  job-wide, as the job's lowest rank computed it at
      "figures_step": int | None    this step (rank 0's line of metrics.jsonl has the same),
@@ -28,12 +28,13 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+from megascale.messages import DurableCheckpoint, JobSummaryRecord
+from megascale.messages_job import EffectiveFigures
+
 if TYPE_CHECKING:
     from megascale.messages import Heartbeat
     from megascale.robustness.controller import ControllerFSM
     from megascale.robustness.effective import EffectiveTime
-
-VERSION = 1
 
 
 class JobSummary:
@@ -43,7 +44,7 @@ class JobSummary:
         self.tokens_per_s: float | None = None
         self.mfu: float | None = None
         self.mfu_peak: str | None = None
-        self.checkpoint: dict[str, Any] | None = None
+        self.checkpoint: DurableCheckpoint | None = None
         self.changed = False
         self.figures_step: int | None = None  # the step the figures are of
         self._written_at = -math.inf
@@ -65,8 +66,8 @@ class JobSummary:
             self.mfu_peak = heartbeat.mfu_peak
             self.changed = True
         mark = heartbeat.durable
-        if mark is not None and (self.checkpoint is None or mark.time > self.checkpoint["time"]):
-            self.checkpoint = {"step": mark.step, "time": mark.time, "url": mark.url}
+        if mark is not None and (self.checkpoint is None or mark.time > self.checkpoint.time):
+            self.checkpoint = mark
             self.changed = True
 
     def due(self, now: float, interval_s: float, force: bool = False) -> bool:
@@ -76,26 +77,29 @@ class JobSummary:
         return self.changed and (force or now - self._written_at >= interval_s)
 
     def to_json(self, fsm: ControllerFSM, effective: EffectiveTime, now: float) -> dict[str, Any]:
-        """The ``summary`` value (module docstring) at ``now`` (the clock ``effective`` uses);
-        clears ``changed``."""
+        """``take``'s record, encoded."""
+        return self.take(fsm, effective, now).encode()
+
+    def take(self, fsm: ControllerFSM, effective: EffectiveTime, now: float) -> JobSummaryRecord:
+        """The ``summary`` value (module docstring) at ``now`` (the clock ``effective`` uses),
+        to be written now: clears ``changed``."""
         self.changed, self._written_at = False, now
         wall_s = now - effective.start
-        return {
-            "version": VERSION,
-            "time": time.time(),
-            "state": fsm.state.value,
-            "generation": fsm.generation,
-            "step": fsm.step,
-            "tokens_per_s": self.tokens_per_s,
-            "figures_step": self.figures_step,
-            "mfu": self.mfu,
-            "mfu_peak": self.mfu_peak,
-            "last_checkpoint": self.checkpoint,
-            "faults": len(fsm.faults),
-            "restarts": fsm.restarts,
-            "effective": {
-                "productive_s": effective.productive_s,
-                "wall_s": wall_s,
-                "ratio": effective.productive_s / wall_s if wall_s > 0 else 0.0,
-            },
-        }
+        return JobSummaryRecord(
+            time=time.time(),
+            state=fsm.state.value,
+            generation=fsm.generation,
+            step=fsm.step,
+            tokens_per_s=self.tokens_per_s,
+            figures_step=self.figures_step,
+            mfu=self.mfu,
+            mfu_peak=self.mfu_peak,
+            last_checkpoint=self.checkpoint,
+            faults=len(fsm.faults),
+            restarts=fsm.restarts,
+            effective=EffectiveFigures(
+                productive_s=effective.productive_s,
+                wall_s=wall_s,
+                ratio=effective.productive_s / wall_s if wall_s > 0 else 0.0,
+            ),
+        )

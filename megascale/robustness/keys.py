@@ -11,23 +11,25 @@ key (under /megascale/<job>/)   lease     written by              value (JSON)
                                                                   "pid", "hardware": {...},
                                                                   "registered_at"}``
 ``heartbeats/<node>``           agent's   agent, every interval   ``messages.Heartbeat``
-``commands/<node>``             --        controller (fenced)     ``make_command(...)`` below
+``commands/<node>``             --        controller (fenced)     ``messages.Command``
+                                                                  (``make_command`` below)
 ``acks/<node>``                 --        agent                   ``messages.Ack``: the command
                                                                   ``id`` it finished
-``blocklist/<node>``            --        controller (fenced)     ``{"reason", "generation",
-                                                                  "time"}``: never used again
+``blocklist/<node>``            --        controller (fenced)     ``messages.BlockedNode``:
+                                                                  never used again
 ``controller/leader``           leader's  ``Election``            ``{"id", "host", "pid",
                                                                   "since"}``
-``state``                       --        controller (fenced)     ``ControllerFSM.snapshot()``:
+``state``                       --        controller (fenced)     ``messages.ControllerState``
+                                                                  (``ControllerFSM.snapshot()``):
                                                                   for a standby and the operator
-``status``                      --        controller (fenced)     ``{"state", "generation"}``: a
-                                                                  few bytes, what agents watch
+``status``                      --        controller (fenced)     ``messages.ControllerStatus``:
+                                                                  a few bytes, what agents watch
 ``summary``                     --        controller (fenced)     the job's figures for the
                                                                   operator and dashboards:
-                                                                  ``JobSummary.to_json``
+                                                                  ``messages.JobSummaryRecord``
                                                                   (``job_summary.py``)
-``events/<seq>``                --        ``EventLog``            one event (``events.py``)
-``generation``                  --        controller (fenced)     ``{"generation", "assignment"}``
+``events/<seq>``                --        ``EventLog``            ``messages.Event``
+``generation``                  --        controller (fenced)     ``messages.GenerationRecord``
 ==============================  ========  ======================  ==================================
 
 ``state`` is O(nodes) bytes and changes with every decision; agents watch ``status`` instead, so a
@@ -37,8 +39,9 @@ decision costs every agent a few bytes of watch traffic, not the whole snapshot.
 key is deleted is lost. "Fenced" writes are transactions guarded by the leader key's create
 revision (``Election.guard``), so a deposed controller cannot write.
 
-The heartbeat and the ack are typed messages of ``megascale.messages`` (``Heartbeat``, ``Ack``):
-their fields are declared there once, and each value carries its schema version.
+Every value but ``nodes/<node>`` and ``controller/leader`` is a typed message of
+``megascale.messages``: its fields are declared there once, and each value carries its schema
+version; readers decode it (``X.decode(kv.json())``) and read attributes.
 
 A command (controller -> agent) is acted on only if ``is_current(command, job_id, generation)``:
 it is for this job and not for a generation older than the agent's. ``kind`` is ``"stop"`` (stop
@@ -53,8 +56,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from megascale.messages_job import COMMAND_KINDS, Command, NeighbourEntry, RankAssignment
+
 ROOT = "/megascale"
-COMMAND_KINDS = ("stop", "selfcheck", "start")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -168,8 +172,8 @@ def make_command(
     command_id: str,
     rank_assignment: Mapping[str, Any] | None = None,
     neighbours: Sequence[Mapping[str, Any]] = (),
-) -> dict[str, Any]:
-    """The JSON value of ``commands/<node>``.
+) -> Command:
+    """The ``commands/<node>`` message (``messages.Command``).
 
     ``neighbours`` (``selfcheck`` only, may be absent): ``[{"node": N, "channel": C}, ...]``, the
     nodes to all-reduce with and on which port offset (``megascale.robustness.neighbours``).
@@ -182,27 +186,25 @@ def make_command(
         raise ValueError(f"command kind = {kind!r}: must be one of {COMMAND_KINDS}")
     if kind == "start" and not rank_assignment:
         raise ValueError("a 'start' command needs a rank_assignment")
-    command: dict[str, Any] = {
-        "job": check_name("job_id", job_id),
-        "generation": int(generation),
-        "kind": kind,
-        "id": command_id,
-    }
-    if rank_assignment is not None:
-        command["rank_assignment"] = dict(rank_assignment)
-    if neighbours:
-        command["neighbours"] = [dict(n) for n in neighbours]
-    return command
+    return Command(
+        job=check_name("job_id", job_id),
+        generation=int(generation),
+        kind=kind,
+        id=command_id,
+        rank_assignment=None
+        if rank_assignment is None
+        else RankAssignment(
+            ranks=[int(r) for r in rank_assignment["ranks"]],
+            world_size=int(rank_assignment["world_size"]),
+            master_node=str(rank_assignment["master_node"]),
+        ),
+        neighbours=[NeighbourEntry(str(n["node"]), int(n["channel"])) for n in neighbours],
+    )
 
 
-def is_current(command: Mapping[str, Any], job_id: str, generation: int) -> bool:
+def is_current(command: Command, job_id: str, generation: int) -> bool:
     """Whether an agent of ``job_id`` at ``generation`` must act on ``command``: it is for this
-    job, of a known kind, and not for an older generation. Malformed commands are not current."""
-    try:
-        return (
-            command.get("job") == job_id
-            and command.get("kind") in COMMAND_KINDS
-            and int(command["generation"]) >= generation
-        )
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return False
+    job, of a known kind, and not for an older generation."""
+    return (
+        command.job == job_id and command.kind in COMMAND_KINDS and command.generation >= generation
+    )

@@ -36,15 +36,6 @@ class NeighbourTest:
     def to_json(self) -> dict[str, object]:
         return {"node": self.node, "channel": self.channel}
 
-    @staticmethod
-    def from_json(value: Mapping[str, object]) -> NeighbourTest:
-        """Raises ValueError for a malformed entry."""
-        try:
-            node, channel = str(value["node"]), int(value["channel"])  # type: ignore[call-overload]
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"neighbour test {value!r}: expected {{node, channel}}") from e
-        return NeighbourTest(node, channel)
-
 
 def neighbour_groups(nodes: Sequence[str], labels: Mapping[str, str | None]) -> list[list[str]]:
     """``nodes`` (in order) grouped by ``labels[node]``, groups under 3 nodes merged (see the

@@ -48,7 +48,15 @@ from dataclasses import dataclass
 from queue import Empty, Queue
 from typing import Any
 
-from megascale.messages import Ack, Heartbeat, MessageError, Reported
+from megascale.messages import (
+    Ack,
+    BlockedNode,
+    ControllerStatus,
+    GenerationRecord,
+    Heartbeat,
+    MessageError,
+    Reported,
+)
 from megascale.robustness.controller import (
     Action,
     ControllerFSM,
@@ -253,7 +261,7 @@ class ControllerService:
         self.events.append(
             "controller_takeover",
             generation=self.fsm.generation,
-            detail={"controller": self.opts.candidate_id, "state": state["state"]},
+            detail={"controller": self.opts.candidate_id, "state": self.fsm.state.value},
         )
         return False
 
@@ -568,11 +576,9 @@ class ControllerService:
             elif isinstance(action, SendCommand):
                 self._outbox[self.keys.command(action.node)] = action.message(self.opts.job_id)
             elif isinstance(action, Evict):
-                self._outbox[self.keys.blocked(action.node)] = {
-                    "reason": action.reason,
-                    "generation": self.fsm.generation,
-                    "time": time.time(),
-                }
+                self._outbox[self.keys.blocked(action.node)] = BlockedNode(
+                    reason=action.reason, generation=self.fsm.generation, time=time.time()
+                )
             elif isinstance(action, StartGeneration):
                 self.effective.new_generation()
                 self.summary.new_generation()
@@ -584,10 +590,10 @@ class ControllerService:
                         self.metrics.record_restart(action.generation)
                     else:
                         self.metrics.set_generation(action.generation)
-                self._outbox[self.keys.generation] = {
-                    "generation": action.generation,
-                    "assignment": {n: list(r) for n, r in action.assignment.items()},
-                }
+                self._outbox[self.keys.generation] = GenerationRecord(
+                    generation=action.generation,
+                    assignment={n: list(r) for n, r in action.assignment.items()},
+                )
         if actions or snapshot:
             self._dirty = self.summary.changed = True
 
@@ -604,15 +610,17 @@ class ControllerService:
         now = self.clock()
         # the job's figures (small): with any decision's writes, like the snapshot, else rate-limited
         if self.summary.due(now, self.opts.snapshot_s, force or bool(self._outbox)):
-            self._outbox[self.keys.summary] = self.summary.to_json(self.fsm, self.effective, now)
+            record = self.summary.take(self.fsm, self.effective, now)
+            self._outbox[self.keys.summary] = record
+            if self.metrics is not None:
+                self.metrics.set_job_summary(record)
         if self._dirty and (
             force or self._outbox or now - self._snapshot_at >= self.opts.snapshot_s
         ):
             self._outbox[self.keys.state] = self.fsm.snapshot()
-            self._outbox[self.keys.status] = {
-                "state": self.fsm.state.value,
-                "generation": self.fsm.generation,
-            }
+            self._outbox[self.keys.status] = ControllerStatus(
+                state=self.fsm.state.value, generation=self.fsm.generation
+            )
             self._dirty, self._snapshot_at = False, now
         if self._outbox:
             self._write_outbox()

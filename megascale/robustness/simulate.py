@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from megascale.launcher.agent import Agent, AgentOptions
+from megascale.messages import ControllerState, Event
+from megascale.robustness.events import EVENTS_FILE, read_events
 from megascale.robustness.keys import JobKeys
 from megascale.robustness.store import Store, StoreConfig
 
@@ -184,28 +186,15 @@ class ScenarioResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def _wait_event(
     run_dir: Path, kind: str, generation: int, timeout_s: float, node: str | None = None
-) -> dict | None:
+) -> Event | None:
     """The first ``kind`` event of ``generation`` or later (about ``node``, when given)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for ev in _events(run_dir):
-            if ev["kind"] == kind and ev["generation"] >= generation:
-                if node is None or ev.get("node") == node:
+        for ev in read_events(run_dir) if (run_dir / EVENTS_FILE).exists() else ():
+            if ev.kind == kind and ev.generation >= generation:
+                if node is None or ev.node == node:
                     return ev
         time.sleep(0.1)
     return None
@@ -292,14 +281,14 @@ def run_scenario(
         if running is None:
             result.notes.append("generation 1 never ran")
             return result
-        result.first_start_s = running["time"] - t0
+        result.first_start_s = running.time - t0
         _steady(result, ctl.pid, etcd_pid, [p.pid for p in procs], endpoint, steady_s)
         store = Store(StoreConfig.parse(endpoint))
         for k in range(kills):
             time.sleep(rng.uniform(2.0, 2.0 + heartbeat_s))
-            state = store.get(JobKeys(job).state)
-            generation = state.json()["generation"]
-            victim = rng.choice(state.json()["order"])
+            state = ControllerState.decode(store.get(JobKeys(job).state).json())
+            generation = state.generation
+            victim = rng.choice(state.order)
             pipes[where[victim]].send(("kill", victim))
             killed_at = _recv(pipes[where[victim]], 30, "kill time")[1]
             fault = _wait_event(run_dir, "fault", generation, 60, node=victim)
@@ -308,10 +297,10 @@ def run_scenario(
             if fault is None or stopped is None or back is None:
                 result.notes.append(f"kill {k}: no recovery (fault={fault is not None})")
                 break
-            result.detect_s.append(fault["time"] - killed_at)
-            result.stop_s.append(stopped["time"] - fault["time"])
-            result.restart_s.append(back["time"] - stopped["time"])
-            logger.info("N=%d kill %d: %s", nodes, k, fault.get("detail"))
+            result.detect_s.append(fault.time - killed_at)
+            result.stop_s.append(stopped.time - fault.time)
+            result.restart_s.append(back.time - stopped.time)
+            logger.info("N=%d kill %d: %s", nodes, k, fault.detail)
         store.close()
     finally:
         try:
@@ -358,7 +347,9 @@ def decision_bytes(nodes: int, nproc_per_node: int = 8) -> dict[str, int]:
     actions = []
     for i in range(nodes):
         actions += fsm.on_node_registered(f"node-{i:05d}", 0.0)
-    sizes = [len(json.dumps(a.message("job"))) for a in actions if isinstance(a, SendCommand)]
+    sizes = [
+        len(json.dumps(a.message("job").encode())) for a in actions if isinstance(a, SendCommand)
+    ]
     status = {"state": fsm.state.value, "generation": fsm.generation}
     return {
         "snapshot": len(json.dumps(fsm.snapshot())),

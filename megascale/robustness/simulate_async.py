@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.launcher.agent import TERMINAL_STATES, AgentOptions
+from megascale.messages import Command, ControllerStatus, GenerationRecord, decoded
 from megascale.robustness.simulate import SimAgent
 from megascale.robustness.store import (
     _RETRYABLE_CODES,
@@ -421,14 +422,16 @@ class AsyncSimAgent(SimAgent):
         (an older command is never run), and the job status."""
         generation = await self.etcd.get(self.keys.generation)
         if generation is not None:
-            self.generation = max(self.generation, int(generation.json()["generation"]))
+            self.generation = max(
+                self.generation, GenerationRecord.decode(generation.json()).generation
+            )
         command_key = self.keys.command(self.opts.node)
         start = (await self.etcd.snapshot(command_key)).revision + 1
         await self._watch(command_key, start, self._on_command)
         await self._watch(self.keys.status, None, self._on_status)
         status = await self.etcd.get(self.keys.status)
         if status is not None:
-            self._job_state = status.json().get("state")
+            self._job_state = ControllerStatus.decode(status.json()).state
 
     async def _watch(self, key: str, start: int | None, callback: Callable) -> None:
         created = asyncio.Event()
@@ -445,7 +448,9 @@ class AsyncSimAgent(SimAgent):
 
     def _on_command(self, event: WatchEvent) -> None:
         if event.kind == "put":
-            self._inbox.put_nowait(event.json())
+            command = decoded(Command, event)
+            if command is not None:
+                self._inbox.put_nowait(command)
 
     async def _keep_alive(self, lease: Lease) -> None:
         """As ``KeepAlive``: refresh every TTL/3; when etcd says the lease is gone, register

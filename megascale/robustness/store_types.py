@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Value = bytes | str | dict | list | int | float
+from megascale.messages import Message
+
+Value = bytes | str | dict | list | int | float | Message
 
 
 class StoreError(RuntimeError):
@@ -110,11 +112,14 @@ def _unb64(text: str | None) -> bytes:
 
 
 def encode(value: Value) -> bytes:
-    """bytes as they are, str as UTF-8, anything else as compact JSON."""
+    """bytes as they are, str as UTF-8, a typed message (``megascale.messages``) as its
+    ``encode()``, anything else as compact JSON."""
     if isinstance(value, bytes):
         return value
     if isinstance(value, str):
         return value.encode()
+    if isinstance(value, Message):
+        value = value.encode()
     return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
 
 

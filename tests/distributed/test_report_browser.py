@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
+from browser_support import CHROMIUM, browser_or_skip
 from harness import with_changes
 
 from megascale import cli
@@ -26,22 +26,7 @@ from megascale.train.run import run_rank
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = os.environ.get("MEGASCALE_CHROMIUM", "/usr/bin/chromium")
 WORLD, SLOW_RANK, FACTOR, STEPS = 4, 3, 3.0, 5
-
-
-def _browser_or_skip():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        sync_playwright = None
-    missing = sync_playwright is None or not shutil.which(CHROMIUM)
-    if missing:
-        why = "needs playwright and Debian chromium: run scripts/install-test-deps.sh"
-        if os.environ.get("MEGASCALE_REQUIRE_TEST_DEPS") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    return sync_playwright
 
 
 def _rank(job, run_dir):
@@ -65,7 +50,7 @@ def _events(run_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def report_page(tmp_path_factory, data_dir):
-    sync_playwright = _browser_or_skip()
+    sync_playwright = browser_or_skip()
     run_dir = tmp_path_factory.mktemp("reported")
     job = with_changes(
         load("tiny"),

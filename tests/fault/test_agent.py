@@ -16,6 +16,7 @@ import pytest
 from megascale import cli
 from megascale.launcher import workers
 from megascale.launcher.etcd import EmbeddedEtcd
+from megascale.messages import GenerationRecord
 from megascale.robustness.keys import JobKeys, make_command
 from megascale.robustness.store import Store, StoreConfig
 
@@ -86,7 +87,7 @@ def test_agent_runs_current_commands_only_and_survives_losing_etcd(tmp_path):
             # Another job's command, one of a generation beyond the one the controller
             # published (forged: run, it would make the agent ignore every real command after
             # it), then a current one (generation 3, published), then an older one.
-            store.put(keys.generation, {"generation": 3, "assignment": {node: [0]}})
+            store.put(keys.generation, GenerationRecord(3, {node: [0]}))
             store.put(keys.command(node), make_command("other-job", 5, "selfcheck", "other"))
             store.put(keys.command(node), make_command(keys.job_id, 999999, "stop", "forged"))
             store.put(keys.command(node), make_command(keys.job_id, 3, "selfcheck", "c1"))

@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from megascale.k8s.status import rfc3339
-from megascale.robustness.events import read_events
+from megascale.launcher.outcome import read_final
+from megascale.robustness.events import Event, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -114,13 +115,14 @@ class Run:
                 self.watch.join()
         self.rc, self.output = proc.returncode, stdout + stderr
         final = run_dir / "final.json"
-        self.final = json.loads(final.read_text()) if final.exists() else {}
+        # decoded (schema and fields checked), then read as the JSON a user sees
+        self.final = read_final(run_dir).encode() if final.exists() else {}
         self.events = read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
 
-    def of(self, kind: str) -> list[dict]:
-        return [e for e in self.events if e["kind"] == kind]
+    def of(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
 
-    def faults(self) -> list[dict]:
+    def faults(self) -> list[Event]:
         return self.of("fault")
 
     def check_recovered(self, reference: Run, generations: int = 2, steps: int = STEPS) -> None:
@@ -165,11 +167,11 @@ def test_fault_free_run_finishes_and_clean_exits_are_not_faults(reference):
     assert final["faults_detected"] == {} and final["recoveries"] == 0
     assert final["generations"] == 1 and not reference.faults()
     # Every worker exited 0 at the end: recorded, and that is how the job finished.
-    assert {(e["node"], e["rank"]) for e in reference.of("worker_exit_clean")} <= {
+    assert {(e.node, e.rank) for e in reference.of("worker_exit_clean")} <= {
         ("node-0", 0),
         ("node-1", 1),
     }
-    assert reference.of("finished")[0]["detail"]["reason"] == "every rank exited 0"
+    assert reference.of("finished")[0].detail["reason"] == "every rank exited 0"
 
 
 def test_kill_worker_detected_named_recovered(reference, tmp_path):
@@ -177,15 +179,15 @@ def test_kill_worker_detected_named_recovered(reference, tmp_path):
     run.check_recovered(reference)
     check_live_status(run)
     [fault] = run.faults()
-    assert fault["detail"]["fault"] == "worker_exit" and fault["detail"]["exit_code"] == -9
-    assert (fault["node"], fault["rank"]) == ("node-1", 1)
-    assert fault["detail"]["where"] == "rank 1 (dp=1, pp=0, tp=0)"
+    assert fault.detail["fault"] == "worker_exit" and fault.detail["exit_code"] == -9
+    assert (fault.node, fault.rank) == ("node-1", 1)
+    assert fault.detail["where"] == "rank 1 (dp=1, pp=0, tp=0)"
     # The self-check ran on both nodes and passed; the same nodes run generation 2.
-    assert sorted(e["node"] for e in run.of("selfcheck") if e["detail"]["ok"]) == [
+    assert sorted(e.node for e in run.of("selfcheck") if e.detail["ok"]) == [
         "node-0",
         "node-1",
     ]
-    assert run.of("generation_start")[-1]["detail"]["nodes"] == ["node-0", "node-1"]
+    assert run.of("generation_start")[-1].detail["nodes"] == ["node-0", "node-1"]
     [timing] = run.final["fault_timings"]
     # From the injection record (written and fsynced just before the kill) to the decision: via
     # the worker's exit, well under the heartbeat timeout (5 s) and the stall floor (6 s).
@@ -238,27 +240,27 @@ def test_hang_worker_stall_names_culprit_failed_node_evicted(reference, tmp_path
     # lone node joined tor-a's ring, so each node tested with both others. node-1's network is
     # down: it failed with every neighbour, and each of them passed naming node-1.
     [plan] = run.of("neighbours")
-    assert plan["detail"]["topology"] == {"node-0": "tor-a", "node-1": "tor-a", "node-2": "tor-b"}
-    assert {n: sorted(p) for n, p in plan["detail"]["plan"].items()} == {
+    assert plan.detail["topology"] == {"node-0": "tor-a", "node-1": "tor-a", "node-2": "tor-b"}
+    assert {n: sorted(p) for n, p in plan.detail["plan"].items()} == {
         "node-0": ["node-1", "node-2"],
         "node-1": ["node-0", "node-2"],
         "node-2": ["node-0", "node-1"],
     }
-    checks = {e["node"]: e["detail"] for e in run.of("selfcheck")}
+    checks = {e.node: e.detail for e in run.of("selfcheck")}
     for healthy in ("node-0", "node-2"):
         assert checks[healthy]["ok"], checks[healthy]
         assert "failed with node-1 (suspected)" in checks[healthy]["detail"]
     assert not checks["node-1"]["ok"]
     assert "neighbour all-reduce failed with every neighbour" in checks["node-1"]["detail"]
     [fault] = run.faults()
-    assert fault["detail"]["fault"] == "stall"
-    assert (fault["node"], fault["rank"]) == ("node-1", 1)
-    assert fault["detail"]["suspects"] == ["rank 1 (dp=1, pp=0, tp=0)"]
-    assert fault["detail"]["stopped"] == [1]  # the flight recorder saw it SIGSTOPped
+    assert fault.detail["fault"] == "stall"
+    assert (fault.node, fault.rank) == ("node-1", 1)
+    assert fault.detail["suspects"] == ["rank 1 (dp=1, pp=0, tp=0)"]
+    assert fault.detail["stopped"] == [1]  # the flight recorder saw it SIGSTOPped
     [evict] = run.of("evict")
-    assert evict["node"] == "node-1" and "fail-selfcheck" in evict["detail"]["reason"]
-    assert "failed with every neighbour (node-" in evict["detail"]["reason"]
-    start = run.of("generation_start")[-1]["detail"]
+    assert evict.node == "node-1" and "fail-selfcheck" in evict.detail["reason"]
+    assert "failed with every neighbour (node-" in evict.detail["reason"]
+    start = run.of("generation_start")[-1].detail
     assert start["nodes"] == ["node-0", "node-2"] and start["replaced"] == {"node-1": "node-2"}
     assert run.final["evicted"] == ["node-1"]
 
@@ -268,14 +270,14 @@ def test_kill_agent_node_lost_and_node_reregisters(reference, tmp_path):
     run.check_recovered(reference)
     # node-0's worker died of the lost peer first; the controller still names the lost node.
     [fault] = run.faults()
-    assert fault["detail"]["fault"] == "node_lost" and fault["node"] == "node-1"
-    assert [e["node"] for e in run.of("node_registered")].count("node-1") == 2
-    assert run.of("generation_start")[-1]["detail"]["nodes"] == ["node-0", "node-1"]
+    assert fault.detail["fault"] == "node_lost" and fault.node == "node-1"
+    assert [e.node for e in run.of("node_registered")].count("node-1") == 2
+    assert run.of("generation_start")[-1].detail["nodes"] == ["node-0", "node-1"]
     # The default policy "wait": the controller waited for the node (which the launcher brings
     # back only then), said so, and restarted at full size.
     [wait] = run.of("elastic")
-    assert wait["detail"]["decision"] == "wait" and wait["detail"]["lost"] == ["node-1"]
-    assert wait["detail"]["text"].startswith("wait: node-1 lost, no spare (1 of 2 nodes healthy)")
+    assert wait.detail["decision"] == "wait" and wait.detail["lost"] == ["node-1"]
+    assert wait.detail["text"].startswith("wait: node-1 lost, no spare (1 of 2 nodes healthy)")
     [timing] = run.final["fault_timings"]
     assert timing["detection_s"] < 5.0
 
@@ -284,8 +286,8 @@ def test_kill_agent_spare_takes_over(reference, tmp_path):
     run = Run(tmp_path, "--spares", "1", "--inject", "kill-agent:node=1,step=12")
     run.check_recovered(reference)
     [fault] = run.faults()
-    assert fault["detail"]["fault"] == "node_lost" and fault["node"] == "node-1"
-    assert run.of("generation_start")[-1]["detail"]["replaced"] == {"node-1": "node-2"}
+    assert fault.detail["fault"] == "node_lost" and fault.node == "node-1"
+    assert run.of("generation_start")[-1].detail["replaced"] == {"node-1": "node-2"}
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
@@ -302,7 +304,7 @@ def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
     assert corrupted in (8, 12) and fired["corrupt-checkpoint"]["file"] == "rank_00000/__0_0.distcp"
     fallbacks = run.of("checkpoint_fallback")
     assert any(
-        (e["node"], e["rank"]) == ("node-0", 0) and "rank_00000/__0_0.distcp" in e["detail"]["text"]
+        (e.node, e.rank) == ("node-0", 0) and "rank_00000/__0_0.distcp" in e.detail["text"]
         for e in fallbacks
     ), fallbacks
     assert run.final["faults_detected"] == {"worker_exit": 1, "checkpoint_fallback": 1}
@@ -329,9 +331,9 @@ def test_kill_controller_standby_takes_over_and_handles_the_next_fault(reference
     )  # fmt: skip
     run.check_recovered(reference)
     [takeover] = run.of("controller_takeover")
-    assert takeover["detail"]["controller"] == "controller-1"
+    assert takeover.detail["controller"] == "controller-1"
     [fault] = run.faults()
-    assert fault["time"] > takeover["time"] and (fault["node"], fault["rank"]) == ("node-0", 0)
+    assert fault.time > takeover.time and (fault.node, fault.rank) == ("node-0", 0)
 
 
 # NCCL-like mode: collectives return at once and complete on communication threads; 8 ranks,
@@ -368,15 +370,15 @@ def test_nccl_like_hang_names_the_rank_alone_and_a_spare_replaces_its_node(
     run = Run(tmp_path, *NCCL, "--spares", "1", "--inject", inject)
     run.check_recovered(nccl_reference, steps=NCCL_STEPS)
     [fault] = run.faults()
-    assert fault["detail"]["fault"] == "stall"
-    assert (fault["node"], fault["rank"]) == ("node-1", 5)
-    assert fault["detail"]["suspects"] == ["rank 5 (dp=0, pp=1, tp=1)"]
-    culprits = fault["detail"]["culprits"]
+    assert fault.detail["fault"] == "stall"
+    assert (fault.node, fault.rank) == ("node-1", 5)
+    assert fault.detail["suspects"] == ["rank 5 (dp=0, pp=1, tp=1)"]
+    culprits = fault.detail["culprits"]
     assert {c["rank"] for c in culprits} == {5}, culprits
     assert {c["reason"] for c in culprits} <= reasons, culprits
     [evict] = run.of("evict")
-    assert evict["node"] == "node-1" and "named culprit in 1 faults" in evict["detail"]["reason"]
-    start = run.of("generation_start")[-1]["detail"]
+    assert evict.node == "node-1" and "named culprit in 1 faults" in evict.detail["reason"]
+    start = run.of("generation_start")[-1].detail
     assert start["nodes"] == ["node-0", "node-2"] and start["replaced"] == {"node-1": "node-2"}
 
 
@@ -394,13 +396,13 @@ def test_a_mismatched_collective_is_named_and_evicts_nobody(tmp_path):
     assert run.rc == 0 and run.final["finished"] and run.final["final_step"] == STEPS, run.output
     assert run.final["generations"] == 2 and run.final["evicted"] == []
     [fault] = run.faults()
-    assert fault["detail"]["fault"] == "stall" and (fault["node"], fault["rank"]) == ("node-1", 2)
-    assert fault["detail"]["classified"] == "software: mismatched collective"
-    [culprit] = fault["detail"]["culprits"]
+    assert fault.detail["fault"] == "stall" and (fault.node, fault.rank) == ("node-1", 2)
+    assert fault.detail["classified"] == "software: mismatched collective"
+    [culprit] = fault.detail["culprits"]
     assert (culprit["rank"], culprit["reason"]) == (2, "mismatch"), culprit
     assert culprit["group"].endswith(" [0, 1, 2, 3]") and culprit["op"].endswith(" bytes")
     assert not run.of("evict")
-    start = run.of("generation_start")[-1]["detail"]
+    start = run.of("generation_start")[-1].detail
     assert start["nodes"] == ["node-0", "node-1"] and not start.get("replaced")
 
 
@@ -430,15 +432,15 @@ def test_slow_node_is_evicted_when_configured_and_a_spare_takes_its_ranks(
     run.check_recovered(reference)
     # The first generation's report names the slow machine (on a loaded 2-core box a later
     # generation may report a node again, with no spare left to replace it).
-    [straggler] = [e for e in run.of("straggler") if e["generation"] == 1]
-    assert straggler["node"] == "node-1" and straggler["detail"]["action"] == "evict"
-    assert straggler["rank"] == straggler["detail"]["rank"] == 1  # its slowest rank, by compute
-    assert straggler["detail"]["score"] > straggler["detail"]["threshold"]
+    [straggler] = [e for e in run.of("straggler") if e.generation == 1]
+    assert straggler.node == "node-1" and straggler.detail["action"] == "evict"
+    assert straggler.rank == straggler.detail["rank"] == 1  # its slowest rank, by compute
+    assert straggler.detail["score"] > straggler.detail["threshold"]
     [fault] = run.faults()
-    assert fault["detail"]["fault"] == "straggler" and fault["node"] == "node-1"
+    assert fault.detail["fault"] == "straggler" and fault.node == "node-1"
     [evict] = run.of("evict")
-    assert evict["node"] == "node-1" and "straggler" in evict["detail"]["reason"]
-    start = run.of("generation_start")[-1]["detail"]
+    assert evict.node == "node-1" and "straggler" in evict.detail["reason"]
+    start = run.of("generation_start")[-1].detail
     assert start["nodes"] == ["node-0", "node-2"] and start["replaced"] == {"node-1": "node-2"}
     assert run.final["evicted"] == ["node-1"]
 
@@ -458,10 +460,10 @@ def _check_failed_as_the_jobs_error(run: Run, text: str, why: str) -> None:
     assert text in run.final["fatal"]["reason"]
     assert "job FAILED: job-fatal error on rank" in run.output and text in run.output
     [fault] = run.faults()
-    assert fault["detail"]["fault"] == "job_fatal" and fault["detail"]["classified"].startswith(why)
+    assert fault.detail["fault"] == "job_fatal" and fault.detail["classified"].startswith(why)
     assert run.final["generations"] == 1 and run.final["recoveries"] == 0
     assert not run.of("evict") and not run.of("selfcheck") and run.final["evicted"] == []
-    assert all("node-2" not in e["detail"]["nodes"] for e in run.of("generation_start"))
+    assert all("node-2" not in e.detail["nodes"] for e in run.of("generation_start"))
 
 
 def test_the_same_error_on_every_rank_fails_the_job_at_once_evicting_nobody(tmp_path):
@@ -489,12 +491,12 @@ def test_a_controller_frozen_past_its_lease_records_nothing_when_it_wakes(refere
     )  # fmt: skip
     run.check_recovered(reference, generations=1)
     [takeover] = run.of("controller_takeover")
-    assert takeover["detail"]["controller"] == "controller-1"
+    assert takeover.detail["controller"] == "controller-1"
     assert not run.faults() and run.final["faults_detected"] == {"controller_takeover": 1}
     # It did wake up while the job ran, and found it no longer led.
     log = (tmp_path / "logs" / "controller_controller-0.log").read_text()
     assert "no longer the leader" in log, log[-3000:]
-    terms = [e["term"] for e in run.events]
+    terms = [e.term for e in run.events]
     assert terms == sorted(terms) and len(set(terms)) == 2
 
 

@@ -55,14 +55,14 @@ def test_shrink_goes_on_at_once_on_the_nodes_left_and_finishes(shrunk):
     assert shrunk.rc == 0, shrunk.output[-6000:]
     assert shrunk.final["finished"] and shrunk.final["final_step"] == STEPS
     [fault] = shrunk.faults()
-    assert fault["detail"]["fault"] == "node_lost" and fault["node"] == "node-3"
+    assert fault.detail["fault"] == "node_lost" and fault.node == "node-3"
     [elastic] = shrunk.of("elastic")
-    assert elastic["detail"]["decision"] == "shrink" and elastic["detail"]["dp"] == [4, 3]
-    assert elastic["detail"]["text"] == (
+    assert elastic.detail["decision"] == "shrink" and elastic.detail["dp"] == [4, 3]
+    assert elastic.detail["text"] == (
         "shrink: node-3 lost, no spare; nodes 4 -> 3, dp 4 -> 3, "
         "micro-batches 3 -> 4 per rank (global batch 12 kept)"
     )
-    assert shrunk.of("generation_start")[-1]["detail"]["nodes"] == ["node-0", "node-1", "node-2"]
+    assert shrunk.of("generation_start")[-1].detail["nodes"] == ["node-0", "node-1", "node-2"]
     assert shrunk.final["generations"] == 2 and shrunk.final["evicted"] == []
     assert not shrunk.of("waiting_for_nodes")  # no waiting: the restart was immediate
     assert "shrink: node-3 lost" in shrunk.output  # the launcher shows the decision
@@ -70,7 +70,7 @@ def test_shrink_goes_on_at_once_on_the_nodes_left_and_finishes(shrunk):
 
 def test_shrunk_run_resumes_from_its_checkpoint_and_matches_the_fault_free_loss(shrunk, fault_free):
     assert shrunk.rc == 0, shrunk.output[-6000:]
-    resumed = [e for e in shrunk.events if e["kind"] == "resumed" and e["generation"] == 2]
+    resumed = [e for e in shrunk.events if e.kind == "resumed" and e.generation == 2]
     assert resumed, "generation 2 did not resume from a checkpoint saved at dp 4"
     assert abs(final_loss(shrunk) - final_loss(fault_free)) <= 1e-4
 
@@ -88,9 +88,9 @@ def test_checkpoints_the_job_cannot_load_fail_it_and_are_left_untouched(fault_fr
     assert "checkpoint.reshard = false" in reason
     assert run.final["failure"].startswith("job-fatal error on rank ")
     [failed] = run.of("failed")
-    assert failed["detail"]["reason"] == run.final["failure"]
+    assert failed.detail["reason"] == run.final["failure"]
     [fault] = run.faults()  # the other ranks' job-fatal exits are not more faults
-    assert fault["detail"]["fault"] == "job_fatal"
+    assert fault.detail["fault"] == "job_fatal"
     assert run.final["generations"] == 1 and run.final["recoveries"] == 0
     assert run.final["evicted"] == [] and not run.of("selfcheck") and not run.of("evict")
     after = {

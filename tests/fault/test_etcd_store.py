@@ -13,6 +13,7 @@ import time
 import pytest
 
 from megascale.launcher.etcd import EmbeddedEtcd, EtcdStartError
+from megascale.messages import Event
 from megascale.robustness.election import Election
 from megascale.robustness.events import EventLog, read_events
 from megascale.robustness.keys import JobKeys
@@ -189,18 +190,18 @@ def test_event_log_writes_file_and_etcd_and_continues_after_takeover(store, job,
     # a standby controller takes over and appends after its predecessor
     EventLog(tmp_path, store, job).append("generation_start", generation=2)
     events = read_events(tmp_path)
-    assert [(e["seq"], e["kind"]) for e in events] == [
+    assert [(e.seq, e.kind) for e in events] == [
         (0, "fault"),
         (1, "evict"),
         (2, "generation_start"),
     ]
-    assert events[0]["node"] == "n1" and events[0]["rank"] == 3
-    mirrored = [kv.json() for kv in store.get_prefix(job.events_prefix)]
+    assert events[0].node == "n1" and events[0].rank == 3
+    mirrored = [Event.decode(kv.json()) for kv in store.get_prefix(job.events_prefix)]
     assert mirrored == events
     # etcd unreachable: the file still gets the event
     offline = EventLog(tmp_path, Store(StoreConfig.parse("127.0.0.1:1", retry_s=0.1)), job)
     offline.append("fault", generation=2, node="n0")
-    assert read_events(tmp_path)[-1]["kind"] == "fault"
+    assert read_events(tmp_path)[-1].kind == "fault"
 
 
 def test_a_fenced_event_log_of_a_deposed_leader_writes_nothing(store, job, tmp_path):
@@ -222,12 +223,12 @@ def test_a_fenced_event_log_of_a_deposed_leader_writes_nothing(store, job, tmp_p
     new.append("controller_takeover", generation=1)
     new.flush()
     events = read_events(tmp_path)
-    assert [e["kind"] for e in events] == ["controller_start", "controller_takeover"]
-    assert [kv.json()["kind"] for kv in store.get_prefix(job.events_prefix)] == [
+    assert [e.kind for e in events] == ["controller_start", "controller_takeover"]
+    assert [Event.decode(kv.json()).kind for kv in store.get_prefix(job.events_prefix)] == [
         "controller_start",
         "controller_takeover",
     ]
-    assert [e["term"] for e in events] == [fence.operand, b.term]
+    assert [e.term for e in events] == [fence.operand, b.term]
     b.resign()
 
 

@@ -115,10 +115,10 @@ def test_launch_serves_metrics_and_reports_the_straggler(tmp_path):
     assert 0.0 < ratio < 1.0, seen["controller-0"]
     assert "controller-0 metrics at http://127.0.0.1:" in output
     events = read_events(tmp_path)
-    stragglers = [e for e in events if e["kind"] == "straggler"]
-    assert [(e["node"], e["rank"]) for e in stragglers] == [("node-1", 1)], events
-    assert stragglers[0]["detail"]["score"] > 1.5 and stragglers[0]["detail"]["action"] == "report"
-    assert not [e for e in events if e["kind"] == "fault"]
+    stragglers = [e for e in events if e.kind == "straggler"]
+    assert [(e.node, e.rank) for e in stragglers] == [("node-1", 1)], events
+    assert stragglers[0].detail["score"] > 1.5 and stragglers[0].detail["action"] == "report"
+    assert not [e for e in events if e.kind == "fault"]
 
 
 @pytest.mark.parametrize("async_collectives", [False, True], ids=["gloo", "nccl-like"])
@@ -145,4 +145,4 @@ def test_an_evenly_heavier_pipeline_stage_is_not_a_straggler(tmp_path, async_col
     scores = _scores(seen["controller-0"])
     assert all(0.5 < s < 1.5 for s in scores.values()), scores
     events = read_events(tmp_path)
-    assert not [e for e in events if e["kind"] in ("straggler", "fault")], events
+    assert not [e for e in events if e.kind in ("straggler", "fault")], events

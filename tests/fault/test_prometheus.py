@@ -8,9 +8,12 @@ controller found through ``RUN_DIR/metrics/*.url``. While the job trains it runs
 PromQL through the HTTP API (``query_range`` for time series and heat maps, ``query`` for
 instant tables) and fails on any query error or empty result; then it checks what a person would
 read off the dashboards: the slow node first in the straggler table, the slow rank's compute time
-highest, MFU in (0, 1), tokens/s equal to ``metrics.jsonl``'s. The same live run proves the
-message contract (every field of the heartbeat, the progress record and the metrics line that a
-consumer reads is produced) and that its HTML report shows MFU and the communication breakdown.
+highest, MFU in (0, 1), tokens/s equal to ``metrics.jsonl``'s, and the controller's job-wide
+series (step, tokens/s, MFU, last durable checkpoint) once per job. The same live run proves the
+message contract (every field of the heartbeat, the progress record, the metrics line, the
+controller's commands, acks, state, status, generation and summary in etcd, and its events, that
+a consumer reads is produced) and, in headless Chromium, that its HTML report shows MFU and the
+communication breakdown.
 """
 
 from __future__ import annotations
@@ -296,6 +299,18 @@ def test_every_dashboard_query_returns_data_from_a_live_launch(prometheus, live)
     assert len(shown) > 1, shown  # the window saw the figure change: it is live
     unmatched = [v for v in shown if not any(v == pytest.approx(x, rel=1e-9) for x in logged)]
     assert not unmatched, (unmatched, logged[-10:])
+    # The controller's job-wide series: one per job, the figures rank 0 logged, never summed.
+    job_sel = f'{{megascale_job="{job}"}}'
+    [controller_tokens] = _instant(base, f"megascale_job_tokens_per_second{job_sel}")
+    value = float(controller_tokens["value"][1])
+    assert any(value == pytest.approx(x, rel=1e-9) for x in logged), (value, logged[-10:])
+    [controller_mfu] = _instant(base, f"megascale_job_mfu_ratio{job_sel}")
+    assert 0 < float(controller_mfu["value"][1]) < 1, controller_mfu
+    [step] = _instant(base, f"megascale_job_step{job_sel}")
+    [saved] = _instant(base, f"megascale_job_last_checkpoint_step{job_sel}")
+    assert 0 < float(saved["value"][1]) <= float(step["value"][1]) and (
+        float(saved["value"][1]) % 5 == 0  # checkpoint.interval
+    ), (saved, step)
     # Our job label survives scraping untouched: nothing was renamed to exported_job.
     assert _get(base, "/api/v1/label/exported_job/values")["data"] == []
 
@@ -316,6 +331,7 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
         beats = [
             Heartbeat.decode(kv.json()) for kv in store.get_prefix(JobKeys(job).heartbeats_prefix)
         ]
+        _assert_controller_messages_produced(store, JobKeys(job), run_dir)
     finally:
         store.close()
     assert {b.node for b in beats} == {"node-0", "node-1"}
@@ -339,6 +355,62 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
     _assert_produced(lines[-1], {"val_loss", "checkpoint_stall_s"})
 
 
+def _assert_controller_messages_produced(store, keys, run_dir: Path) -> None:
+    """The controller's messages of the live run (restarted once, healthy again): commands
+    and acks, its state, status, generation and summary, and the events, in etcd and in
+    events.jsonl, decode and carry every field a consumer reads."""
+    from megascale.messages import (
+        Ack,
+        Command,
+        ControllerState,
+        ControllerStatus,
+        Event,
+        GenerationRecord,
+        JobSummaryRecord,
+    )
+    from megascale.robustness.events import read_events
+
+    def read(kind, key):
+        kv = store.get(key)
+        assert kv is not None, key
+        return kind.decode(kv.json())
+
+    commands = {
+        keys.name_of(kv.key): Command.decode(kv.json())
+        for kv in store.get_prefix(keys.commands_prefix)
+    }
+    assert {c.kind for c in commands.values()} == {"start"}, commands  # the restart's
+    for node, command in commands.items():
+        _assert_produced(command, {"neighbours"})  # a self-check's only
+        _assert_produced(command.rank_assignment, set())
+        ack = read(Ack, keys.ack(node))
+        _assert_produced(ack, set())
+        assert (ack.id, ack.ok) == (command.id, True), (ack, command)
+    # healthy again: no fault in hand, nothing awaited, no failure, nobody evicted or blamed
+    quiet = {"fault", "failure", "awaiting", "awaiting_kind", "blocklist", "culprits"}
+    state = read(ControllerState, keys.state)
+    learned = {"samples", "restart_ages_s"}  # the learned timeouts, the restart budget's window
+    # written with decisions: the step of the last one (None from a generation's start until
+    # a decision); the job's current step is the summary's, refreshed while it trains
+    decided = {"step"}
+    _assert_produced(state, quiet | learned | decided | {"spares", "error_signatures", "topology"})
+    assert state.state == "running" and state.generation >= 2 and state.restarts >= 1, state
+    status = read(ControllerStatus, keys.status)
+    assert (status.state, status.generation) == (state.state, state.generation)
+    _assert_produced(read(GenerationRecord, keys.generation), set())
+    summary = read(JobSummaryRecord, keys.summary)
+    _assert_produced(summary, set())
+    for nested in (summary.last_checkpoint, summary.effective):
+        _assert_produced(nested, set())
+    events = read_events(run_dir)
+    mirrored = [Event.decode(kv.json()) for kv in store.get_prefix(keys.events_prefix)]
+    assert {e.seq for e in events} <= {e.seq for e in mirrored}  # the file after etcd
+    kinds = {e.kind for e in events}
+    assert {"fault", "generation_start", "generation_running"} <= kinds, kinds
+    fault = next(e for e in events if e.kind == "fault")
+    _assert_produced(fault, set())  # node, rank, detail, term: every field of a rank's fault
+
+
 def _assert_produced(message, allowed_empty: set[str]) -> None:
     empty = {
         name
@@ -348,12 +420,35 @@ def _assert_produced(message, allowed_empty: set[str]) -> None:
     assert not empty, f"{type(message).__name__}: never produced: {sorted(empty)}"
 
 
-def test_the_live_runs_report_shows_mfu_and_the_comm_breakdown(live):
-    from megascale.diagnostics import report
+def test_the_live_runs_report_shows_mfu_and_the_comm_breakdown(live, tmp_path):
+    """``megascale report`` of the live run, opened in headless Chromium: the step figures show
+    MFU as a percentage in (0, 100) and the exposed communication of each group, and the fault
+    of the live run (the killed worker) is on the events' time axis."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    from browser_support import CHROMIUM, browser_or_skip
 
-    page = report.build(live[0])
-    figures = page[page.index('id="figures-table"') :]
-    for row in ("exposed comm dp", "exposed comm tp", "data wait", "checkpoint stall", "MFU"):
-        assert row in figures, row
-    mfu = re.search(r"<td>MFU</td><td class=num>([0-9.]+)%</td>", figures)
-    assert mfu and 0 < float(mfu.group(1)) < 100, figures[:2000]
+    from megascale import cli
+
+    sync_playwright = browser_or_skip()
+    out = tmp_path / "report.html"
+    assert cli.main(["report", str(live[0]), "--out", str(out)]) == 0
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.goto(out.as_uri())
+            page.wait_for_load_state("load")
+            table = page.locator("#figures-table")
+            assert table.is_visible()
+            rows = dict(
+                row.split("\t", 1) for row in table.locator("tr").all_inner_texts()[1:]
+            )  # figure -> mean, as shown
+            for group in ("dp", "tp"):
+                assert float(rows[f"exposed comm {group}"].removesuffix(" ms")) >= 0, rows
+            assert float(rows["compute"].removesuffix(" ms")) > 0, rows
+            assert 0 < float(rows["MFU"].removesuffix("%")) < 100, rows
+            events = page.locator("#events")
+            assert events.locator("svg line[stroke-dasharray]").count() >= 1
+            assert "fault" in events.inner_text()
+        finally:
+            browser.close()

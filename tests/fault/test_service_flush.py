@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from megascale.messages import ControllerState, ControllerStatus, Event, GenerationRecord
 from megascale.robustness import service as service_mod
 from megascale.robustness.controller import ControllerFSM, ControllerPolicy
 from megascale.robustness.events import EventLog, read_events
@@ -31,7 +32,7 @@ def fill(shell: ControllerService) -> None:
         shell._outbox[shell.keys.command(f"n{i}")] = make_command(
             shell.opts.job_id, 1, "stop", f"g1-stop-{i}"
         )
-    shell._outbox[shell.keys.generation] = {"generation": 1, "assignment": {}}
+    shell._outbox[shell.keys.generation] = GenerationRecord(1, {})
     shell._outbox[shell.keys.state] = shell.fsm.snapshot()  # last in the outbox: written first
 
 
@@ -41,8 +42,8 @@ def test_a_flush_of_more_than_128_puts_is_written_in_fenced_chunks(leader, store
     assert not leader._outbox and leader._outage_since is None
     commands = store.snapshot(leader.keys.commands_prefix).items
     assert len(commands) == NODES
-    assert store.get(leader.keys.state).json()["state"] == "init"
-    assert store.get(leader.keys.generation).json()["generation"] == 1
+    assert ControllerState.decode(store.get(leader.keys.state).json()).state == "init"
+    assert GenerationRecord.decode(store.get(leader.keys.generation).json()).generation == 1
     # Several transactions (one revision each), the state snapshot in the first.
     revisions = sorted({kv.mod_revision for kv in commands})
     assert len(revisions) == -(-(NODES + 2) // service_mod.TXN_MAX_OPS)
@@ -72,14 +73,15 @@ def test_a_burst_of_decisions_is_one_snapshot_write_and_agents_get_a_small_statu
     assert store.get(leader.keys.state) is None  # queued, nothing written yet
     leader._flush(force=True)
     state, status = store.get(leader.keys.state), store.get(leader.keys.status)
-    assert state.version == 1 and len(state.json()["registered"]) == NODES
-    assert status.json() == {"state": "init", "generation": 0}
+    assert state.version == 1 and len(ControllerState.decode(state.json()).registered) == NODES
+    assert ControllerStatus.decode(status.json()) == ControllerStatus("init", 0)
     assert len(status.value) < 64 < 4000 < len(state.value)  # O(1) vs O(nodes) bytes
     leader._act(leader.fsm.on_start(now=2.0))  # sends start commands: written at once
     leader._flush()
     assert store.get(leader.keys.state).version == 2
     assert len(store.snapshot(leader.keys.commands_prefix).items) == NODES
-    assert store.get(leader.keys.status).json() == {"state": "starting", "generation": 1}
+    status = ControllerStatus.decode(store.get(leader.keys.status).json())
+    assert status == ControllerStatus("starting", 1)
 
 
 def test_buffered_events_are_batched_and_renumbered_after_another_writer(store, job, tmp_path):
@@ -92,8 +94,8 @@ def test_buffered_events_are_batched_and_renumbered_after_another_writer(store, 
     mirrored = store.snapshot(job.events_prefix).items
     assert len(mirrored) == 101
     # The batch holding seq 70 moved after it, in order; the file says what etcd says.
-    ours = [kv.json() for kv in mirrored if kv.json()["kind"] == "straggler"]
-    assert [e["node"] for e in ours] == [f"n{i}" for i in range(100)]
-    assert [e["seq"] for e in ours] == sorted(e["seq"] for e in ours)
-    assert min(e["seq"] for e in ours[64:]) > 70
+    ours = [Event.decode(kv.json()) for kv in mirrored if kv.json()["kind"] == "straggler"]
+    assert [e.node for e in ours] == [f"n{i}" for i in range(100)]
+    assert [e.seq for e in ours] == sorted(e.seq for e in ours)
+    assert min(e.seq for e in ours[64:]) > 70
     assert read_events(tmp_path) == ours

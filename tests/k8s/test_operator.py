@@ -27,7 +27,13 @@ from megascale.k8s.operator import (
     read_view,
     summarize_selfcheck,
 )
-from megascale.messages import Heartbeat, RankFigures
+from megascale.messages import (
+    BlockedNode,
+    ControllerState,
+    GenerationRecord,
+    Heartbeat,
+    RankFigures,
+)
 from megascale.robustness.controller import (
     ControllerFSM,
     ControllerPolicy,
@@ -68,13 +74,12 @@ class ControllerShell:
             if isinstance(action, SendCommand):
                 self.commands[action.node] = action
             elif isinstance(action, Evict):
-                value = {"reason": action.reason, "generation": self.fsm.generation, "time": T0}
+                value = BlockedNode(action.reason, self.fsm.generation, T0)
                 self.store.put(self.keys.blocked(action.node), value)
             elif isinstance(action, StartGeneration):
                 assignment = {n: list(r) for n, r in action.assignment.items()}
                 self.store.put(
-                    self.keys.generation,
-                    {"generation": action.generation, "assignment": assignment},
+                    self.keys.generation, GenerationRecord(action.generation, assignment)
                 )
             elif isinstance(action, RecordEvent):
                 self.events.record(action)
@@ -343,18 +348,19 @@ def test_sync_mirrors_the_controller_and_replaces_an_evicted_node(kube, store):
 
 def test_read_view_returns_what_the_controller_wrote(store):
     keys = JobKeys("ns.read-view")
-    store.put(keys.state, {"state": "running", "generation": 3})
-    store.put(keys.blocked("n1"), {"reason": "lost", "generation": 2, "time": T0})
-    store.put(keys.heartbeat("n0"), {"node": "n0", "tokens_per_s": 5.0})
+    store.put(keys.state, ControllerState("running", 3))
+    store.put(keys.blocked("n1"), BlockedNode("lost", 2, T0))
+    store.put(keys.blocked("n2"), {"reason": "lost", "schema": "2.0"})  # another major: skipped
+    store.put(keys.heartbeat("n0"), Heartbeat(node="n0", tokens_per_s=5.0))
     store.put(keys.heartbeat("n9"), b"not json")  # skipped, logged
     log = EventLog(None, store, keys, clock=lambda: T0)
     for step in (100, 200):
         log.append("checkpoint", generation=3, detail={"step": step, "url": f"s3://c/{step}"})
     view = read_view(store, keys)
-    assert view.state == {"state": "running", "generation": 3}
-    assert view.blocklist == {"n1": {"reason": "lost", "generation": 2, "time": T0}}
-    assert view.heartbeats == {"n0": {"node": "n0", "tokens_per_s": 5.0}}
-    assert [e["detail"]["step"] for e in view.events] == [200, 100]  # newest first
+    assert view.state == ControllerState("running", 3)
+    assert view.blocklist == {"n1": BlockedNode("lost", 2, T0)}
+    assert view.heartbeats == {"n0": Heartbeat(node="n0", tokens_per_s=5.0)}
+    assert [e.detail["step"] for e in view.events] == [200, 100]  # newest first
 
 
 def test_unreachable_etcd_keeps_the_status_and_the_pods(kube):
@@ -382,7 +388,7 @@ def test_ttl_after_finishing_deletes_the_job(kube, store):
     clock = Clock()
     r = reconciler(kube, store, clock)
     status = r.reconcile(body)
-    store.put(JobKeys(job.id).state, {"state": "finished", "generation": 1, "restarts": 0})
+    store.put(JobKeys(job.id).state, ControllerState("finished", 1))
     status = r.sync(with_status(body, status))
     assert status["phase"] == "Succeeded"
     kube.calls.clear()

@@ -27,7 +27,14 @@ from megascale.k8s.status import (
     rfc3339,
     set_condition,
 )
-from megascale.messages import DurableCheckpoint, Heartbeat, RankFigures
+from megascale.messages import (
+    BlockedNode,
+    ControllerState,
+    DurableCheckpoint,
+    Heartbeat,
+    JobSummaryRecord,
+    RankFigures,
+)
 from megascale.robustness.job_summary import JobSummary
 
 T0 = 1_750_000_000.0
@@ -49,16 +56,25 @@ def pods_on(job: Job, nodes: dict[int, str | None], phase="Running") -> list[Wor
 
 
 def snapshot(state="running", generation=1, order=("n0", "n1", "n2", "n3"), spares=("n4",), **kw):
-    return {
-        "state": state,
-        "generation": generation,
-        "restarts": max(generation - 1, 0),
-        "order": list(order),
-        "spares": list(spares),
-        "step": 120,
-        "fault": None,
-        **kw,
-    }
+    """The controller's ``state`` value, decoded as the operator reads it."""
+    return ControllerState.decode(
+        {
+            "schema": "1.0",
+            "state": state,
+            "generation": generation,
+            "restarts": max(generation - 1, 0),
+            "order": list(order),
+            "spares": list(spares),
+            "step": 120,
+            "fault": None,
+            **kw,
+        }
+    )
+
+
+def blocked(reason, time=T0):
+    """A ``blocklist/<node>`` value."""
+    return BlockedNode(reason=reason, generation=1, time=time)
 
 
 def check(decision):
@@ -114,7 +130,7 @@ def summary(step=130, t=T0):
         state=SimpleNamespace(value="running"), generation=2, step=step, faults=[1], restarts=1
     )
     effective = SimpleNamespace(start=0.0, productive_s=30.0)
-    return figures.to_json(fsm, effective, 40.0)
+    return JobSummaryRecord.decode(figures.to_json(fsm, effective, 40.0))
 
 
 def test_running_job_mirrors_the_controller_state_and_its_figures():
@@ -162,7 +178,7 @@ def test_figures_keep_their_last_value_without_a_summary():
 
 def test_eviction_deletes_the_pod_cordons_the_node_once_and_replaces_it_elsewhere():
     job = job_of()  # cordonEvictedNodes: true
-    evicted = {"n2": {"reason": "selfcheck failed: gpu", "generation": 1, "time": T0}}
+    evicted = {"n2": blocked("selfcheck failed: gpu")}
     view = EtcdView(
         snapshot(
             "diagnosing", fault={"kind": "worker_exit", "node": "n2", "rank": 17, "suspects": []}
@@ -210,7 +226,7 @@ def test_eviction_deletes_the_pod_cordons_the_node_once_and_replaces_it_elsewher
 
 def test_no_cordon_unless_asked():
     job = job_of("minimal-cpu")
-    view = EtcdView(snapshot(order=("n0", "n1"), spares=()), blocklist={"n1": {"reason": "x"}})
+    view = EtcdView(snapshot(order=("n0", "n1"), spares=()), blocklist={"n1": blocked("x")})
     d = check(decide(job, {}, pods_on(job, {0: "n0", 1: "n1"}), view, T0))
     assert d.effects == [DeletePod("tiny-worker-1", "node n1 evicted: x", replace=True)]
 
@@ -228,7 +244,7 @@ def test_evictions_survive_in_the_status_when_etcd_is_lost():
 def test_unscheduled_pod_made_before_an_eviction_is_recreated():
     job = job_of()
     pods = pods_on(job, {0: "n0", 1: "n1", 2: None, 3: "n3", 4: "n4"})
-    view = EtcdView(snapshot(), blocklist={"n9": {"reason": "lost"}})
+    view = EtcdView(snapshot(), blocklist={"n9": blocked("lost")})
     d = check(decide(job, {}, pods, view, T0))
     assert DeletePod("gpt-7b-worker-2", "reschedule away from evicted nodes") in d.effects
     assert d.status["replacements"] == 0
@@ -340,7 +356,7 @@ def test_scale_up_and_down():
 
 def test_decide_is_idempotent_once_its_effects_are_visible():
     job = job_of()
-    view = EtcdView(snapshot(), blocklist={"n3": {"reason": "lost", "time": T0}})
+    view = EtcdView(snapshot(), blocklist={"n3": blocked("lost")})
     pods = pods_on(job, ALL)
     first = decide(job, {}, pods, view, T0)
     again = decide(job, {}, pods, view, T0)
@@ -399,10 +415,11 @@ def test_worker_pod_from_manifest():
 def test_plan_workers_leaves_pods_being_deleted_alone():
     job = job_of("minimal-cpu")
     pods = [WorkerPod("tiny-worker-0", 0, "a", "Running", deleting=True)]
-    assert plan_workers(job, pods, {"a": {}}, "Running") == [CreatePod(1, ("a",))]
+    assert plan_workers(job, pods, {"a": "evicted"}, "Running") == [CreatePod(1, ("a",))]
 
 
 def test_fault_message():
     assert fault_message(None) is None
-    assert fault_message({"fault": None}) is None
-    assert fault_message({"fault": {"kind": "node_lost", "node": "n1"}}) == "node_lost on node n1"
+    assert fault_message(snapshot()) is None
+    lost = snapshot(fault={"kind": "node_lost", "node": "n1"})
+    assert fault_message(lost) == "node_lost on node n1"

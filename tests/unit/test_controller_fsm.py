@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megascale.messages import Heartbeat
+from megascale.messages import Command, Heartbeat, MessageError
 from megascale.robustness.controller import (
     TRANSITIONS,
     ControllerFSM,
@@ -110,7 +110,7 @@ def test_start_assigns_k_consecutive_ranks_per_node_and_keeps_spares():
         "world_size": 4,
         "master_node": "n0",
     }  # no whole-assignment "nodes": that would make a generation start O(N^2) bytes
-    assert starts[0].message("job-a")["job"] == "job-a"
+    assert starts[0].message("job-a").job == "job-a"
     fsm.on_node_registered("n2", now=clock())
     assert fsm.spares == ["n2"]
     done = ack_all(fsm, actions, clock)
@@ -507,7 +507,10 @@ def test_commands_are_scoped_to_job_and_generation():
     assert is_current(cmd, "job-a", 3) and is_current(cmd, "job-a", 2)
     assert not is_current(cmd, "job-a", 4)  # older generation
     assert not is_current(cmd, "job-b", 3)  # another job
-    assert not is_current({"job": "job-a", "kind": "stop"}, "job-a", 0)  # malformed
+    with pytest.raises(MessageError, match="Command: field.s. generation, id missing"):
+        Command.decode({"schema": "1.0", "job": "job-a", "kind": "stop"})  # malformed
+    with pytest.raises(MessageError, match="schema = '2.0': major version 2"):
+        Command.decode({**cmd.encode(), "schema": "2.0"})  # another release's controller
     with pytest.raises(ValueError, match="node = 'a/b'"):
         keys.node("a/b")
     with pytest.raises(ValueError, match="kind = 'reboot'"):

@@ -100,8 +100,9 @@ def test_events_of_a_deposed_controllers_term_are_not_read(tmp_path):
         {"seq": 3, "kind": "finished", "term": 9},
         {"seq": 4, "kind": "note"},  # no term: not a controller's
     ]
-    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
-    assert [e["seq"] for e in read_events(tmp_path)] == [0, 1, 3, 4]
+    text = "".join(json.dumps({"time": 1.0, "generation": 1, **e}) + "\n" for e in lines)
+    (tmp_path / "events.jsonl").write_text(text)
+    assert [e.seq for e in read_events(tmp_path)] == [0, 1, 3, 4]
 
 
 MISMATCH = {"rank": 2, "reason": "mismatch", "group": "DP [0, 1, 2, 3]", "op": "broadcast of 8 bytes",

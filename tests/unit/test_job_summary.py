@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from megascale.messages import DurableCheckpoint, Heartbeat, RankFigures
+from megascale.messages import DurableCheckpoint, Heartbeat, JobSummaryRecord, RankFigures
 from megascale.robustness.effective import EffectiveTime
-from megascale.robustness.job_summary import VERSION, JobSummary
+from megascale.robustness.job_summary import JobSummary
 
 FSM = SimpleNamespace(
     state=SimpleNamespace(value="running"), generation=1, step=7, faults=[], restarts=0
@@ -45,9 +45,9 @@ def test_newest_durable_checkpoint_by_time_survives_a_rollback():
     s = JobSummary()
     s.observe(beat(8, 1.0, durable=DurableCheckpoint(8, 100.0, "u8")))
     s.observe(beat(9, 1.0, durable=DurableCheckpoint(4, 50.0, "u4")))
-    assert s.checkpoint == {"step": 8, "time": 100.0, "url": "u8"}
+    assert s.checkpoint == DurableCheckpoint(8, 100.0, "u8")
     s.observe(beat(6, 1.0, durable=DurableCheckpoint(6, 200.0, "u6")))
-    assert s.checkpoint["step"] == 6  # saved after a restart from step 4: newer, lower step
+    assert s.checkpoint.step == 6  # saved after a restart from step 4: newer, lower step
 
 
 def test_written_when_changed_at_most_every_interval_or_with_a_decision():
@@ -56,9 +56,13 @@ def test_written_when_changed_at_most_every_interval_or_with_a_decision():
     s.observe(beat(1, 10.0))
     assert s.due(0.0, 0.25)
     effective = EffectiveTime(0.0)
-    value = s.to_json(FSM, effective, 10.0)
-    assert value["version"] == VERSION and value["step"] == 7 and value["tokens_per_s"] == 10.0
-    assert value["effective"] == {"productive_s": 0.0, "wall_s": 10.0, "ratio": 0.0}
+    value = JobSummaryRecord.decode(s.to_json(FSM, effective, 10.0))
+    assert value.step == 7 and value.tokens_per_s == 10.0
+    assert (value.effective.productive_s, value.effective.wall_s, value.effective.ratio) == (
+        0.0,
+        10.0,
+        0.0,
+    )
     assert not s.due(10.1, 0.25)  # nothing changed
     s.changed = True
     assert not s.due(10.1, 0.25) and s.due(10.1, 0.25, force=True) and s.due(10.3, 0.25)

@@ -10,8 +10,16 @@ import pytest
 from megascale.messages import (
     SCHEMA,
     Ack,
+    BlockedNode,
     CheckpointFigures,
+    ControllerState,
+    ControllerStatus,
+    DurableCheckpoint,
+    Event,
+    FinalOutcome,
+    GenerationRecord,
     Heartbeat,
+    JobSummaryRecord,
     MessageError,
     RankFigures,
     RankProgress,
@@ -20,6 +28,7 @@ from megascale.messages import (
     WorkerStatus,
     read_metrics,
 )
+from megascale.robustness.keys import make_command
 
 
 def _heartbeat() -> Heartbeat:
@@ -92,3 +101,71 @@ def test_a_metrics_line_names_val_loss_and_a_stall_only_on_their_steps():
     assert "val_loss" not in plain and "checkpoint_stall_s" not in plain
     saved = StepMetrics(2, 2.0, 1.0, 0.1, 0.5, 9.0, val_loss=2.1, checkpoint_stall_s=0.2)
     assert StepMetrics.decode(json.loads(json.dumps(saved.encode()))) == saved
+
+
+def _job_messages() -> list:
+    from megascale.messages_job import EffectiveFigures, FatalError, FaultRecord, FaultTiming
+
+    return [
+        make_command(
+            "job",
+            2,
+            "start",
+            "g2-start-1",
+            {"ranks": [0, 1], "world_size": 4, "master_node": "node-0"},
+        ),  # fmt: skip
+        make_command("job", 2, "selfcheck", "g2-sc-2", neighbours=[{"node": "n1", "channel": 1}]),
+        ControllerStatus("running", 2),
+        GenerationRecord(2, {"node-0": [0, 1]}),
+        BlockedNode("lost", 2, 1.0),
+        ControllerState("diagnosing", 2, fault=FaultRecord("stall", "n1", 3, {"x": 1}, ["n1"])),
+        JobSummaryRecord(
+            time=1.0,
+            state="running",
+            generation=2,
+            last_checkpoint=DurableCheckpoint(5, 1.0, "file:///c"),
+            effective=EffectiveFigures(1.0, 2.0, 0.5),
+        ),
+        Event(1, 1.0, 1, "fault", "n1", 3, {"fault": "worker_exit"}, term=7),
+        FinalOutcome(
+            finished=False,
+            state="failed",
+            final_step=3,
+            steps=10,
+            job_id="job",
+            run_dir="/r",
+            fault_timings=[FaultTiming("kill-worker:rank=1", 1.0, 3, decision="fault")],
+            fatal=FatalError("n0", 0, "bad data"),
+        ),
+    ]
+
+
+def test_job_messages_survive_json_and_refuse_undeclared_fields_on_every_side():
+    for message in _job_messages():
+        kind = type(message)
+        encoded = json.loads(json.dumps(message.encode()))
+        assert kind.decode(encoded) == message, kind
+        with pytest.raises(AttributeError):  # a consumer reading a field nobody declared
+            message.no_such_field  # noqa: B018
+        with pytest.raises(MessageError, match=rf"{kind.__name__}: undeclared field\(s\) extra"):
+            kind.decode({**encoded, "extra": 1})
+        with pytest.raises(MessageError, match="major version 2"):
+            kind.decode({**encoded, "schema": "2.0"})
+
+
+def test_the_real_consumers_read_only_declared_fields():
+    """The operator's status and the launcher's outcome, run on typed records: a consumer
+    reading a field its message does not declare fails here (AttributeError), not silently."""
+    from megascale.k8s.status import _figures, fault_message
+    from megascale.launcher.outcome import failure, faults_detected
+
+    messages = {type(m).__name__: m for m in _job_messages()}
+    figures = _figures(messages["JobSummaryRecord"])
+    assert figures["lastCheckpoint"]["step"] == 5 and figures["effectiveTrainingTime"]["ratio"]
+    assert (
+        fault_message(messages["ControllerState"])
+        == "stall on node n1, rank 3 (suspect ranks ['n1'])"
+    )
+    events = [messages["Event"], Event(1, 2.0, 1, "failed", detail={"reason": "gave up"})]
+    assert faults_detected(events) == {"worker_exit": 1}
+    assert failure(events) == ("gave up", None)

@@ -103,7 +103,7 @@ def test_controller_sends_each_node_its_neighbours_by_topology():
         "n3": ["n1", "n2"],
     }
     message = checks["n0"].message("job")
-    assert [n["node"] for n in message["neighbours"]] == [t.node for t in checks["n0"].neighbours]
+    assert [n.node for n in message.neighbours] == [t.node for t in checks["n0"].neighbours]
     [rec] = records(out, "neighbours")
     assert rec.detail["topology"]["n1"] == "b" and sorted(rec.detail["plan"]["n1"]) == ["n0", "n3"]
     # a successor re-sends the pending self-checks without a plan whose partners may have acked

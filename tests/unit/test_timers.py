@@ -19,6 +19,7 @@ from megascale.diagnostics.timers import (
     comm_segments,
     megatron_segment,
 )
+from megascale.messages import Event
 
 META = {
     "rank": 3,
@@ -264,7 +265,7 @@ def test_chrome_trace_names_ranks_and_threads(tmp_path):
             [(1, _step_spans(0, 10, 5)), (2, _step_spans(20 * 10**6, 10, 5))],
         )
     ranks = tl.load_run(tmp_path)
-    events = [{"time": 1000.01, "kind": "fault", "node": "node-1", "rank": 1, "generation": 0}]
+    events = [Event(seq=0, time=1000.01, generation=0, kind="fault", node="node-1", rank=1)]
     trace = tl.chrome_trace(ranks, events, [{"step": 1, "loss": 5.0, "time": 1000.02}])
     json.dumps(trace)  # serialisable
     procs = {
