@@ -124,9 +124,9 @@ def _mfu(args: argparse.Namespace) -> int:
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from megascale.diagnostics import timeline
+    from megascale.diagnostics import timeline_command
 
-    return timeline.run(args)
+    return timeline_command.run(args)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -158,10 +158,10 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from megascale.robustness import service
+    from megascale.robustness import service_main
 
     try:
-        return service.main(args)
+        return service_main.main(args)
     except ValueError as e:
         print(f"megascale controller: {e}", file=sys.stderr)
         return 2
@@ -260,12 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_arguments(export_p)
     export_p.set_defaults(func=_export)
 
-    from megascale.diagnostics import report, timeline
+    from megascale.diagnostics import report, timeline_command
 
     timeline_p = sub.add_parser(
         "timeline", help="merge every rank's timeline into one Chrome/Perfetto trace + CSV tables"
     )
-    timeline.add_arguments(timeline_p)
+    timeline_command.add_arguments(timeline_p)
     timeline_p.set_defaults(func=_timeline)
     report_p = sub.add_parser(
         "report", help="a self-contained HTML report: loss, MFU, stragglers, faults"
@@ -290,17 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
     controller_p = sub.add_parser(
         "controller", help="robust-training controller (leader-elected; run 2 for a standby)"
     )
-    from megascale.robustness import service
+    from megascale.robustness import service_main
 
-    service.add_arguments(controller_p)
+    service_main.add_arguments(controller_p)
     controller_p.set_defaults(func=_controller)
     operator_p = sub.add_parser(
         "operator", help="Kubernetes: the MegaScaleJob operator, its CRD, the node self-check label"
     )
-    from megascale import k8s  # parsing only; kopf and lightkube load when a command runs
+    from megascale.k8s import command  # parsing only; kopf and lightkube load when one runs
 
-    k8s.add_arguments(operator_p)
-    operator_p.set_defaults(func=k8s.main)
+    command.add_arguments(operator_p)
+    operator_p.set_defaults(func=command.main)
     return parser
 
 

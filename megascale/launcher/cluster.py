@@ -213,9 +213,9 @@ def _agent_process(agent_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
 
 def _controller_process(service_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
-    from megascale.robustness import service
+    from megascale.robustness import service_main
 
-    sys.exit(service.serve(service_opts, store_cfg))
+    sys.exit(service_main.serve(service_opts, store_cfg))
 
 
 class LocalCluster:
@@ -604,7 +604,7 @@ def launch(opts: LaunchOptions) -> int:
     """Run the local cluster to the end (see the module docstring); returns the exit code.
     SIGTERM and SIGINT stop it in order (``signals.StopSignals``), final.json included."""
     from megascale.config import to_toml
-    from megascale.robustness.service_main import setup_logging
+    from megascale.robustness.process import setup_logging
 
     job, notes = check_options(opts)  # LaunchError, ConfigError, InjectError: nothing started
     run_dir = Path(opts.run_dir or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
