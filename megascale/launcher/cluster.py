@@ -635,7 +635,7 @@ def _run_cluster(
     state, reason = "failed", None
     try:
         gpus.prefer_nvml_checks()  # imports below probe CUDA; the agents and workers fork later
-        import megascale.cli  # noqa: F401  (imported once here, inherited by every forked process)
+        import megascale.train.command  # noqa: F401  (imported once here, inherited by every fork)
         import megascale.train.run  # noqa: F401
 
         cluster = LocalCluster(opts, job, run_dir)
