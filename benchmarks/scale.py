@@ -87,7 +87,7 @@ def control(
     agents: str,
 ) -> None:
     from megascale.launcher.etcd import EmbeddedEtcd
-    from megascale.robustness.simulate import as_row, run_scenario
+    from megascale.sim.scenario import as_row, run_scenario
 
     how = {"asyncio": "asyncio tasks", "threads": "threads"}[agents]
     print(
@@ -113,7 +113,7 @@ def control(
 
 
 def decision_sizes(nodes: list[int]) -> None:
-    from megascale.robustness.simulate import decision_bytes
+    from megascale.sim.scenario import decision_bytes
 
     print(
         "Bytes the controller writes when a generation starts (pure FSM, JSON before base64): "

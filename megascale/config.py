@@ -28,6 +28,8 @@ from typing import Any
 
 import tomli_w
 
+from megascale.config_error import ConfigError
+
 log = logging.getLogger(__name__)
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -35,13 +37,6 @@ PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 DEFAULT_PRESET = "tiny"
 """The preset ``load(None)`` reads: CPU, one process, finishes 50 steps in seconds."""
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type, or breaks a rule.
-
-    The message names the field (``section.key``), the value, and what would be accepted.
-    """
 
 
 @dataclass
@@ -450,8 +445,9 @@ def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
 
     The rules live in ``megascale/config_validate.py``; see ``config_validate.validate``.
     """
-    from megascale.config_validate import validate as _validate  # the rules import this module
+    from megascale.config_validate import validate as _validate  # torch, fsspec: loaded on use
 
+    check_types(cfg)
     return _validate(cfg, world_size, backend)
 
 

@@ -11,8 +11,12 @@ import copy
 import dataclasses
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megascale.config import ConfigError, JobConfig, check_types
+from megascale.config_error import ConfigError
+
+if TYPE_CHECKING:
+    from megascale.config import JobConfig
 
 BACKENDS = ("gloo", "nccl")
 OPTIMIZERS = ("adam", "lamb")
@@ -30,13 +34,13 @@ def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
     """Return a copy of ``cfg`` with ``parallel.dp`` filled in, or raise ConfigError.
 
     ``world_size`` is the number of training processes, ``backend`` the torch.distributed backend
-    they will use ("gloo" on CPU, "nccl" on CUDA). Call once per launch, before building groups.
+    they will use ("gloo" on CPU, "nccl" on CUDA). Call once per launch, before building groups,
+    through ``config.validate``, which type-checks every field first.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size = {world_size!r}: must be a positive integer")
     if backend not in BACKENDS:
         raise ConfigError(f"backend = {backend!r}: must be one of {', '.join(BACKENDS)}")
-    check_types(cfg)
     problems = _finite(cfg) or _ranges(cfg)
     if not problems:
         dp = _data_parallel_size(cfg, world_size, problems)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megascale.diagnostics.selfcheck import CheckResult, judged, skipped
+from megascale.diagnostics.check_result import CheckResult, judged, skipped
 from megascale.diagnostics.selfcheck_thresholds import GpuThresholds
 
 

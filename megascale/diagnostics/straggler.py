@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.diagnostics import flops
+from megascale.diagnostics.timeline import breakdowns, load_run
 from megascale.parallel.layout import Coord, Layout
 from megascale.robustness.stragglers import stage_scores
 
@@ -233,7 +234,6 @@ def analyze_run(
     (1.10 without one). ``peak_tflops`` overrides the peak looked up from the GPU's name.
     """
     from megascale import config as config_mod
-    from megascale.diagnostics.timeline import breakdowns, load_run
 
     run_dir = Path(run_dir)
     job = None

@@ -20,7 +20,6 @@ it, and a step written twice (replayed after a restart) keeps its last record.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import logging
@@ -374,30 +373,3 @@ def write_trace(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pat
     out.write_text(json.dumps(trace))
     steps_csv, segments_csv = write_tables(ranks, out.parent)
     return out, steps_csv, segments_csv
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``megascale timeline RUN_DIR [--out trace.json]``."""
-    parser.add_argument("run_dir", help="the run directory (holds timeline/rank_*.jsonl)")
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="trace file to write (default RUN_DIR/timeline/trace.json); the CSV tables go "
-        "next to it",
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``megascale timeline``; 1 with a logged error when the run has no timeline."""
-    from megascale.diagnostics import straggler
-
-    try:
-        trace, steps_csv, segments_csv = write_trace(args.run_dir, args.out)
-    except FileNotFoundError as e:
-        logger.error("megascale timeline: %s", e)
-        return 1
-    logger.info("trace: %s (open in ui.perfetto.dev or chrome://tracing)", trace)
-    logger.info("tables: %s, %s", steps_csv, segments_csv)
-    for line in straggler.analyze_run(args.run_dir).describe():
-        logger.info("%s", line)
-    return 0

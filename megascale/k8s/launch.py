@@ -110,7 +110,7 @@ def _megascale_env(job: Job) -> list[dict[str, Any]]:
 
 def store_args(job: Job) -> list[str]:
     """The etcd options of ``megascale agent`` and ``megascale controller``
-    (``robustness.service_main.add_store_arguments``); the password comes from
+    (``robustness.process.add_store_arguments``); the password comes from
     ``$MEGASCALE_ETCD_PASSWORD``."""
     args = ["--endpoints", ",".join(etcd_endpoints(job))]
     if job.etcd.get("tlsSecret"):
@@ -209,7 +209,7 @@ def agent_args(job: Job, index: int) -> list[str]:
 def controller_args(
     job: Job, tp: int = 1, pp: int = 1, train: Mapping[str, Any] | None = None, vpp: int = 1
 ) -> list[str]:
-    """The controller's command line (``robustness.service.add_arguments``). ``train``: the
+    """The controller's command line (``robustness.service_main.add_arguments``). ``train``: the
     resolved training config's ``[train]`` table, whose batch sizes a shrink keeps."""
     ft, train = job.spec["faultTolerance"], train or {}
     batch = []

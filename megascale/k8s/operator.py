@@ -543,7 +543,7 @@ def selfcheck_daemon(
 
 
 def main(args: argparse.Namespace) -> int:
-    """``megascale operator ...`` (arguments: ``megascale.k8s.add_arguments``)."""
+    """``megascale operator ...`` (arguments: ``megascale.k8s.command.add_arguments``)."""
     logging.getLogger().setLevel(os.environ.get("MEGASCALE_LOG_LEVEL", "INFO").upper())
     if args.operator_command == "crd":
         sys.stdout.write(crd.crd_yaml())

@@ -57,14 +57,14 @@ from megascale.messages import (
 from megascale.robustness import inject
 from megascale.robustness.fatal import EXIT_JOB_FATAL, RUN_DIR_ENV, read_exit_error, read_fatal
 from megascale.robustness.keys import JobKeys, is_current
-from megascale.robustness.progress import progress_path, read_progress
-from megascale.robustness.service_main import (
+from megascale.robustness.process import (
     add_metrics_arguments,
     add_store_arguments,
     setup_logging,
     store_config,
     write_metrics_url,
 )
+from megascale.robustness.progress import progress_path, read_progress
 from megascale.robustness.service_options import lease_ttl
 from megascale.robustness.store import (
     KeepAlive,

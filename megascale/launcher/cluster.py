@@ -213,9 +213,9 @@ def _agent_process(agent_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
 
 def _controller_process(service_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
-    from megascale.robustness import service
+    from megascale.robustness import service_main
 
-    sys.exit(service.serve(service_opts, store_cfg))
+    sys.exit(service_main.serve(service_opts, store_cfg))
 
 
 class LocalCluster:
@@ -604,7 +604,7 @@ def launch(opts: LaunchOptions) -> int:
     """Run the local cluster to the end (see the module docstring); returns the exit code.
     SIGTERM and SIGINT stop it in order (``signals.StopSignals``), final.json included."""
     from megascale.config import to_toml
-    from megascale.robustness.service_main import setup_logging
+    from megascale.robustness.process import setup_logging
 
     job, notes = check_options(opts)  # LaunchError, ConfigError, InjectError: nothing started
     run_dir = Path(opts.run_dir or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -635,7 +635,7 @@ def _run_cluster(
     state, reason = "failed", None
     try:
         gpus.prefer_nvml_checks()  # imports below probe CUDA; the agents and workers fork later
-        import megascale.cli  # noqa: F401  (imported once here, inherited by every forked process)
+        import megascale.train.command  # noqa: F401  (imported once here, inherited by every fork)
         import megascale.train.run  # noqa: F401
 
         cluster = LocalCluster(opts, job, run_dir)

@@ -5,8 +5,9 @@ every worker again. The agent forks one small single-threaded process, the zygot
 any thread; the zygote imports torch and megatron-core once (or inherits them, when the launcher
 imported them before forking the agent) and then forks each worker on request, so a generation
 starts in well under a second, in fresh processes (nothing leaks from a failed generation). A
-worker is ``megascale train`` (``megascale.cli.main``) under the torchrun-style environment of its
-rank assignment; it is exactly what ``python -m megascale.cli train CONFIG`` runs, minus the import.
+worker is ``megascale train`` (``megascale.train.command.main``) under the torchrun-style
+environment of its rank assignment; it is exactly what ``python -m megascale.cli train CONFIG``
+runs, minus the import.
 
 Process tree and lifetimes: agent -> zygote -> workers. The zygote dies with the agent
 (``PR_SET_PDEATHSIG``) and kills its workers when its pipe to the agent closes; each worker dies
@@ -45,7 +46,7 @@ from megascale.robustness.fatal import RUN_DIR_ENV, write_exit_error
 
 logger = logging.getLogger(__name__)
 
-PRELOAD = ("megascale.cli", "megascale.train.run")
+PRELOAD = ("megascale.train.command", "megascale.train.run")
 """Modules the zygote imports once so that forked workers start without importing them."""
 
 
@@ -60,9 +61,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def run_train(argv: list[str]) -> int:
     """A worker: ``megascale train ARGV`` under the rank environment the agent set."""
-    from megascale.cli import main
+    from megascale.train.command import main
 
-    return main(["train", *argv])
+    return main(argv)
 
 
 def run_selfcheck(rank: int, world_size: int, port: int, run_dir: str, out: str) -> int:

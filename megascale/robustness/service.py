@@ -34,7 +34,7 @@ What the shell adds to the FSM's view:
   (``ControllerFSM.restore`` of its own snapshot).
 
 Its options and timing live in ``service_options``, the process entry (``megascale controller``:
-``add_arguments``, ``main``, ``serve``) in ``service_main``; those names are importable from here.
+``add_arguments``, ``main``, ``serve``) in ``service_main``.
 """
 
 from __future__ import annotations
@@ -72,12 +72,7 @@ from megascale.robustness.events import EventLog
 from megascale.robustness.flight_format import RankState, stall_culprits
 from megascale.robustness.job_summary import JobSummary
 from megascale.robustness.keys import JobKeys
-from megascale.robustness.service_main import (  # noqa: F401  (re-exported)
-    add_arguments,
-    main,
-    serve,
-    write_metrics_url,
-)
+from megascale.robustness.process import write_metrics_url
 from megascale.robustness.service_options import ServiceOptions, lease_ttl, policy_for  # noqa: F401
 from megascale.robustness.store import TXN_MAX_OPS, Put, Store, StoreError, WatchEvent
 from megascale.robustness.stragglers import StragglerTracker

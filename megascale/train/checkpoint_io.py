@@ -26,14 +26,17 @@ import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import torch
 import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 
-from megascale.config import CheckpointConfig, ConfigError
+from megascale.config_error import ConfigError
+
+if TYPE_CHECKING:
+    from megascale.config import CheckpointConfig
 
 logger = logging.getLogger(__name__)
 

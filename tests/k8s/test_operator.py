@@ -16,9 +16,10 @@ import pytest
 import yaml
 from k8s_support import EXAMPLES, FakeKube, example_jobs, load_docs
 
-from megascale.k8s import add_arguments, builders, crd, validation
-from megascale.k8s import main as k8s_main
+from megascale.k8s import builders, crd, validation
 from megascale.k8s.builders import Job
+from megascale.k8s.command import add_arguments
+from megascale.k8s.command import main as k8s_main
 from megascale.k8s.operator import (
     NotReady,
     Reconciler,

@@ -9,7 +9,8 @@ import pytest
 
 from megascale.launcher import rendezvous as rdzv
 from megascale.parallel.layout import Layout
-from megascale.robustness.simulate import SimPool, percentile
+from megascale.sim.agents import SimPool
+from megascale.sim.scenario import percentile
 
 
 @pytest.mark.parametrize(("world", "tp", "pp"), [(8, 2, 2), (64, 8, 4), (96, 4, 3)])

@@ -23,7 +23,7 @@ connection per watch stream, so etcd sees two watch streams per node, as real ag
 
 ``kill()`` makes a node vanish as ``SimAgent.kill`` does: no more heartbeats, keep-alives or acks
 and no revoke, so its lease expires. ``async_agents_main`` runs one process's agents for
-``simulate.run_scenario``.
+``scenario.run_scenario``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from typing import Any
 
 from megascale.launcher.agent import TERMINAL_STATES, AgentOptions
 from megascale.messages import Command, ControllerStatus, GenerationRecord, decoded
-from megascale.robustness.simulate import SimAgent
 from megascale.robustness.store import (
     _RETRYABLE_CODES,
     KeyValue,
@@ -56,6 +55,7 @@ from megascale.robustness.store import (
     _split_endpoint,
     encode,
 )
+from megascale.sim.agents import SimAgent
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ What is real and what is simulated:
   and loop, command watch, command execution and acks, job-status watch -- many per process,
   either as the agent's own threads (``agents="threads"``: ``agents_main``, five threads a node)
   or driven by coroutines on one event loop (``agents="asyncio"``: ``AsyncSimAgent`` in
-  ``simulate_async``, the same etcd requests; hundreds of nodes per process). Only the workers
+  ``sim.agents_async``, the same etcd requests; hundreds of nodes per process). Only the workers
   are simulated (``SimPool``: no processes; a self-check passes at once), so a "node" costs the
   control plane what a real one does.
 * a node killed at a random moment (``SimAgent.kill``): it stops heartbeating and its lease is no
@@ -32,7 +32,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from contextlib import suppress
@@ -40,127 +39,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megascale.launcher.agent import Agent, AgentOptions
 from megascale.messages import ControllerState, Event
 from megascale.robustness.events import EVENTS_FILE, read_events
 from megascale.robustness.keys import JobKeys
 from megascale.robustness.store import Store, StoreConfig
+from megascale.sim.agents import agents_main
+from megascale.sim.agents_async import async_agents_main
 
 logger = logging.getLogger(__name__)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-class SimPool:
-    """Stands in for ``WorkerPool``: the workers a node would run, without processes."""
-
-    def __init__(self) -> None:
-        self.workers: dict[int, Any] = {}
-        self.ranks: list[int] = []
-        self.generation = 0
-
-    def start(self, generation: int, ranks: list[int], env: Any, argv: Any, nice: int = 0) -> list:
-        self.generation, self.ranks = generation, list(ranks)
-        return []
-
-    def stop(self, grace_s: float = 0.0) -> dict[int, int | None]:
-        self.ranks = []
-        return {}
-
-    def running(self) -> list:
-        return []
-
-    def scan(self) -> list:
-        return []
-
-    def status(self, generation: int) -> dict[str, dict[str, Any]]:
-        if generation != self.generation:
-            return {}
-        return {str(r): {"alive": True, "exit_code": None, "pid": 0} for r in self.ranks}
-
-    def selfcheck(
-        self,
-        nproc: int,
-        full: bool = False,
-        timeout_s: float = 120.0,
-        thresholds: str | None = None,
-        neighbours: dict[str, Any] | None = None,
-    ) -> tuple[bool, str]:
-        """``WorkerPool.selfcheck``'s signature: every simulated node is fit."""
-        return True, "simulated"
-
-
-class _NoZygote:
-    on_exit: Any = None
-
-    def close(self) -> None:
-        pass
-
-
-class SimAgent(Agent):
-    """The real agent with ``SimPool`` workers; ``kill()`` makes its node vanish."""
-
-    def __init__(self, store: Store, opts: AgentOptions) -> None:
-        super().__init__(store, opts, _NoZygote())  # type: ignore[arg-type]
-        self.pool = SimPool()  # type: ignore[assignment]
-        self.killed = False
-
-    def _rendezvous(self, generation: int, master: str) -> tuple[str, int]:
-        return self.opts.addr, 29500  # no rank-0 store to publish: nothing runs
-
-    def kill(self) -> float:
-        """Stop heartbeating and stop refreshing the lease, now; returns the wall time."""
-        self.killed = True
-        if self._keepalive is not None:
-            self._keepalive.stop(revoke=False)
-        self.stopping.set()
-        self.wake()
-        return time.time()
-
-    def _shutdown(self) -> None:
-        if not self.killed:
-            super()._shutdown()
-            return
-        for watch in self._watches:
-            watch.cancel()
-
-
-def agents_main(
-    endpoint: str,
-    job: str,
-    nodes: list[str],
-    interval: float,
-    run_dir: str,
-    conn: Any,
-) -> None:
-    """One simulator process: run ``nodes`` agents as threads; obey ``("kill", node)`` and
-    ``("exit",)`` from ``conn`` (answering a kill with its wall time)."""
-    logging.getLogger().setLevel(logging.ERROR)
-    threading.stack_size(512 * 1024)
-    agents: dict[str, SimAgent] = {}
-    threads = []
-    for node in nodes:
-        cfg = StoreConfig.parse(endpoint, retry_s=max(0.5, interval), request_timeout_s=2.0)
-        opts = AgentOptions(
-            job_id=job, node=node, run_dir=Path(run_dir), config=None, heartbeat_interval=interval
-        )
-        agents[node] = SimAgent(Store(cfg), opts)
-        threads.append(threading.Thread(target=agents[node].run, name=f"agent-{node}", daemon=True))
-        threads[-1].start()
-        time.sleep(0.002)  # a ramp, as pods starting: not one burst of N lease grants
-    conn.send(("ready", len(agents)))
-    while True:
-        message = conn.recv()
-        if message[0] == "kill":
-            conn.send(("killed", agents[message[1]].kill()))
-            continue
-        for agent in agents.values():
-            agent.stopping.set()
-            agent.wake()
-        deadline = time.monotonic() + 10  # each revokes its lease on the way out
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return
 
 
 def cpu_seconds(pid: int) -> float:
@@ -220,13 +108,8 @@ def _agents_main(agents: str) -> Any:
     if agents == "threads":
         return agents_main
     if agents == "asyncio":
-        from megascale.robustness.simulate_async import async_agents_main
-
         return async_agents_main
     raise ValueError(f"agents = {agents!r}: expected one of {', '.join(AGENT_KINDS)}")
-
-
-_REAL = "import sys; from megascale import cli; sys.exit(cli.main(['controller', *sys.argv[1:]]))"
 
 
 def run_scenario(
@@ -252,7 +135,7 @@ def run_scenario(
     result = ScenarioResult(nodes, heartbeat_s)
     rng = random.Random(seed)
     ctl = subprocess.Popen(
-        [sys.executable, "-c", _REAL, "--job", job, "--run-dir",
+        [sys.executable, "-m", "megascale.cli", "controller", "--job", job, "--run-dir",
          str(run_dir), "--nodes", str(nodes), "--nproc-per-node", str(nproc_per_node),
          "--tp", str(nproc_per_node), "--heartbeat-interval", str(heartbeat_s),
          "--max-restarts", str(kills + 5), "--endpoints", endpoint],
@@ -389,9 +272,6 @@ def as_row(r: ScenarioResult) -> dict[str, Any]:
 __all__ = [
     "AGENT_KINDS",
     "ScenarioResult",
-    "SimAgent",
-    "SimPool",
-    "agents_main",
     "as_row",
     "cpu_seconds",
     "decision_bytes",
