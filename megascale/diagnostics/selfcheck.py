@@ -460,6 +460,16 @@ CHECKS: list[tuple[tuple[str, ...], Callable[[_Context], list[CheckResult]]]] = 
 """Every check, in the order it runs: (the names it reports, the function)."""
 
 
+CHECK_GROUPS = {"gpu": "gpu.*", "host": "host.*", "net": "net.*", "network": "net.*"}
+"""Group names accepted wherever checks are selected (``fault_tolerance.selfcheck_tests``)."""
+
+
+def check_patterns(tests: list[str]) -> list[str]:
+    """Shell patterns over check names for ``tests``: a group (``CHECK_GROUPS``) becomes all of
+    its checks; a name or pattern is kept."""
+    return [CHECK_GROUPS.get(t, t) for t in tests]
+
+
 def _selected(names: tuple[str, ...], patterns: list[str]) -> bool:
     return not patterns or any(fnmatch.fnmatch(n, p) for n in names for p in patterns)
 
