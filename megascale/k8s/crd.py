@@ -163,14 +163,17 @@ def _fault_tolerance_schema() -> dict[str, Any]:
         {
             "tests": {
                 "type": "array",
-                "description": "Self-check tests to run (names of `megascale selfcheck`); "
-                "empty: all of them.",
+                "description": "Checks of `megascale selfcheck` the agents' full self-check "
+                "runs after a fault: a group (gpu, host, net), a check name (gpu.matmul) or a "
+                "shell pattern (net.*); empty: all of them.",
                 "maxItems": 32,
                 "items": _str("A self-check test name.", maxLength=64, pattern="^[a-z0-9_.-]+$"),
                 "default": [],
             },
             "timeoutSeconds": _int(
-                "A node that has not reported within this is evicted.", minimum=1, default=300
+                "A node that has not reported its self-check within this is evicted.",
+                minimum=1,
+                default=300,
             ),
             "requirePassedNode": {
                 "type": "boolean",
