@@ -28,6 +28,8 @@ from typing import Any
 
 import tomli_w
 
+from megascale.config_compat import DEPRECATED_KEYS, mirror_deprecated, move_deprecated
+
 log = logging.getLogger(__name__)
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -262,16 +264,14 @@ class DiagnosticsConfig:
     flush_interval_steps: int = 10
     """Steps between hand-offs of the recorded segments to the background writer thread."""
     straggler_threshold: float | None = None
-    """Deprecated: ``fault_tolerance.straggler_threshold`` (still read, with a warning). After
-    loading it always equals that key (a read-only mirror for old code)."""
+    """Deprecated, read as ``fault_tolerance.straggler_threshold``, which it mirrors."""
     selfcheck_thresholds: str | None = None
     """Thresholds file for the node self-check the agents run before (re)starting a job: a
     calibration written by ``megascale selfcheck --calibrate --output FILE`` on a healthy node of
     the same kind (thresholds = measured x its safety factor), optionally with explicit sections.
     A path on every node; relative to the run directory. None: the hardware profile's defaults."""
     straggler_action: str | None = None
-    """Deprecated: ``fault_tolerance.straggler_action`` (still read, with a warning). After
-    loading it always equals that key (a read-only mirror for old code)."""
+    """Deprecated, read as ``fault_tolerance.straggler_action``, which it mirrors."""
 
 
 @dataclass
@@ -292,13 +292,10 @@ class MetricsConfig:
 
 @dataclass
 class FaultToleranceConfig:
-    """The fault-tolerance settings, in one place: what the controller does when the job loses
-    nodes or has a straggler, how often it may restart, and the node self-check.
-
-    The defaults here are the only ones: the controller's policy is built from this section by
-    ``robustness.service_options.policy_for`` for ``megascale launch`` (its flags win over the
-    file), ``megascale controller`` (its flags override these defaults) and the operator (the
-    CRD's ``faultTolerance`` maps onto this section: ``k8s.launch.fault_tolerance_settings``)."""
+    """The fault-tolerance settings and their only defaults: lost nodes, restarts, stragglers,
+    self-check. ``robustness.service_options.policy_for`` builds the controller's policy from it
+    for ``megascale launch`` (its flags win), ``megascale controller`` (its flags override it)
+    and the operator (``k8s.launch.fault_tolerance_settings`` maps the CRD onto it)."""
 
     policy: str = "wait"
     """A node is lost or evicted and no spare is registered: ``"wait"`` (for a replacement to
@@ -320,14 +317,13 @@ class FaultToleranceConfig:
     straggler_threshold: float = 1.10
     """A rank, and the machine it runs on, is flagged as a straggler when its compute time per
     step (forward and backward compute measured on the device) is at least this many times the
-    median of its pipeline-stage peers', persistently (live: ``straggler_consecutive`` windows in
-    a row; offline, ``megascale report``: median over steps, and in at least half of them).
-    MegaScale found a machine 10% slower than its peers. Must be > 1."""
+    median of its pipeline-stage peers', persistently (live: ``straggler_consecutive`` windows;
+    offline: median over steps, and in at least half of them). MegaScale found a machine 10%
+    slower than its peers."""
     straggler_action: str = "report"
     """What the controller does about a persistent straggler: ``"report"`` (a ``straggler`` event
-    and the dashboards' scores) or ``"evict"`` (also stop the job, block the node and restart on a
-    spare from the last checkpoint; with no spare registered the node is kept and that is
-    recorded)."""
+    and the dashboards' scores) or ``"evict"`` (also block the node and restart on a spare from
+    the last checkpoint; with no spare registered the node is kept and that is recorded)."""
     straggler_window: int = 4
     """New compute times per rank (one per heartbeat with a new step) in the live sliding window."""
     straggler_consecutive: int = 3
@@ -335,9 +331,8 @@ class FaultToleranceConfig:
     selfcheck_timeout_s: float = 300.0
     """Every node must report its self-check (after a fault) within this, or it is evicted."""
     selfcheck_tests: list[str] = field(default_factory=list)
-    """The checks of ``megascale selfcheck`` the agents' full self-check runs: check names
-    (``gpu.matmul``), shell patterns (``net.*``) or a group (``gpu``, ``host``, ``net``, also
-    ``network``: all of its checks). Empty: all of them."""
+    """Checks of ``megascale selfcheck`` the agents' full self-check runs: names (``gpu.matmul``),
+    shell patterns (``net.*``) or groups (``gpu``, ``host``, ``net``/``network``); empty: all."""
 
 
 @dataclass
@@ -354,30 +349,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
-        _mirror_deprecated(self)
-
-
-DEPRECATED_KEYS: dict[tuple[str, str], tuple[str, str]] = {
-    ("diagnostics", "straggler_threshold"): ("fault_tolerance", "straggler_threshold"),
-    ("diagnostics", "straggler_action"): ("fault_tolerance", "straggler_action"),
-}
-"""Old key -> its home now. ``load`` still reads an old key (a one-line warning), as its new
-key unless that is given too; the old attribute mirrors the new one."""
-
-
-def _mirror_deprecated(cfg: JobConfig) -> None:
-    """Make every deprecated attribute equal its new key: an old key set alone (not None, new
-    key at its default) moves to the new key; otherwise the new key wins. Sections are replaced,
-    never modified, as they may be shared with another JobConfig."""
-    for (old_section, key), (new_section, new_key) in DEPRECATED_KEYS.items():
-        old, new = getattr(cfg, old_section), getattr(cfg, new_section)
-        value = getattr(old, key)
-        default = getattr(type(new)(), new_key)
-        if value is not None and getattr(new, new_key) == default and value != default:
-            setattr(cfg, new_section, dataclasses.replace(new, **{new_key: value}))
-        elif value != getattr(new, new_key):
-            value = getattr(getattr(cfg, new_section), new_key)
-            setattr(cfg, old_section, dataclasses.replace(old, **{key: value}))
+        mirror_deprecated(self)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -436,7 +408,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobCo
         section, key, value = _parse_override(item)
         values[section][key] = value
         sources[section, key] = f"--set {item}"
-    _move_deprecated(values, sources)
+    move_deprecated(values, sources)
     sections = {}
     for section, cls in _SECTIONS.items():
         hints = typing.get_type_hints(cls)
@@ -447,20 +419,6 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobCo
         sections[section] = cls(**checked)
     log.debug("loaded config from %s with %d override(s)", file, len(overrides))
     return JobConfig(**sections)
-
-
-def _move_deprecated(
-    values: dict[str, dict[str, Any]], sources: dict[tuple[str, str], str]
-) -> None:
-    """Read each deprecated key given as its new key (unless that is given too), with a warning."""
-    for (section, key), (new_section, new_key) in DEPRECATED_KEYS.items():
-        if key not in values[section]:
-            continue
-        value, where = values[section].pop(key), sources.pop((section, key))
-        log.warning("%s: %s.%s is deprecated, use %s.%s", where, section, key, new_section, new_key)
-        if new_key not in values[new_section]:
-            values[new_section][new_key] = value
-            sources[new_section, new_key] = where
 
 
 def presets() -> list[str]:

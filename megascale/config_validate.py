@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import fnmatch
 import math
 from pathlib import Path
 
@@ -209,11 +208,11 @@ def straggler_problems(ft: FaultToleranceConfig, prefix: str) -> list[str]:
             problems.append(f"{prefix}{name} = {value!r}: must be an integer >= 1")
     if not ft.selfcheck_timeout_s > 0:
         problems.append(f"{prefix}selfcheck_timeout_s = {ft.selfcheck_timeout_s}: must be > 0 s")
-    from megascale.diagnostics.selfcheck import CHECKS, check_patterns
+    from megascale.diagnostics.selfcheck import CHECKS, selected_checks
 
     names = [n for group, _ in CHECKS for n in group]
     for test in ft.selfcheck_tests:
-        if not any(fnmatch.fnmatch(n, p) for n in names for p in check_patterns([test])):
+        if not selected_checks([test]):
             problems.append(
                 f"{prefix}selfcheck_tests: {test!r} names no check; accepted: gpu, host, net, "
                 f"a check name ({', '.join(names)}) or a shell pattern over them"

@@ -470,6 +470,12 @@ def check_patterns(tests: list[str]) -> list[str]:
     return [CHECK_GROUPS.get(t, t) for t in tests]
 
 
+def selected_checks(tests: list[str]) -> list[str]:
+    """The names of the checks ``tests`` selects (``check_patterns``), in order; empty: all."""
+    patterns = check_patterns(tests)
+    return [n for names, _ in CHECKS for n in names if _selected((n,), patterns)]
+
+
 def _selected(names: tuple[str, ...], patterns: list[str]) -> bool:
     return not patterns or any(fnmatch.fnmatch(n, p) for n in names for p in patterns)
 

@@ -22,7 +22,6 @@ bytes of those files for error keywords, a peer's failure and notices.
 
 from __future__ import annotations
 
-import fnmatch
 import importlib
 import json
 import logging
@@ -73,16 +72,8 @@ def run_selfcheck(rank: int, world_size: int, port: int, run_dir: str, out: str)
     return 0 if result["ok"] else 1
 
 
-def _any_match(name: str, patterns: list[str]) -> bool:
-    return not patterns or any(fnmatch.fnmatch(name, p) for p in patterns)
-
-
 def run_selfcheck_full(
-    node: str,
-    run_dir: str,
-    out: str,
-    thresholds: str | None = None,
-    tests: list[str] | None = None,
+    node: str, run_dir: str, out: str, thresholds: str | None = None, tests: list | None = None
 ) -> int:
     """The full node self-check (``megascale.diagnostics.selfcheck``, quick profile), of the
     checks ``tests`` selects (``fault_tolerance.selfcheck_tests``; empty: all). Without a
@@ -91,19 +82,10 @@ def run_selfcheck_full(
     already all-reduces among the node's processes."""
     import torch
 
-    from megascale.diagnostics.selfcheck import (
-        CHECKS,
-        SelfCheckOptions,
-        check_patterns,
-        run_selfcheck,
-    )
+    from megascale.diagnostics.selfcheck import SelfCheckOptions, run_selfcheck, selected_checks
 
-    patterns = check_patterns(tests or [])
-    names = [n for group, _ in CHECKS for n in group if _any_match(n, patterns)]
-    if torch.cuda.is_available():
-        only = patterns
-    else:
-        only = [n for n in names if n != "net.intranode_alltoall"]
+    cuda = torch.cuda.is_available()
+    only = [n for n in selected_checks(tests or []) if cuda or n != "net.intranode_alltoall"]
     start = time.perf_counter()
     options = SelfCheckOptions(
         quick=True, directory=run_dir, node=node, only=only, thresholds_file=thresholds
@@ -517,13 +499,8 @@ class WorkerPool:
         common = {"world_size": nproc, "port": port, "run_dir": str(self.run_dir)}
         jobs = [("selfcheck", {"rank": rank, **common}) for rank in range(nproc)]
         if full:
-            full_args = {
-                "node": self.node,
-                "run_dir": str(self.run_dir),
-                "thresholds": thresholds,
-                "tests": list(tests or []),
-            }
-            jobs.append(("selfcheck_full", full_args))
+            full_args = {"node": self.node, "run_dir": str(self.run_dir), "thresholds": thresholds}
+            jobs.append(("selfcheck_full", {**full_args, "tests": list(tests or [])}))
         if neighbours:
             jobs.append(("selfcheck_neighbours", neighbours))
         outs = {}
