@@ -28,6 +28,7 @@ from typing import Any
 
 import tomli_w
 
+from megascale.config_compat import DEPRECATED_KEYS, mirror_deprecated, move_deprecated
 from megascale.config_error import ConfigError
 
 log = logging.getLogger(__name__)
@@ -256,21 +257,15 @@ class DiagnosticsConfig:
     and ``megascale report``. CUDA events on GPU, never a host sync on the training thread."""
     flush_interval_steps: int = 10
     """Steps between hand-offs of the recorded segments to the background writer thread."""
-    straggler_threshold: float = 1.10
-    """A rank, and the machine it runs on, is flagged as a straggler when its compute time per
-    step (forward and backward compute measured on the device) is at least this many times the median
-    of its pipeline-stage peers', persistently (median over steps, and in at least half of them).
-    MegaScale found a machine 10% slower than its peers."""
+    straggler_threshold: float | None = None
+    """Deprecated, read as ``fault_tolerance.straggler_threshold``, which it mirrors."""
     selfcheck_thresholds: str | None = None
     """Thresholds file for the node self-check the agents run before (re)starting a job: a
     calibration written by ``megascale selfcheck --calibrate --output FILE`` on a healthy node of
     the same kind (thresholds = measured x its safety factor), optionally with explicit sections.
     A path on every node; relative to the run directory. None: the hardware profile's defaults."""
-    straggler_action: str = "report"
-    """What the controller does about a persistent straggler: ``"report"`` (a ``straggler`` event
-    and the dashboards' scores) or ``"evict"`` (also stop the job, block the node and restart on a
-    spare from the last checkpoint; with no spare registered the node is kept and that is
-    recorded)."""
+    straggler_action: str | None = None
+    """Deprecated, read as ``fault_tolerance.straggler_action``, which it mirrors."""
 
 
 @dataclass
@@ -291,11 +286,10 @@ class MetricsConfig:
 
 @dataclass
 class FaultToleranceConfig:
-    """What the controller does when the job loses nodes, and how often it may restart.
-
-    Read by ``megascale launch`` (its ``--fault-policy``, ``--max-restarts``, ``--restart-window``
-    flags win) and by the operator (the CRD's ``faultTolerance``); ``megascale controller`` takes
-    the same values as flags."""
+    """The fault-tolerance settings and their only defaults: lost nodes, restarts, stragglers,
+    self-check. ``robustness.service_options.policy_for`` builds the controller's policy from it
+    for ``megascale launch`` (its flags win), ``megascale controller`` (its flags override it)
+    and the operator (``k8s.launch.fault_tolerance_settings`` maps the CRD onto it)."""
 
     policy: str = "wait"
     """A node is lost or evicted and no spare is registered: ``"wait"`` (for a replacement to
@@ -314,6 +308,25 @@ class FaultToleranceConfig:
     evict_repeat_culprit: int = 2
     """A node named culprit (a stall's suspect, the node of a failed rank) in this many faults is
     evicted even if its self-check passes; 1 evicts it at the first (``megascale launch``)."""
+    straggler_threshold: float = 1.10
+    """A rank, and the machine it runs on, is flagged as a straggler when its compute time per
+    step (forward and backward compute measured on the device) is at least this many times the
+    median of its pipeline-stage peers', persistently (live: ``straggler_consecutive`` windows;
+    offline: median over steps, and in at least half of them). MegaScale found a machine 10%
+    slower than its peers."""
+    straggler_action: str = "report"
+    """What the controller does about a persistent straggler: ``"report"`` (a ``straggler`` event
+    and the dashboards' scores) or ``"evict"`` (also block the node and restart on a spare from
+    the last checkpoint; with no spare registered the node is kept and that is recorded)."""
+    straggler_window: int = 4
+    """New compute times per rank (one per heartbeat with a new step) in the live sliding window."""
+    straggler_consecutive: int = 3
+    """Windows in a row a node must be slow to be recorded as a ``straggler`` event."""
+    selfcheck_timeout_s: float = 300.0
+    """Every node must report its self-check (after a fault) within this, or it is evicted."""
+    selfcheck_tests: list[str] = field(default_factory=list)
+    """Checks of ``megascale selfcheck`` the agents' full self-check runs: names (``gpu.matmul``),
+    shell patterns (``net.*``) or groups (``gpu``, ``host``, ``net``/``network``); empty: all."""
 
 
 @dataclass
@@ -328,6 +341,9 @@ class JobConfig:
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        mirror_deprecated(self)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -386,6 +402,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobCo
         section, key, value = _parse_override(item)
         values[section][key] = value
         sources[section, key] = f"--set {item}"
+    move_deprecated(values, sources)
     sections = {}
     for section, cls in _SECTIONS.items():
         hints = typing.get_type_hints(cls)
@@ -433,7 +450,9 @@ def to_toml(cfg: JobConfig) -> str:
     None fields are left out (TOML has no null); loading restores them as their default, None.
     """
     tables = {
-        section: {k: v for k, v in table.items() if v is not None}
+        section: {
+            k: v for k, v in table.items() if v is not None and (section, k) not in DEPRECATED_KEYS
+        }
         for section, table in to_dict(cfg).items()
     }
     header = "# megascale resolved config; keys left out are None (TOML has no null).\n\n"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from megascale.config_error import ConfigError
 
 if TYPE_CHECKING:
-    from megascale.config import JobConfig
+    from megascale.config import FaultToleranceConfig, JobConfig
 
 BACKENDS = ("gloo", "nccl")
 OPTIMIZERS = ("adam", "lamb")
@@ -117,16 +117,6 @@ def _ranges(cfg: JobConfig) -> list[str]:
         ("diagnostics.flush_interval_steps", cfg.diagnostics.flush_interval_steps),
     ]:
         at_least(name, value, 1)
-    if not cfg.diagnostics.straggler_threshold > 1.0:
-        problems.append(
-            f"diagnostics.straggler_threshold = {cfg.diagnostics.straggler_threshold}: must be "
-            "> 1 (a slowdown ratio against the median of a rank's peers, e.g. 1.1 for 10%)"
-        )
-    if cfg.diagnostics.straggler_action not in STRAGGLER_ACTIONS:
-        problems.append(
-            f"diagnostics.straggler_action = {cfg.diagnostics.straggler_action!r}: must be one "
-            f"of {', '.join(STRAGGLER_ACTIONS)}"
-        )
     for name, value in [
         ("optim.warmup_steps", o.warmup_steps),
         ("optim.min_lr", o.min_lr),
@@ -199,6 +189,38 @@ def _ranges(cfg: JobConfig) -> list[str]:
         problems.append(
             f"fault_tolerance.evict_repeat_culprit = {repeat!r}: must be an integer >= 1"
         )
+    problems += straggler_problems(ft, "fault_tolerance.")
+    return problems
+
+
+def straggler_problems(ft: FaultToleranceConfig, prefix: str) -> list[str]:
+    """What is wrong with the straggler and self-check settings of a ``FaultToleranceConfig``."""
+    problems = []
+    if not ft.straggler_threshold > 1.0:
+        problems.append(
+            f"{prefix}straggler_threshold = {ft.straggler_threshold}: must be "
+            "> 1 (a slowdown ratio against the median of a rank's peers, e.g. 1.1 for 10%)"
+        )
+    if ft.straggler_action not in STRAGGLER_ACTIONS:
+        problems.append(
+            f"{prefix}straggler_action = {ft.straggler_action!r}: must be one "
+            f"of {', '.join(STRAGGLER_ACTIONS)}"
+        )
+    for name in ("straggler_window", "straggler_consecutive"):
+        value = getattr(ft, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{prefix}{name} = {value!r}: must be an integer >= 1")
+    if not ft.selfcheck_timeout_s > 0:
+        problems.append(f"{prefix}selfcheck_timeout_s = {ft.selfcheck_timeout_s}: must be > 0 s")
+    from megascale.diagnostics.selfcheck_names import CHECK_NAMES, selected_checks
+
+    names = [n for group in CHECK_NAMES for n in group]
+    for test in ft.selfcheck_tests:
+        if not selected_checks([test]):
+            problems.append(
+                f"{prefix}selfcheck_tests: {test!r} names no check; accepted: gpu, host, net, "
+                f"a check name ({', '.join(names)}) or a shell pattern over them"
+            )
     return problems
 
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import fnmatch
 import json
 import logging
 import os
@@ -69,6 +68,15 @@ from megascale.diagnostics.check_result import (  # noqa: F401  (re-exported)
     CheckResult,
     judged,
     skipped,
+)
+from megascale.diagnostics.selfcheck_names import (  # noqa: F401 (re-exported)
+    CHECK_GROUPS,
+    CHECK_NAMES,
+    GPU_BENCH_CHECKS,
+    GPU_NVML_CHECKS,
+    check_patterns,
+    selected,
+    selected_checks,
 )
 from megascale.diagnostics.selfcheck_thresholds import Thresholds, load_thresholds, profile_for_gpu
 
@@ -193,9 +201,7 @@ def _uses_gpus(only: list[str]) -> bool:
     """Whether the selected checks use the GPUs themselves (CUDA, NCCL), not just NVML facts."""
     names = [n for names, _ in CHECKS for n in names]
     return any(
-        _selected((n,), only)
-        for n in names
-        if n.startswith("gpu.") or n == "net.intranode_alltoall"
+        selected((n,), only) for n in names if n.startswith("gpu.") or n == "net.intranode_alltoall"
     )
 
 
@@ -372,19 +378,6 @@ def _net_neighbours(ctx: _Context) -> list[CheckResult]:
 
 # -- gpu ------------------------------------------------------------------------------------------
 
-GPU_NVML_CHECKS = (
-    "gpu.count",
-    "gpu.model",
-    "gpu.ecc_errors",
-    "gpu.retired_pages",
-    "gpu.temperature",
-    "gpu.clocks",
-    "gpu.pcie_width",
-    "gpu.pcie_gen",
-    "gpu.nvlink",
-)
-GPU_BENCH_CHECKS = ("gpu.matmul", "gpu.memory_bandwidth")
-
 
 def _gpu_nvml(ctx: _Context) -> list[CheckResult]:
     if ctx.gpu_name is None:
@@ -417,11 +410,8 @@ CHECKS: list[tuple[tuple[str, ...], Callable[[_Context], list[CheckResult]]]] = 
     (("net.intranode_alltoall",), _net_alltoall),
     (("net.neighbour_allreduce",), _net_neighbours),
 ]
-"""Every check, in the order it runs: (the names it reports, the function)."""
-
-
-def _selected(names: tuple[str, ...], patterns: list[str]) -> bool:
-    return not patterns or any(fnmatch.fnmatch(n, p) for n in names for p in patterns)
+"""Every check, in the order it runs: (the names it reports, the function); the names are
+``selfcheck_names.CHECK_NAMES``."""
 
 
 def run_selfcheck(options: SelfCheckOptions | None = None) -> SelfCheckReport:
@@ -438,7 +428,7 @@ def run_selfcheck(options: SelfCheckOptions | None = None) -> SelfCheckReport:
         profile=profile,
     )
     for names, fn in CHECKS:
-        if not _selected(names, options.only):
+        if not selected(names, options.only):
             continue
         start = time.perf_counter()
         try:

@@ -9,7 +9,7 @@ alone in its stage is not scored). A rank is flagged when it is persistently slo
 slowdown over the analysed steps is at least the threshold *and* it is at least that slow in half
 of them. A machine (node) is as slow as its slowest rank (the job runs at its pace) and is
 flagged when one of its ranks is. MegaScale found hosts ~10% slow this way; the threshold defaults
-to ``diagnostics.straggler_threshold`` (1.10).
+to ``fault_tolerance.straggler_threshold`` (1.10).
 
 MFU per step comes from ``megascale.diagnostics.flops`` (training FLOPs per token without
 recomputation) over the step period (median over ranks), against the dense bf16 peak of the GPU
@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megascale.config import FaultToleranceConfig
 from megascale.diagnostics import flops
 from megascale.diagnostics.timeline import breakdowns, load_run
 from megascale.parallel.layout import Coord, Layout
@@ -39,7 +40,7 @@ from megascale.robustness.stragglers import stage_scores
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_THRESHOLD = 1.10
+DEFAULT_THRESHOLD = FaultToleranceConfig.straggler_threshold
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ def analyze_run(
 ) -> StragglerReport:
     """``analyze`` on a run directory's timeline, with MFU per step.
 
-    ``threshold``: None reads ``diagnostics.straggler_threshold`` from ``RUN_DIR/config.toml``
+    ``threshold``: None reads ``fault_tolerance.straggler_threshold`` from ``RUN_DIR/config.toml``
     (1.10 without one). ``peak_tflops`` overrides the peak looked up from the GPU's name.
     """
     from megascale import config as config_mod
@@ -240,7 +241,7 @@ def analyze_run(
     if (run_dir / "config.toml").is_file():
         job = config_mod.load(run_dir / "config.toml")
     if threshold is None:
-        threshold = job.diagnostics.straggler_threshold if job else DEFAULT_THRESHOLD
+        threshold = job.fault_tolerance.straggler_threshold if job else DEFAULT_THRESHOLD
     ranks = load_run(run_dir)
     per_rank = {r.rank: breakdowns(r) for r in ranks}
     report = analyze(

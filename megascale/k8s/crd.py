@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from megascale.config import FaultToleranceConfig
 from megascale.config_validate import NODE_LOSS_POLICIES, STRAGGLER_ACTIONS
 from megascale.k8s.crd_status import (  # noqa: F401  (status_schema, PRINTER_COLUMNS re-exported)
     PHASES,
@@ -158,19 +159,24 @@ def _run_policy_schema() -> dict[str, Any]:
 
 
 def _fault_tolerance_schema() -> dict[str, Any]:
+    """``spec.faultTolerance``; its defaults are the config's (``FaultToleranceConfig``)."""
+    ft = FaultToleranceConfig()
     self_check = _obj(
         "The node self-check the controller runs on every node after a fault.",
         {
             "tests": {
                 "type": "array",
-                "description": "Self-check tests to run (names of `megascale selfcheck`); "
-                "empty: all of them.",
+                "description": "Checks of `megascale selfcheck` the agents' full self-check "
+                "runs after a fault: a group (gpu, host, net), a check name (gpu.matmul) or a "
+                "shell pattern (net.*); empty: all of them.",
                 "maxItems": 32,
                 "items": _str("A self-check test name.", maxLength=64, pattern="^[a-z0-9_.-]+$"),
                 "default": [],
             },
             "timeoutSeconds": _int(
-                "A node that has not reported within this is evicted.", minimum=1, default=300
+                "A node that has not reported its self-check within this is evicted.",
+                minimum=1,
+                default=int(ft.selfcheck_timeout_s),
             ),
             "requirePassedNode": {
                 "type": "boolean",
@@ -187,12 +193,12 @@ def _fault_tolerance_schema() -> dict[str, Any]:
             "threshold": {
                 "type": "number",
                 "description": "Slowdown factor vs the median of its peers (1.1 = 10% slower).",
-                "default": 1.1,
+                "default": ft.straggler_threshold,
             },
             "action": _str(
                 "`report` (event and metric) or `evict` (blocklist and replace the node).",
                 enum=list(STRAGGLER_ACTIONS),
-                default="report",
+                default=ft.straggler_action,
             ),
         },
         default={},
@@ -236,10 +242,12 @@ def _fault_tolerance_schema() -> dict[str, Any]:
                 "Restarts allowed within any restartWindowSeconds; the fault that would exceed "
                 "it fails the job.",
                 minimum=0,
-                default=10,
+                default=ft.max_restarts,
             ),
             "restartWindowSeconds": _int(
-                "The sliding window maxRestarts counts restarts in.", minimum=1, default=3600
+                "The sliding window maxRestarts counts restarts in.",
+                minimum=1,
+                default=int(ft.restart_window_s),
             ),
             "policy": _str(
                 "A node lost or evicted with no spare: `wait` for a replacement (up to "
@@ -247,7 +255,7 @@ def _fault_tolerance_schema() -> dict[str, Any]:
                 "size the global batch allows (more micro-batches per rank; grows back at the "
                 "next restart once enough nodes are registered), or `fail` the job.",
                 enum=list(NODE_LOSS_POLICIES),
-                default="wait",
+                default=ft.policy,
             ),
             "nodeWaitTimeoutSeconds": _int(
                 "Longest the job waits for enough nodes before it fails; unset: no limit.",

@@ -5,9 +5,10 @@ The agent and controller run with the flags of ``megascale agent`` / ``megascale
 etcd options); the etcd password comes from ``$MEGASCALE_ETCD_PASSWORD``. Their environment and
 volumes (the resolved config, the etcd TLS Secret) are added to the main container of the user's
 template, ours winning by name. ``faultTolerance`` reaches the training config as ``--set``
-overrides (checkpoint interval and URL, straggler threshold; ``training_overrides``), the operator
-resolves and validates it (``resolve_training_config``), and ``/etc/megascale/job.json`` holds the
-whole policy (``job_policy``). The objects themselves are built in ``megascale/k8s/builders.py``.
+overrides (its ``fault_tolerance`` section, one mapping: ``fault_tolerance_settings``; checkpoint
+interval and URL: ``training_overrides``), the operator resolves and validates it
+(``resolve_training_config``), and ``/etc/megascale/job.json`` holds the whole policy
+(``job_policy``; the controller reads its ``faultTolerance`` as its section's base). The objects themselves are built in ``megascale/k8s/builders.py``.
 """
 
 from __future__ import annotations
@@ -50,20 +51,62 @@ def resolve_training_config(toml_text: str, overrides: Sequence[str], world_size
     return config.to_toml(config.validate(cfg, world_size, backend))
 
 
+FT_SETTINGS: dict[str, str] = {
+    "maxRestarts": "max_restarts",
+    "restartWindowSeconds": "restart_window_s",
+    "policy": "policy",
+    "nodeWaitTimeoutSeconds": "node_wait_timeout_s",
+    "selfCheck.tests": "selfcheck_tests",
+    "selfCheck.timeoutSeconds": "selfcheck_timeout_s",
+    "straggler.threshold": "straggler_threshold",
+    "straggler.action": "straggler_action",
+}
+"""``spec.faultTolerance`` field -> its key in the config's ``fault_tolerance`` section."""
+
+FT_OTHER_READERS: dict[str, str] = {
+    "heartbeatIntervalSeconds": "agent_args, controller_args: --heartbeat-interval",
+    "spareNodes": "job.Job.spares: worker pods beyond replicas",
+    "cordonEvictedNodes": "status.decide: cordon and label evicted nodes",
+    "selfCheck.requirePassedNode": "builders: the workers' node affinity",
+    "checkpoint.intervalSteps": "training_overrides: checkpoint.interval",
+    "checkpoint.url": "training_overrides: checkpoint.url",
+}
+"""The other ``spec.faultTolerance`` fields and what reads them (a test keeps both tables
+covering every field of the CRD)."""
+
+
+def _get(spec: Mapping[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(spec, Mapping) or part not in spec:
+            return None
+        spec = spec[part]
+    return spec
+
+
+def fault_tolerance_settings(ft: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's ``fault_tolerance`` keys a (defaulted) ``spec.faultTolerance`` sets: the one
+    mapping of the CRD onto that section, read by the training config (``training_overrides``)
+    and by the controller (``controller_args``, and ``job.json`` through
+    ``$MEGASCALE_JOB_SPEC``). Fields left out (``nodeWaitTimeoutSeconds``) are not set."""
+    out: dict[str, Any] = {}
+    for path, key in FT_SETTINGS.items():
+        value = _get(ft, path)
+        if value is None:
+            continue
+        if key.endswith("_s") or key == "straggler_threshold":
+            value = float(value)
+        out[key] = list(value) if isinstance(value, list) else value
+    return out
+
+
 def training_overrides(job: Job) -> list[str]:
-    """``--set`` items for the training config: what ``faultTolerance`` says about checkpoints
-    and stragglers, then the spec's own ``config.overrides`` (which win)."""
+    """``--set`` items for the training config: the ``fault_tolerance`` section and the
+    checkpoints ``faultTolerance`` sets, then the spec's own ``config.overrides`` (which win)."""
     ft = job.spec["faultTolerance"]
-    straggler = ft["straggler"]
     out = [
-        f"diagnostics.straggler_threshold={float(straggler['threshold'])}",
-        f"diagnostics.straggler_action={json.dumps(straggler['action'])}",
-        f"fault_tolerance.policy={json.dumps(ft['policy'])}",
-        f"fault_tolerance.max_restarts={int(ft['maxRestarts'])}",
-        f"fault_tolerance.restart_window_s={float(ft['restartWindowSeconds'])}",
+        f"fault_tolerance.{key}={json.dumps(value)}"
+        for key, value in fault_tolerance_settings(ft).items()
     ]
-    if ft.get("nodeWaitTimeoutSeconds") is not None:
-        out.append(f"fault_tolerance.node_wait_timeout_s={float(ft['nodeWaitTimeoutSeconds'])}")
     checkpoint = ft["checkpoint"]
     if checkpoint["intervalSteps"]:
         out.append(f"checkpoint.interval={int(checkpoint['intervalSteps'])}")
@@ -212,12 +255,13 @@ def controller_args(
     """The controller's command line (``robustness.service_main.add_arguments``). ``train``: the
     resolved training config's ``[train]`` table, whose batch sizes a shrink keeps."""
     ft, train = job.spec["faultTolerance"], train or {}
+    settings = fault_tolerance_settings(ft)
     batch = []
     if train.get("global_batch_size") is not None:
         batch += ["--global-batch-size", str(int(train["global_batch_size"]))]
     if train.get("micro_batch_size") is not None:
         batch += ["--micro-batch-size", str(int(train["micro_batch_size"]))]
-    wait = ft.get("nodeWaitTimeoutSeconds")
+    wait = settings.get("node_wait_timeout_s")
     return [
         "megascale",
         "controller",
@@ -236,19 +280,19 @@ def controller_args(
         "--heartbeat-interval",
         str(ft["heartbeatIntervalSeconds"]),
         "--max-restarts",
-        str(ft["maxRestarts"]),
+        str(settings["max_restarts"]),
         "--restart-window",
-        str(float(ft["restartWindowSeconds"])),
+        str(settings["restart_window_s"]),
         "--fault-policy",
-        str(ft["policy"]),
-        *(["--node-wait-timeout", str(float(wait))] if wait is not None else []),
+        str(settings["policy"]),
+        *(["--node-wait-timeout", str(wait)] if wait is not None else []),
         "--vpp",
         str(vpp),
         *batch,
         "--straggler-threshold",
-        str(float(ft["straggler"]["threshold"])),
+        str(settings["straggler_threshold"]),
         "--straggler-action",
-        str(ft["straggler"]["action"]),
+        str(settings["straggler_action"]),
         *metrics_args(),
         *store_args(job),
     ]

@@ -608,21 +608,24 @@ class Agent:
                 mode = "full"
             except ImportError:
                 mode = "builtin"
-        thresholds = self._selfcheck_thresholds() if mode == "full" else None
+        job = self._job_config() if mode == "full" else None
+        thresholds = None
+        if job is not None and job.diagnostics.selfcheck_thresholds is not None:
+            thresholds = str(self.opts.run_dir / job.diagnostics.selfcheck_thresholds)
         return self.pool.selfcheck(
             self.opts.nproc_per_node,
             full=mode == "full",
             thresholds=thresholds,
             neighbours=neighbours,
+            tests=job.fault_tolerance.selfcheck_tests if job is not None else None,
         )
 
-    def _selfcheck_thresholds(self) -> str | None:
-        """The job's ``diagnostics.selfcheck_thresholds`` file (relative to the run directory)."""
+    def _job_config(self) -> Any:
+        """The job's config (its ``diagnostics.selfcheck_thresholds`` file, relative to the run
+        directory, and ``fault_tolerance.selfcheck_tests``)."""
         from megascale import config as config_mod
 
-        path = config_mod.load(self.opts.config, list(self.opts.overrides)).diagnostics
-        path = path.selfcheck_thresholds
-        return None if path is None else str(self.opts.run_dir / path)
+        return config_mod.load(self.opts.config, list(self.opts.overrides))
 
     def _cmd_start(self, command: Command) -> tuple[bool, str]:
         assignment = command.rank_assignment

@@ -293,18 +293,13 @@ class LocalCluster:
             tp=p.tp,
             pp=p.pp,
             heartbeat_interval=o.heartbeat_interval,
-            max_restarts=ft.max_restarts,
-            restart_window_s=ft.restart_window_s,
-            node_loss_policy=ft.policy,
-            node_wait_timeout_s=ft.node_wait_timeout_s,
-            evict_repeat_culprit=ft.evict_repeat_culprit,
+            fault_tolerance=ft,
             global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size,
             vpp=p.vpp,
             init_timeout_s=120.0,
             start_timeout_s=60.0,
             stop_timeout_s=15.0,
-            selfcheck_timeout_s=120.0,
         )
         self._policy = policy
         for i in range(2 if o.standby_controller else 1):
@@ -316,7 +311,7 @@ class LocalCluster:
 
     def spawn_controller(self, name: str) -> None:
         """Fork controller ``name``; it leads once elected, resuming from the state in etcd."""
-        from megascale.robustness.service_options import ServiceOptions
+        from megascale.robustness.service_options import ServiceOptions, straggler_options
 
         o = self.opts
         service_opts = ServiceOptions(
@@ -326,8 +321,7 @@ class LocalCluster:
             name,
             o.heartbeat_interval,
             metrics_port=0,
-            straggler_threshold=self.job.diagnostics.straggler_threshold,
-            straggler_action=self.job.diagnostics.straggler_action,
+            **straggler_options(self.job.fault_tolerance),
         )
         proc = self.ctx.Process(
             target=_controller_process, args=(service_opts, self.store_cfg, os.getpid()), name=name
@@ -685,7 +679,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--standby-controller", action="store_true", help="also start a standby controller"
     )
-    add_fault_tolerance_arguments(parser, defaults=False)
+    add_fault_tolerance_arguments(parser)
     parser.add_argument(
         "--selfcheck",
         choices=("auto", "builtin", "full"),

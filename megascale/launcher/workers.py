@@ -73,17 +73,20 @@ def run_selfcheck(rank: int, world_size: int, port: int, run_dir: str, out: str)
     return 0 if result["ok"] else 1
 
 
-def run_selfcheck_full(node: str, run_dir: str, out: str, thresholds: str | None = None) -> int:
-    """The full node self-check (``megascale.diagnostics.selfcheck``, quick profile). Without a
+def run_selfcheck_full(
+    node: str, run_dir: str, out: str, thresholds: str | None = None, tests: list | None = None
+) -> int:
+    """The full node self-check (``megascale.diagnostics.selfcheck``, quick profile), of the
+    checks ``tests`` selects (``fault_tolerance.selfcheck_tests``; empty: all). Without a
     GPU its intra-node all-to-all is left out: it starts fresh interpreters (seconds of imports
     per node, all nodes at once on a local cluster), and the built-in check run beside it
     already all-reduces among the node's processes."""
     import torch
 
-    from megascale.diagnostics.selfcheck import CHECKS, SelfCheckOptions, run_selfcheck
+    from megascale.diagnostics.selfcheck import SelfCheckOptions, run_selfcheck, selected_checks
 
-    names = [n for group, _ in CHECKS for n in group]
-    only = [] if torch.cuda.is_available() else [n for n in names if n != "net.intranode_alltoall"]
+    cuda = torch.cuda.is_available()
+    only = [n for n in selected_checks(tests or []) if cuda or n != "net.intranode_alltoall"]
     start = time.perf_counter()
     options = SelfCheckOptions(
         quick=True, directory=run_dir, node=node, only=only, thresholds_file=thresholds
@@ -485,10 +488,11 @@ class WorkerPool:
         timeout_s: float = 120.0,
         thresholds: str | None = None,
         neighbours: dict[str, Any] | None = None,
+        tests: list[str] | None = None,
     ) -> tuple[bool, str]:
         """Run the node self-check: the built-in one (``selfcheck_rank``) as ``nproc`` processes,
         with ``full`` the diagnostics one (``run_selfcheck_full``, held to the ``thresholds``
-        file when given), and with ``neighbours`` (``run_selfcheck_neighbours``'s arguments but
+        file when given, of the checks ``tests`` selects), and with ``neighbours`` (``run_selfcheck_neighbours``'s arguments but
         ``out``) the neighbour all-reduces, all beside each other; (ok, detail)."""
         port, out_dir = free_port(), self.run_dir / "selfcheck"
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -497,7 +501,7 @@ class WorkerPool:
         jobs = [("selfcheck", {"rank": rank, **common}) for rank in range(nproc)]
         if full:
             full_args = {"node": self.node, "run_dir": str(self.run_dir), "thresholds": thresholds}
-            jobs.append(("selfcheck_full", full_args))
+            jobs.append(("selfcheck_full", {**full_args, "tests": list(tests or [])}))
         if neighbours:
             jobs.append(("selfcheck_neighbours", neighbours))
         outs = {}

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from megascale.config import FaultToleranceConfig
 from megascale.config_validate import fault_tolerance_problems
 from megascale.parallel.layout import Layout
 from megascale.robustness.keys import make_command
@@ -174,12 +175,12 @@ class ControllerPolicy:
     """Tensor-parallel size, to name ranks as (dp, pp, tp)."""
     pp: int = 1
     """Pipeline-parallel size."""
-    max_restarts: int = 10
+    max_restarts: int = FaultToleranceConfig.max_restarts
     """Generations started after a fault within any ``restart_window_s``, at most; the fault that
     would exceed it fails the job."""
-    restart_window_s: float | None = 3600.0
+    restart_window_s: float | None = FaultToleranceConfig.restart_window_s
     """The sliding window ``max_restarts`` counts in (seconds); None: the whole run."""
-    node_loss_policy: str = "wait"
+    node_loss_policy: str = FaultToleranceConfig.policy
     """A node lost or evicted with no spare to take its slot: ``"wait"`` for one to register (up
     to ``node_wait_timeout_s``), ``"shrink"`` to the largest data-parallel size the nodes left
     allow (``controller_elastic.shrink_nodes``), or ``"fail"`` the job."""
@@ -208,11 +209,11 @@ class ControllerPolicy:
     """Every node must ack a start command within this."""
     stop_timeout_s: float = 30.0
     """Every node must ack a stop command within this, or it is evicted."""
-    selfcheck_timeout_s: float = 300.0
+    selfcheck_timeout_s: float = FaultToleranceConfig.selfcheck_timeout_s
     """Every node must report its self-check within this, or it is evicted."""
-    node_wait_timeout_s: float | None = None
+    node_wait_timeout_s: float | None = FaultToleranceConfig.node_wait_timeout_s
     """Longest to wait for enough (replacement) nodes before failing; None waits forever."""
-    evict_repeat_culprit: int = 2
+    evict_repeat_culprit: int = FaultToleranceConfig.evict_repeat_culprit
     """A node named culprit in this many faults is evicted even if its self-check passes."""
 
     def __post_init__(self) -> None:

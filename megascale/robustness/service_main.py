@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import signal
 import socket
 from pathlib import Path
 
-from megascale.config_validate import NODE_LOSS_POLICIES, STRAGGLER_ACTIONS
+from megascale.config import FaultToleranceConfig
+from megascale.config_validate import NODE_LOSS_POLICIES, STRAGGLER_ACTIONS, straggler_problems
 from megascale.robustness.process import (
     add_metrics_arguments,
     add_store_arguments,
@@ -22,7 +24,7 @@ from megascale.robustness.process import (
     store_config,
 )
 from megascale.robustness.service import ControllerService
-from megascale.robustness.service_options import ServiceOptions, policy_for
+from megascale.robustness.service_options import ServiceOptions, policy_for, straggler_options
 from megascale.robustness.store import Store, StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--id", default=None, help="this controller's name (default host-pid)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="agents' (s)")
-    add_fault_tolerance_arguments(parser, defaults=True)
+    add_fault_tolerance_arguments(parser)
     g = parser.add_argument_group("the training config (a shrink keeps its global batch)")
     g.add_argument("--vpp", type=int, default=1, help="parallel.vpp")
     g.add_argument(
@@ -52,50 +54,107 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, default=1, help="train.micro_batch_size")
     parser.add_argument("--init-timeout", type=float, default=600.0, help="start-up stall (s)")
     add_metrics_arguments(parser)
-    parser.add_argument(
-        "--straggler-threshold",
-        type=float,
-        default=1.10,
-        help="a node whose rank computes this many times its pipeline stage's median is a "
-        "straggler (> 1)",
-    )
-    parser.add_argument(
-        "--straggler-action",
-        choices=STRAGGLER_ACTIONS,
-        default="report",
-        help="what to do about a persistent straggler: record a 'straggler' event (report), and "
-        "also replace it with a spare node, restarting from the last checkpoint (evict)",
-    )
+    _add_controller_fault_tolerance_arguments(parser)
     add_store_arguments(parser)
 
 
-def add_fault_tolerance_arguments(parser: argparse.ArgumentParser, defaults: bool) -> None:
-    """``--fault-policy``, ``--max-restarts``, ``--restart-window``, ``--node-wait-timeout``
-    (the config's ``fault_tolerance`` section). ``defaults=False`` leaves them None, for
-    ``megascale launch``, where the config file supplies what is not given."""
-    g = parser.add_argument_group("fault tolerance (the config's [fault_tolerance])")
+_FT = FaultToleranceConfig()  # the defaults, shown in --help
+
+_SECTION_FLAGS = {
+    "fault_policy": "policy",
+    "max_restarts": "max_restarts",
+    "restart_window": "restart_window_s",
+    "node_wait_timeout": "node_wait_timeout_s",
+    "straggler_threshold": "straggler_threshold",
+    "straggler_action": "straggler_action",
+    "straggler_window": "straggler_window",
+    "straggler_consecutive": "straggler_consecutive",
+    "evict_repeat_culprit": "evict_repeat_culprit",
+    "selfcheck_timeout": "selfcheck_timeout_s",
+}
+"""Option (argparse dest) -> its key in the config's ``fault_tolerance`` section."""
+
+
+def add_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--fault-policy``, ``--max-restarts``, ``--restart-window``, ``--node-wait-timeout``:
+    overrides of the config's ``fault_tolerance`` section (None when not given; the section's
+    defaults are its dataclass's, ``config.FaultToleranceConfig``)."""
+    g = parser.add_argument_group("fault tolerance (overrides of the config's [fault_tolerance])")
     g.add_argument(
         "--fault-policy",
         choices=NODE_LOSS_POLICIES,
-        default="wait" if defaults else None,
         help="a node lost with no spare: wait for a replacement, shrink to the nodes left (the "
-        "largest data-parallel size allowed; grows back at the next restart), or fail",
+        "largest data-parallel size allowed; grows back at the next restart), or fail "
+        f"(default {_FT.policy})",
     )
     g.add_argument(
         "--max-restarts",
         type=int,
-        default=10 if defaults else None,
-        help="restarts allowed within any --restart-window",
+        help=f"restarts allowed within any --restart-window (default {_FT.max_restarts})",
     )
     g.add_argument(
         "--restart-window",
         type=float,
-        default=3600.0 if defaults else None,
-        help="the window --max-restarts counts restarts in (s)",
+        help=f"the window --max-restarts counts restarts in (s; default {_FT.restart_window_s})",
+    )
+    g.add_argument("--node-wait-timeout", type=float, help="fail after waiting this long (s)")
+
+
+def _add_controller_fault_tolerance_arguments(parser: argparse.ArgumentParser) -> None:
+    """The rest of the ``fault_tolerance`` section, for ``megascale controller``."""
+    g = parser.add_argument_group("stragglers and self-check (the config's [fault_tolerance])")
+    g.add_argument(
+        "--straggler-threshold",
+        type=float,
+        help="a node whose rank computes this many times its pipeline stage's median is a "
+        f"straggler (> 1; default {_FT.straggler_threshold})",
     )
     g.add_argument(
-        "--node-wait-timeout", type=float, default=None, help="fail after waiting this long (s)"
+        "--straggler-action",
+        choices=STRAGGLER_ACTIONS,
+        help="what to do about a persistent straggler: record a 'straggler' event (report), and "
+        "also replace it with a spare node, restarting from the last checkpoint (evict) "
+        f"(default {_FT.straggler_action})",
     )
+    g.add_argument(
+        "--straggler-window",
+        type=int,
+        help=f"compute times per rank in the sliding window (default {_FT.straggler_window})",
+    )
+    g.add_argument(
+        "--straggler-consecutive",
+        type=int,
+        help=f"windows in a row a straggler must be slow (default {_FT.straggler_consecutive})",
+    )
+    g.add_argument(
+        "--evict-repeat-culprit",
+        type=int,
+        help="evict a node named culprit in this many faults even if its self-check passes "
+        f"(default {_FT.evict_repeat_culprit})",
+    )
+    g.add_argument(
+        "--selfcheck-timeout",
+        type=float,
+        help=f"a node's self-check must report within this (s; default {_FT.selfcheck_timeout_s})",
+    )
+
+
+def fault_tolerance_of(
+    args: argparse.Namespace, base: FaultToleranceConfig | None = None
+) -> FaultToleranceConfig:
+    """``base`` (default: the defaults) with the fault-tolerance options given in ``args``;
+    ValueError naming the first bad one."""
+    check_fault_tolerance_arguments(args)
+    given = {
+        key: getattr(args, dest)
+        for dest, key in _SECTION_FLAGS.items()
+        if getattr(args, dest, None) is not None
+    }
+    ft = dataclasses.replace(base or FaultToleranceConfig(), **given)
+    problems = straggler_problems(ft, "fault_tolerance.")
+    if problems:
+        raise ValueError(problems[0])
+    return ft
 
 
 def check_fault_tolerance_arguments(args: argparse.Namespace) -> None:
@@ -108,19 +167,38 @@ def check_fault_tolerance_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--node-wait-timeout {args.node_wait_timeout}: must be > 0 seconds")
 
 
+JOB_SPEC_ENV = "MEGASCALE_JOB_SPEC"
+"""Set by the operator: its ``job.json`` (``k8s.launch.job_policy``), whose ``faultTolerance``
+is the base of the controller's ``fault_tolerance`` section (its flags win)."""
+
+
+def job_spec_fault_tolerance() -> FaultToleranceConfig | None:
+    """The ``fault_tolerance`` section of ``$MEGASCALE_JOB_SPEC`` (None when unset); ValueError
+    naming the file when it cannot be read."""
+    path = os.environ.get(JOB_SPEC_ENV)
+    if not path:
+        return None
+    from megascale.k8s.launch import fault_tolerance_settings
+
+    try:
+        spec = json.loads(Path(path).read_text())
+        return FaultToleranceConfig(**fault_tolerance_settings(spec["faultTolerance"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"${JOB_SPEC_ENV} = {path!r}: not a readable job.json ({e})") from e
+
+
 def main(args: argparse.Namespace) -> int:
     """``megascale controller``: lead (or stand by) until the job finishes or fails."""
-    check_fault_tolerance_arguments(args)
+    if args.straggler_threshold is not None and not args.straggler_threshold > 1.0:
+        raise ValueError(f"--straggler-threshold {args.straggler_threshold}: must be > 1.0")
+    ft = fault_tolerance_of(args, job_spec_fault_tolerance())
     policy = policy_for(
         args.nodes,
         args.nproc_per_node,
         tp=args.tp,
         pp=args.pp,
         heartbeat_interval=args.heartbeat_interval,
-        max_restarts=args.max_restarts,
-        restart_window_s=args.restart_window,
-        node_loss_policy=args.fault_policy,
-        node_wait_timeout_s=args.node_wait_timeout,
+        fault_tolerance=ft,
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
         vpp=args.vpp,
@@ -128,8 +206,6 @@ def main(args: argparse.Namespace) -> int:
         start_timeout_s=min(120.0, args.init_timeout),
     )
     name = args.id or f"{socket.gethostname()}-{os.getpid()}"
-    if not args.straggler_threshold > 1.0:
-        raise ValueError(f"--straggler-threshold {args.straggler_threshold}: must be > 1.0")
     opts = ServiceOptions(
         args.job,
         Path(args.run_dir),
@@ -138,8 +214,7 @@ def main(args: argparse.Namespace) -> int:
         args.heartbeat_interval,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
-        straggler_threshold=args.straggler_threshold,
-        straggler_action=args.straggler_action,
+        **straggler_options(ft),
     )
     return serve(opts, store_config(args), console_level=logging.INFO)
 

@@ -29,6 +29,10 @@ from collections import deque
 from collections.abc import Hashable, Mapping
 from typing import TypeVar
 
+from megascale.config import FaultToleranceConfig
+
+_FT = FaultToleranceConfig()  # the defaults
+
 K = TypeVar("K", bound=Hashable)
 
 
@@ -67,7 +71,12 @@ def node_scores(
 class StragglerTracker:
     """Sliding-window per-rank scores and persistent-straggler verdicts per node (live)."""
 
-    def __init__(self, threshold: float = 1.10, window: int = 4, consecutive: int = 3) -> None:
+    def __init__(
+        self,
+        threshold: float = _FT.straggler_threshold,
+        window: int = _FT.straggler_window,
+        consecutive: int = _FT.straggler_consecutive,
+    ) -> None:
         if threshold <= 1.0 or window < 1 or consecutive < 1:
             raise ValueError(f"threshold {threshold} > 1, window {window}, consecutive >= 1")
         self.threshold, self.window, self.consecutive = threshold, window, consecutive

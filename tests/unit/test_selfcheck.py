@@ -337,3 +337,14 @@ def test_the_stand_in_uses_real_nvml_names():
     for n in names:
         if (n.isupper() and n != "NVML_NVLINK_MAX_LINKS") or n.startswith("nvmlClocks"):
             assert getattr(pynvml, n) == getattr(_FakeNvml, n), n
+
+
+def test_the_check_names_the_configuration_accepts_are_the_checks_that_run():
+    from megascale.diagnostics import selfcheck, selfcheck_names
+
+    assert tuple(names for names, _ in selfcheck.CHECKS) == selfcheck_names.CHECK_NAMES
+    assert selfcheck_names.selected_checks(["net"]) == [
+        "net.loopback_tcp",
+        "net.intranode_alltoall",
+        "net.neighbour_allreduce",
+    ]
