@@ -50,6 +50,7 @@ class SimPool:
         timeout_s: float = 120.0,
         thresholds: str | None = None,
         neighbours: dict[str, Any] | None = None,
+        tests: list[str] | None = None,
     ) -> tuple[bool, str]:
         """``WorkerPool.selfcheck``'s signature: every simulated node is fit."""
         return True, "simulated"
