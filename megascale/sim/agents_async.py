@@ -506,7 +506,7 @@ def async_agents_main(
     conn: Any,
 ) -> None:
     """One simulator process: run ``nodes`` as ``AsyncSimAgent``s on one event loop; obey
-    ``("kill", node)`` and ``("exit",)`` from ``conn`` as ``simulate.agents_main`` does."""
+    ``("kill", node)`` and ``("exit",)`` from ``conn`` as ``agents.agents_main`` does."""
     logging.getLogger().setLevel(logging.ERROR)
     asyncio.run(_serve_agents(endpoint, job, nodes, interval, run_dir, conn))
 
