@@ -130,14 +130,14 @@ class CommOp:
         for dep in self.deps:
             dep._done.wait()
         self.deps = []
+        self.started = _monotonic()  # the stream begins the op: its modelled transfer is part of it
+        if self._observers:
+            self._notify()
         if self.cost_s > 0:  # the modelled transfer: this stream is busy for that long
             start = time.perf_counter()
             time.sleep(self.cost_s)
             if self._on_cost is not None:
                 self._on_cost(start, time.perf_counter())
-        self.started = _monotonic()
-        if self._observers:
-            self._notify()
         try:
             work = self._run()
             for w in work if isinstance(work, list) else [work]:
