@@ -7,8 +7,8 @@ megatron-core's timers, every collective and p2p call's timing, the trainer's ow
 "off" (``NULL_TIMELINE``, nothing attached); the order flips every round (on/off, off/on) so drift
 lands on both, and every step starts after a barrier. With the flight recorder installed the
 timeline reads the calls from its records (no wrapper of its own), and the recorder runs in both
-"on" and "off" steps: it is part of training, not of the timeline. Without it the timeline wraps
-each call itself (``CommTimer``). After each round, outside the timed steps, the records are flushed
+"on" and "off" steps: it is part of training, not of the timeline. Without it the timeline installs a
+flight recorder of its own whose ring lives in memory (same records, no file). After each round, outside the timed steps, the records are flushed
 to disk; the writer thread's own time is reported separately (it runs in the background during
 training; counting all of it on the critical path is the upper bound).
 
@@ -60,7 +60,7 @@ import torch.distributed as dist
 from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
 from megascale.diagnostics import timers
-from megascale.diagnostics.comm_timer import CommTimer, timeline_comm
+from megascale.diagnostics.comm_timer import timeline_comm
 from megascale.launcher.local import run_local
 from megascale.logs import quiet_expected_noise
 from megascale.overlap.trace import CommTrace
@@ -204,21 +204,23 @@ def comm_costs(calls: int, n: int = 300) -> dict[str, float]:
 
 def wrapper_costs(n: int = 300) -> dict[str, float]:
     """Main-thread CPU seconds per small all-reduce (on a group of this rank alone) through each
-    wrapper of its own over the call without it (stacked on the flight recorder when installed).
-    Collective."""
+    recording wrapper over the call without it (stacked on the flight recorder when installed):
+    an in-memory flight recorder (what the timeline installs where no recorder is) and the comm
+    trace. Collective."""
     tensor, group = torch.ones(64), _own_group()
 
     def loop():
         for _ in range(n):
             dist.all_reduce(tensor, group=group)
 
-    def installer(hook_type):
-        return lambda: hook_type().install()
-
-    hooks = {"CommTimer": CommTimer, "CommTrace": CommTrace}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hooks = {
+        "memory_recorder": (lambda: FlightRecorder(None, rank, world).install(), "close"),
+        "CommTrace": (lambda: CommTrace().install(), "uninstall"),
+    }
     return {
-        f"{name}_s": _paired_cpu(loop, installer(hook), lambda h: h.uninstall()) / n
-        for name, hook in hooks.items()
+        f"{name}_s": _paired_cpu(loop, install, lambda h, m=undo: getattr(h, m)()) / n
+        for name, (install, undo) in hooks.items()
     }
 
 
@@ -333,13 +335,13 @@ def report(args, job, per_rank: list[dict]) -> str:
     write = max(r["write_s"] for r in per_rank)
     call_s = statistics.median(r["comm_call_s"] for r in per_rank)
     take_s = statistics.median(r["comm_take_s"] for r in per_rank)
-    timer_s = statistics.median(r["CommTimer_s"] for r in per_rank)
+    memory_s = statistics.median(r["memory_recorder_s"] for r in per_rank)
     trace_s = statistics.median(r["CommTrace_s"] for r in per_rank)
     span_s = statistics.median(r["span_s"] for r in per_rank)
     meter = args.subject == "meter"
     what = "compute meter" if meter else "timeline"
     hot = spans * span_s if meter else spans * span_s + comm * call_s + take_s
-    source = "flight recorder's records" if args.flight else "CommTimer wrapper"
+    source = "flight recorder's records" if args.flight else "timeline's in-memory flight recorder"
     # A rank's CPU time per step: with 8 ranks on 2 cores the ranks' CPU adds up to the step, so
     # added work is judged against it (stricter than against the wall-clock step).
     rank_cpu = statistics.median(cpu_off) / args.nproc
@@ -378,8 +380,8 @@ def report(args, job, per_rank: list[dict]) -> str:
             f"group of one rank, median over ranks) | {1e6 * call_s:+.2f} us |",
             f"| unit cost: taking a step's comm records at the step boundary | "
             f"{1e6 * take_s:.1f} us |",
-            f"| for comparison: a comm call through CommTimer / CommTrace over the call without it "
-            f"| {1e6 * timer_s:.2f} us / {1e6 * trace_s:.2f} us |",
+            f"| for comparison: a comm call through an in-memory flight recorder / CommTrace over "
+            f"the call without it | {1e6 * memory_s:.2f} us / {1e6 * trace_s:.2f} us |",
             f"| a rank's CPU time per step, {what} off (median) | {1e3 * rank_cpu:.1f} ms |",
             f"| bottom-up hot-path cost per step | {1e3 * hot:.2f} ms = "
             f"{100 * hot / rank_cpu:.2f}% of a rank's CPU time per step |",

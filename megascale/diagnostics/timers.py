@@ -20,7 +20,7 @@ Where the segments come from (span names follow ``megascale::<pkg>::<op>``, see 
   "in flight" record. Which parallelism a call belongs to is read from its kind and the segment
   that issued it (``classify_comm``). The records come from the flight recorder when it is
   installed (training runs install it before the trainer is built), so a call is wrapped once;
-  otherwise from a thin wrapper of the timeline's own (``comm_timer.timeline_comm``). A span notes
+  otherwise from an in-memory flight recorder of the timeline's own (``comm_timer.timeline_comm``). A span notes
   the comm record count on entry and exit; the records are taken at each step boundary and turned
   into segments on the writer thread. In the NCCL-like CPU mode (``parallel.async_collectives``)
   a call returns at once, so the segment is instead the op's run on its communication thread,
@@ -342,8 +342,8 @@ class Timeline:
 
         ``config`` is the model's ``TransformerConfig`` (the schedule reads ``config.timers``),
         ``optimizer`` megatron-core's optimizer (each inner optimizer's config is set too).
-        Communication is read from the flight recorder if one is installed now, else timed by the
-        timeline's own wrappers (``comm_timer.timeline_comm``).
+        Communication is read from the flight recorder if one is installed now, else from an
+        in-memory recorder the timeline installs (``comm_timer.timeline_comm``).
         """
         targets = [config]
         for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:

@@ -217,6 +217,8 @@ class FlightRecorder:
     """This rank's flight recorder: ``install()`` once per process (it imports megatron-core's
     modules to re-point their aliases), ``set_step`` at each step, ``close()`` at the end (the file
     stays, for the agent and for post-mortems). A new recorder on the same path replaces the file.
+    With ``path=None`` the ring lives in anonymous memory: same records, same watcher, no file
+    (the timeline's own recorder in a process without a run directory's recorder).
 
     Thread-safe. Cost per op: a handful of ``struct.pack_into`` calls and two clock reads. Records
     of ops still in flight when the recorder is closed stay in their last state.
@@ -224,7 +226,7 @@ class FlightRecorder:
 
     def __init__(
         self,
-        path: Path | str,
+        path: Path | str | None,
         rank: int,
         world_size: int,
         *,
@@ -237,21 +239,19 @@ class FlightRecorder:
             raise ValueError(
                 f"group_table_bytes={group_table_bytes}: want a multiple of 8, >= {GROUP_HEAD.size}"
             )
-        self.path, self.rank, self.capacity = Path(path), rank, capacity
+        self.path = None if path is None else Path(path)
+        self.rank, self.capacity = rank, capacity
         self._table_bytes = group_table_bytes
         self._ring = HEADER.size + group_table_bytes
         size = self._ring + capacity * RECORD.size
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w+b") as f:
-            f.truncate(size)
-            self._mm = mmap.mmap(f.fileno(), size)
+        self._mm = _map(self.path, size)
         pid = os.getpid()
         HEADER.pack_into(
             self._mm, 0, MAGIC, VERSION, HEADER.size, RECORD.size, capacity, group_table_bytes,
             rank, world_size, pid, _proc_start(pid), time.time(), 0, 0, 0, 0.0, 0.0, b"init",
         )  # fmt: skip
-        os.replace(tmp, self.path)  # readers see a complete header or no file
+        if self.path is not None:
+            os.replace(_tmp_path(self.path), self.path)  # readers see a complete header or no file
         self.step = 0
         self._wall_offset = time.time() - time.monotonic()
         self._next = 0
@@ -780,6 +780,21 @@ def _nbytes(value) -> int:
         if isinstance(value, list | tuple):
             return sum(t.nbytes for t in value if isinstance(t, torch.Tensor))
     return 0
+
+
+def _map(path: Path | None, size: int) -> mmap.mmap:
+    """``size`` zeroed bytes: a temporary file next to ``path`` mapped (renamed onto ``path`` once
+    its header is written), or anonymous memory when ``path`` is None."""
+    if path is None:
+        return mmap.mmap(-1, size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(_tmp_path(path), "w+b") as f:
+        f.truncate(size)
+        return mmap.mmap(f.fileno(), size)
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f"{path.name}.{os.getpid()}.tmp")
 
 
 def _group_id(what: str, name: str, ranks: tuple[int, ...]) -> int:

@@ -1,8 +1,8 @@
 """An 8-rank CPU run (TP2 x PP2 x DP2 + SP) with one rank slowed on purpose (the ``slow-rank``
 fault injection): the merged trace is valid JSON with every rank and the named segments, the slowed
 rank (and its machine) is the one flagged and no other, and recording the timeline does not change
-the numbers. And on the same layout: the comm segments the timeline reads from the flight recorder
-are those its own wrapper (``CommTimer``) gives for the same calls."""
+the numbers. And on the same layout: the comm segments the timeline reads from the run's flight
+recorder are those its own in-memory recorder gives for the same calls."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ from megascale import cli
 from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
 from megascale.diagnostics import straggler
-from megascale.diagnostics.comm_timer import KIND_NAMES, CommTimer, FlightComm
+from megascale.diagnostics.comm_timer import FlightComm
 from megascale.diagnostics.timers import build_timeline, comm_segments, rank_file
 from megascale.launcher.local import run_local
 from megascale.parallel import cpu_backend
-from megascale.parallel.comm_hooks import COLLECTIVES
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.robustness.flight_format import flight_path, read_records
 from megascale.robustness.flight_recorder import FlightRecorder
@@ -36,7 +35,6 @@ WORLD, SLOW_RANK, FACTOR, STEPS = 8, 5, 3.0, 6
 # rank's median slowdown up to ~1.3x (rank 0 also logs between steps); the slowed rank is ~5x.
 # The unit tests hold the default 1.10 to synthetic data; MegaScale's 1.10 is for real machines.
 THRESHOLD = 2.0
-WRAPPED_KINDS = {KIND_NAMES.get(name, name) for name in COLLECTIVES}
 
 
 def _job(data_dir, **diagnostics):
@@ -135,9 +133,10 @@ def test_the_timeline_does_not_change_the_numbers(slowed_run, tmp_path, data_dir
 
 
 def _both_sources(job, run_dir, data_dir, steps):
-    """Train ``steps`` steps with the flight recorder installed (the timeline reads it) and a
-    ``CommTimer`` stacked on top of it, timing the same calls; per step: the timeline's spans, the
-    flight records it took and the ``CommTimer`` records."""
+    """Train ``steps`` steps with the run's flight recorder installed (the timeline reads it) and
+    an in-memory recorder (what the timeline installs where none is) stacked on top of it, timing
+    the same calls; per step: the timeline's spans, the records it took and the in-memory
+    recorder's."""
     rank, world = init_distributed("cpu")
     recorder = FlightRecorder(flight_path(run_dir, rank), rank, world).install()
     cpu_backend.activate()
@@ -146,7 +145,7 @@ def _both_sources(job, run_dir, data_dir, steps):
     timeline = build_timeline(job.diagnostics, run_dir, groups, "cpu")
     trainer = Trainer(job, groups, "cpu", data_cache_dir=data_dir, timeline=timeline)
     assert isinstance(timeline._comm, FlightComm)  # no wrapper of the timeline's own
-    timer = CommTimer().install()
+    timer = FlightComm(FlightRecorder(None, rank, world).install(), owned=True)
     timed = []
     for _ in range(steps):
         trainer.step()
@@ -163,16 +162,14 @@ def _both_sources(job, run_dir, data_dir, steps):
     return per_step
 
 
-def test_comm_segments_from_flight_records_are_the_comm_timers(tmp_path, data_dir):
+def test_comm_segments_from_the_run_recorder_are_the_in_memory_recorders(tmp_path, data_dir):
     job = _job(data_dir, flush_interval_steps=100)
     per_rank = run_local(_both_sources, WORLD, (job, tmp_path, data_dir, 2), timeout_s=300)
     groups = set()
     for rank, steps in enumerate(per_rank):
         for spans, flight, timed in steps:
-            # The recorder also records barriers and the like, which CommTimer does not wrap.
-            flight = [r for r in flight if r[1] in WRAPPED_KINDS]
             assert [r[1:3] for r in flight] == [r[1:3] for r in timed], rank  # kind, coalesced
-            # CommTimer's records carry its own indices; the spans noted the recorder's.
+            # The in-memory recorder's records carry its own indices; the spans noted the run's.
             timed = [(f[0], *t[1:]) for f, t in zip(flight, timed, strict=True)]
             for ours, theirs in zip(
                 comm_segments(flight, spans), comm_segments(timed, spans), strict=True
@@ -180,7 +177,7 @@ def test_comm_segments_from_flight_records_are_the_comm_timers(tmp_path, data_di
                 assert [s[:2] for s in ours] == [s[:2] for s in theirs], rank  # names, categories
                 gaps = []
                 for (_, _, start, dur), (_, _, t_start, t_dur) in zip(ours, theirs, strict=True):
-                    # CommTimer's wrapper is outside the recorder's: its interval holds the other.
+                    # The in-memory recorder's wrapper is outside: its interval holds the other.
                     assert t_start <= start and start + dur <= t_start + t_dur, rank
                     gaps.append(t_dur - dur)
                 if gaps:  # a few us apart: two clock reads and the recorder's wrapper

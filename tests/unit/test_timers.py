@@ -10,7 +10,7 @@ import pytest
 
 from megascale.diagnostics import timeline as tl
 from megascale.diagnostics import timers
-from megascale.diagnostics.comm_timer import KIND_NAMES, CommTimer, FlightComm, _Timed
+from megascale.diagnostics.comm_timer import FlightComm
 from megascale.diagnostics.timers import (
     NULL_TIMELINE,
     NullTimeline,
@@ -20,6 +20,7 @@ from megascale.diagnostics.timers import (
     megatron_segment,
 )
 from megascale.messages import Event
+from megascale.robustness.flight_format import OpKind
 
 META = {
     "rank": 3,
@@ -88,7 +89,9 @@ def _timeline(tmp_path, flush=2) -> Timeline:
 def test_steps_are_recorded_and_written_in_the_background(tmp_path):
     timeline = _timeline(tmp_path)
     timeline.open(ref_wall_ns=1_000_000_000_000, mono_ns=500)
-    comm = timeline._comm = CommTimer()  # not installed: the test adds its records
+    recorder = _memory_recorder()  # not installed: the test writes its records
+    group = recorder.add_group(7, (0, 1), "g")
+    comm = timeline._comm = FlightComm(recorder, owned=True)
     config, inner = SimpleNamespace(timers=None), SimpleNamespace(config=SimpleNamespace())
     optimizer = SimpleNamespace(chained_optimizers=[inner])
     timeline.attach(config, optimizer)
@@ -99,7 +102,7 @@ def test_steps_are_recorded_and_written_in_the_background(tmp_path):
         config.timers("forward-backward", log_level=1).start(barrier=True)
         for _ in range(2):  # two micro-batches, as megatron-core's schedule calls them
             config.timers("forward-compute", log_level=2).start()
-            comm.events.append(("all_reduce", False, 10, 10, 20))  # TP: issued inside a forward
+            recorder.leave(recorder.enter(OpKind.ALL_REDUCE, group, 8, 0))  # TP: in a forward
             config.timers("forward-compute").stop()
             config.timers("backward-compute", log_level=2).start()
             config.timers("backward-compute").stop()
@@ -115,7 +118,8 @@ def test_steps_are_recorded_and_written_in_the_background(tmp_path):
     assert [json.loads(line)["type"] for line in text.splitlines()].count("step") == 3
     timeline.close()
     assert config.timers is None and inner.config.timers is None  # detached
-    assert timeline._comm is timers._NO_COMM and comm.events == []  # taken, then dropped
+    assert timeline._comm is timers._NO_COMM and comm.count() == 6  # taken, then dropped
+    assert recorder._mm.closed  # the timeline's own recorder is closed with it
 
     lines = [json.loads(line) for line in (tmp_path / "timeline" / "rank_00003.jsonl").open()]
     assert [line["type"] for line in lines] == ["meta", "clock", "step", "step", "step"]
@@ -289,13 +293,26 @@ def test_chrome_trace_names_ranks_and_threads(tmp_path):
     assert "megascale::pp::forward_recv" in segments_csv.read_text()
 
 
-def test_comm_timer_records_sync_async_coalesced_and_batched_calls():
+def _memory_recorder(capacity: int = 64):
+    from megascale.robustness.flight_recorder import FlightRecorder
+
+    return FlightRecorder(None, rank=0, world_size=2, capacity=capacity)
+
+
+def test_flight_recorder_wrappers_give_sync_async_coalesced_and_batched_records():
+    """The recorder's own wrappers (as ``install`` stands them in front of torch.distributed),
+    driven with stand-in functions: the timeline records each kind of call gives."""
     import contextlib
 
     import torch.distributed as dist
 
-    timer = CommTimer()
-    timer.installed = True  # as install() leaves it, without patching torch.distributed
+    from megascale.robustness.flight_recorder import _OpWrapper
+
+    recorder = _memory_recorder()
+    channel = recorder.add_group(7, (0, 1), "g")
+    recorder.group = recorder.pair = lambda *args: channel  # no process group needed
+    recorder.active = True  # as install() leaves it, without patching torch.distributed
+    comm = FlightComm(recorder, owned=True)
 
     class Work:
         def wait(self):
@@ -304,7 +321,10 @@ def test_comm_timer_records_sync_async_coalesced_and_batched_calls():
     def all_reduce(tensor, op=None, group=None, async_op=False):
         return Work() if async_op else None
 
-    wrapped = _Timed("all_reduce", all_reduce, timer)
+    def _reduce_scatter_base(output, input, op=None, group=None, async_op=False):
+        return Work() if async_op else None
+
+    wrapped = _OpWrapper("all_reduce", all_reduce, recorder)
     assert wrapped(1) is None
     work = wrapped(1, async_op=True)
     assert work.wait() is True and work.wait() is True  # the first wait is the one timed
@@ -315,25 +335,28 @@ def test_comm_timer_records_sync_async_coalesced_and_batched_calls():
         cm = SimpleNamespace(works=[], append=lambda w: None, wait=lambda: "waited")
         yield cm
 
-    reduce_scatter = _Timed("_reduce_scatter_base", all_reduce, timer)
-    with timer._coalescing(coalescing)(async_ops=True) as cm:
-        reduce_scatter(1, async_op=True)
-        reduce_scatter(1, async_op=True)
+    reduce_scatter = _OpWrapper("_reduce_scatter_base", _reduce_scatter_base, recorder)
+    with recorder._coalescing(coalescing)(async_ops=True) as cm:
+        reduce_scatter(1, 1, async_op=True)
+        reduce_scatter(1, 1, async_op=True)
     assert cm.wait() == "waited" and cm.works == []
-    with timer._coalescing(coalescing)():
+    with recorder._coalescing(coalescing)():
         pass  # no op inside: no record
-    batch = timer._batch(lambda ops: [Work() for _ in ops])
-    ops = [SimpleNamespace(op=dist.isend), SimpleNamespace(op=dist.irecv)]
+    batch = recorder._batch(lambda ops: [Work() for _ in ops])
+    ops = [
+        SimpleNamespace(op=dist.isend, group=None, peer=1, tensor=None),
+        SimpleNamespace(op=dist.irecv, group=None, peer=1, tensor=None),
+    ]
     assert [w.wait() for w in batch(ops)] == [True, True]
-    assert timer.count() == 6
+    assert comm.count() == 6
 
-    records = timer.take().records()
-    assert len(timer.take()) == 0 and timer.count() == 6
+    records = comm.take().records()
+    assert len(comm.take()) == 0 and comm.count() == 6
     assert [r[:3] for r in records] == [
         (0, "all_reduce", False),
         (1, "all_reduce", False),
         (2, "all_reduce", False),
-        (3, "reduce_scatter_tensor", True),  # one record per block, named as the flight recorder
+        (3, "reduce_scatter_tensor", True),  # one record per block
         (4, "isend", False),
         (5, "irecv", False),
     ]
@@ -342,16 +365,30 @@ def test_comm_timer_records_sync_async_coalesced_and_batched_calls():
     assert async_[3] <= async_[4] <= async_[5]  # blocked from its wait
     assert bucket[3] <= bucket[4] <= bucket[5]
     assert send[3] <= send[4] <= send[5] <= recv[4]  # each op of a batch waited on by itself
-    timer.installed = False  # uninstalled or retired: calls pass straight through
-    assert wrapped(1) is None and timer.events == []
+    recorder.active = False  # uninstalled or retired: calls pass straight through
+    assert wrapped(1) is None and comm.count() == 6
+    comm.uninstall()
+    assert recorder._mm.closed and recorder.path is None
 
 
-def test_comm_timer_kinds_are_the_flight_recorders():
-    from megascale.parallel.comm_hooks import COLLECTIVES
-    from megascale.robustness.flight_recorder import _KIND_OF
+def test_timeline_installs_an_in_memory_recorder_only_where_none_is(tmp_path):
+    import torch.distributed as dist
 
-    for name in COLLECTIVES:
-        assert KIND_NAMES.get(name, name) == _KIND_OF[name].name.lower(), name
+    from megascale.diagnostics.comm_timer import timeline_comm
+    from megascale.robustness.flight_recorder import installed_recorder
+
+    original = dist.all_reduce
+    own = timeline_comm()  # no recorder installed: its own, in memory
+    try:
+        assert own.owned and own.recorder.path is None and installed_recorder() is own.recorder
+        shared = timeline_comm()  # one is installed now: read it, never close it
+        assert shared.recorder is own.recorder and not shared.owned
+        shared.uninstall()
+        assert not own.recorder._mm.closed
+    finally:
+        own.uninstall()
+    assert dist.all_reduce is original and own.recorder._mm.closed
+    assert not list(tmp_path.iterdir())  # no file anywhere it could be told of
 
 
 def test_flight_records_decode_to_timeline_records(tmp_path):
@@ -359,6 +396,7 @@ def test_flight_records_decode_to_timeline_records(tmp_path):
     from megascale.robustness.flight_recorder import FlightRecorder
 
     recorder = FlightRecorder(tmp_path / "f.bin", rank=0, world_size=2, capacity=4)
+    assert recorder.path.exists()  # the same records in a file as in memory
     group = recorder.add_group(7, (0, 1), "g")
     recorder.leave(recorder.enter(OpKind.ALL_REDUCE, group, 8, 0))  # before: not the timeline's
     comm = FlightComm(recorder)
