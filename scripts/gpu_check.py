@@ -6,7 +6,9 @@ own process with its own time limit, and keeps going when one fails:
 
 1. ``pytest -m gpu tests/gpu``: layouts on up to 8 GPUs vs the 1-GPU reference over NCCL, TE's
    spec (serial and parallel block), sliding window vs full attention and a banded mask, bf16,
-   CUDA-event timers, the two-stage checkpoint from GPU memory, the self-check on the GPU.
+   CUDA-event timers, per-collective timeline segments from the flight recorder's CUDA events
+   (TP2 + SP over NCCL, ``tests/gpu/test_timeline_nccl.py``), the two-stage checkpoint from GPU
+   memory, the self-check on the GPU.
 2. ``benchmarks/model_blocks.py`` on ``configs/h100-1b.toml``: serial vs parallel block, full vs
    sliding-window attention (tokens/s, MFU).
 3. ``benchmarks/overlap.py --device cuda``: each overlap off vs on over NCCL (2+ GPUs), and TP

@@ -36,10 +36,13 @@ anchor event + elapsed_time(anchor, event)``. When the GPU runs behind the host 
 of a step are therefore shifted early by that lag, while their durations are exact. Host segments
 (data loading, the step itself, checkpoint, the blocked intervals of comm calls) use the host clock
 everywhere. On a GPU a NCCL call returns to the host at once, so host-side timing of comm calls says
-nothing and no comm records are taken: the communication a GPU waits for shows in megatron-core's
-device segments (p2p, grad sync), while TP collectives inside a layer stay part of its
-forward/backward (the straggler analysis then points at the whole TP group, i.e. the machine, rather
-than one GPU in it).
+nothing: a collective's segment there is its run on the device, from the flight recorder's timing
+events recorded on the stream before and after it (``flight_watcher.DeviceSpan``), placed on the
+host clock at the time the recorder's watcher first saw its start event complete, with the
+duration the events measured (exact; the placement is late by at most the watcher's polling
+interval). So TP collectives inside a layer show as segments of their own within forward/backward;
+comm records with no device times (ops in a coalescing block or a p2p batch, ops not yet seen
+complete at the step boundary) are not drawn on a GPU.
 
 Across ranks: ``Timeline.start`` (collective) passes a barrier, and every rank notes its monotonic
 clock as it leaves; rank 0 also notes the wall clock and shares it. Merging places each rank's
@@ -162,6 +165,8 @@ def classify_comm(kind: str, coalesced: bool, enclosing_category: str | None) ->
 class _HostClock:
     """Device segments on CPU: the host clock (``monotonic_ns``)."""
 
+    host_comm = True  # a comm call's host interval says when it ran (gloo blocks in it)
+
     def now(self) -> int:
         return time.monotonic_ns()
 
@@ -175,6 +180,8 @@ class _HostClock:
 class _CudaClock:
     """Device segments on a GPU: a CUDA event recorded on the current stream, never waited for
     on the training thread; ``resolve`` runs on the writer thread and may block there."""
+
+    host_comm = False  # a NCCL call returns at once: only device-timed comm records are segments
 
     def __init__(self, device_index: int) -> None:
         import torch
@@ -469,16 +476,20 @@ def resolve_batch(batch: _Batch, clock) -> dict[str, Any]:
         e = clock.resolve(end, batch.anchor, batch.anchor_ns)
         spans.append([name, cat, s, max(0, e - s)])
     records = [record for chunk in batch.comm for record in chunk.records()]
-    blocked, inflight = comm_segments(records, batch.spans)
+    blocked, inflight = comm_segments(records, batch.spans, host=clock.host_comm)
     return {"type": "step", "step": batch.step, "spans": spans + blocked, "inflight": inflight}
 
 
-def comm_segments(records: list[tuple], spans: list[tuple]) -> tuple[list[list], list[list]]:
+def comm_segments(
+    records: list[tuple], spans: list[tuple], host: bool = True
+) -> tuple[list[list], list[list]]:
     """Comm records (``megascale.diagnostics.comm_timer``: ``(index, kind, coalesced, issued,
     wait_start, wait_end[, device_start, device_done])``, by index) -> (segments, in-flight
     intervals of asynchronous calls). A record that carries device times becomes the segment from
     its start to its completion where it ran (NCCL-like mode) and is in flight from its issue until
-    it completed or its wait returned; otherwise the segment is the interval its caller was blocked.
+    it completed or its wait returned (NCCL-like mode; CUDA, from events before and after it on
+    its stream); otherwise the segment is the interval its caller was blocked, unless ``host`` is
+    false (CUDA: a host interval says nothing of when the GPU ran the op; the record is dropped).
 
     ``spans`` carry the range of comm record indices issued inside each; the innermost one that
     holds a record decides its group (``classify_comm``). A coalesced block (one DP bucket) is
@@ -503,7 +514,7 @@ def comm_segments(records: list[tuple], spans: list[tuple]) -> tuple[list[list],
             start, done = record[6], record[7]
             blocked.append([name, cat, start, done - start])
             inflight.append([name, cat, issued, max(done, wait_end or 0) - issued])
-        elif wait_start is not None and wait_end is not None:
+        elif host and wait_start is not None and wait_end is not None:
             blocked.append([name, cat, wait_start, wait_end - wait_start])
             if wait_start > issued:  # asynchronous: in flight from issue until the wait returned
                 inflight.append([name, cat, issued, wait_end - issued])
@@ -625,6 +636,6 @@ def build_timeline(diagnostics, run_dir: Path, groups, device: str) -> Timeline 
         meta,
         flush_interval_steps=diagnostics.flush_interval_steps,
         device=device,
-        trace_comm=device != "cuda",  # NCCL calls return at once: nothing to time on the host
+        trace_comm=True,  # on CUDA: the segments the flight recorder's events timed
     )
     return timeline.start()

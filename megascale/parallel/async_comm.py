@@ -97,6 +97,11 @@ class CommOp:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def duration(self) -> float | None:
+        """Seconds from its start to its completion on the communication thread (None before)."""
+        return self.completed - self.started if self.completed and self.started else None
+
     def is_success(self) -> bool:
         return self._done.is_set() and self.error is None
 

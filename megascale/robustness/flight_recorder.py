@@ -19,7 +19,12 @@ every member numbers the same call alike.
 
 On CUDA, "left" means the host returned from the call or from ``wait()``; with
 ``TORCH_NCCL_BLOCKING_WAIT=1`` that is when the collective completed, otherwise the GPU may still be
-running it and a hang shows up at the next host synchronisation.
+running it and a hang shows up at the next host synchronisation. The device's view comes from
+timing events taken from a pool (``start_event``): one recorded on the current stream before the
+op and one after a synchronous op (an asynchronous op's NCCL ``Work`` stands for the one after);
+the watcher polls them, so the record gets the op's device start and completion, with the duration
+the events measured (``flight_watcher.DeviceSpan``). Ops inside a coalescing block and the ops of a
+``batch_isend_irecv`` get no start event (their completion only, as before).
 
 The timeline (``megascale.diagnostics.timers``) reads its communication segments from these
 records when a recorder is installed (``installed_recorder``, ``FlightRecorder.copy``), so each
@@ -76,7 +81,7 @@ from megascale.robustness.flight_format import (
     proc_stat,
     runs_of,
 )
-from megascale.robustness.flight_watcher import CompletionWatcher, EventDone
+from megascale.robustness.flight_watcher import CompletionWatcher, DeviceSpan, EventPool
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +270,7 @@ class FlightRecorder:
         self._wait_mono = array("d", bytes(8 * capacity))  # per slot; see RingCopy
         self._watcher = CompletionWatcher(self.device)
         self._cuda = False
+        self._events = EventPool(lambda: torch.cuda.Event(enable_timing=True))
         self.blocked_s = 0.0
         """Seconds spent blocked in synchronous ops and ``wait()`` (on CPU the trainer's
         ``ComputeMeter`` subtracts what falls inside a compute span)."""
@@ -411,19 +417,35 @@ class FlightRecorder:
 
     # -- completion, as the device sees it --------------------------------------------------------
 
-    def track(self, index: int, result: object, key: object = None) -> None:
+    def start_event(self):
+        """On CUDA, a pooled timing event recorded now on the current stream, before the op the
+        caller issues next (the start of its ``DeviceSpan``); None elsewhere. No sync."""
+        if not self._cuda:
+            return None
+        event = self._events.get()
+        event.record()
+        return event
+
+    def track(self, index: int, result: object, key: object = None, start=None) -> None:
         """Follow record ``index``'s op to completion where it runs: ``result`` is what the host
         call returned (a work handle, or None for a synchronous call). The NCCL-like mode's
         ``CommOp`` tells when it started; a torch ``Work`` or a CUDA event recorded after a
         synchronous NCCL call only when it completed. Nothing to follow in the blocking gloo
         mode's synchronous calls (the host call was the op). ``key``: the ops tracked with one
-        key complete in issue order (a group's collectives), None: no order is known (p2p)."""
+        key complete in issue order (a group's collectives), None: no order is known (p2p).
+        ``start``: on CUDA, the event ``start_event`` recorded before the op (the op then gets
+        its device start and an exactly timed duration)."""
         tracker = result if hasattr(result, "is_completed") else None
         if tracker is None and result is None:
-            tracker = self._completion_of_sync()
+            tracker = self._completion_of_sync(start)
+        elif tracker is not None and start is not None:  # a NCCL Work: its start from the event
+            tracker = DeviceSpan(start, tracker, self._events)
+        elif start is not None:
+            self._events.put(start)  # nothing to follow
         if tracker is None:
             return
-        queued = getattr(tracker, "started", None) is not None
+        # it tells when it started (read without querying a CUDA event on the hot path)
+        queued = isinstance(tracker, DeviceSpan) or getattr(tracker, "started", None) is not None
         self.device(index, DeviceState.QUEUED if queued else DeviceState.STARTED)
         self._watcher.add(index, tracker, queued, key)
 
@@ -445,16 +467,16 @@ class FlightRecorder:
                 _pack_f64(self._mm, offset + OFF_DONE, done)
             _U32.pack_into(self._mm, offset + OFF_DEVICE, int(state))
 
-    def _completion_of_sync(self):
+    def _completion_of_sync(self, start=None):
         from megascale.parallel import async_comm  # no cycle: async_comm does not import us
 
         engine = async_comm.installed()
         if engine is not None:
             return engine.last_op()  # the op the call just queued
         if self._cuda:
-            event = torch.cuda.Event()
-            event.record()  # after the op on the current stream
-            return EventDone(event)
+            done = self._events.get()
+            done.record()  # after the op on the current stream
+            return DeviceSpan(start, done, self._events)
         return None
 
     def copy(self, first: int, end: int) -> RingCopy:
@@ -686,6 +708,7 @@ class _OpWrapper(CommWrapper):
                 # one clock read: the record's enter time, and the start of the blocked interval
                 started = _monotonic()
                 index = recorder.enter(self.kind, channel, nbytes, flags, peer, 1, started)
+                start = recorder.start_event() if recorder._cuda else None
         else:  # inside a coalescing block: recorded as one op when the block ends
             pending.kind = pending.kind or self.kind
             pending.nbytes += nbytes
@@ -701,7 +724,7 @@ class _OpWrapper(CommWrapper):
             local.inside = False
         if index is None:
             return result
-        recorder.track(index, result, channel.gid if self.peer_kw is None else None)
+        recorder.track(index, result, channel.gid if self.peer_kw is None else None, start)
         if is_async and result is not None:
             return _RecordedWork(result, recorder, (index,), channel)
         left = _monotonic()  # the record's leave time, and the end of the blocked interval

@@ -9,14 +9,22 @@ An op is followed through a *tracker*, in the cheapest way it allows:
   torch ``Work`` (gloo) completes a future whose callback runs when the op completes
   (``Work.get_future().add_done_callback``). The write happens on the thread that ran the op.
   Not on CUDA: a NCCL ``Work``'s future may complete once the kernel is enqueued, not run.
-* **polled** (everything else: a CUDA event recorded after a synchronous NCCL call, ``EventDone``;
-  a NCCL ``Work``; gloo's p2p ``Work``, which has no future): one thread per process calls
+* **polled** (everything else: on CUDA an op's ``DeviceSpan``, timing events recorded on the stream
+  before and after it, or before it and its NCCL ``Work``; gloo's p2p ``Work``, which has no
+  future): one thread per process calls
   ``is_completed()`` with an adaptive interval (``Backoff``): ``MIN_INTERVAL_S`` after a change, or
   a new op, doubling on every poll that sees no change up to ``MAX_INTERVAL_S``. A polled op's
   completion time is when the poll saw it: late by at most the interval then in force, so a
   timeline segment of a polled op is too long by up to ``MAX_INTERVAL_S`` (20 ms) after an op
   stayed in flight for ~30 ms with nothing changing, and by up to ``MIN_INTERVAL_S`` (1 ms) while
   ops keep being issued or completing. Notified ops carry the exact times.
+
+Either source gives the same triple, and one function (``device_interval``) turns it into the
+op's device start and completion: when its start was observed (the NCCL-like mode's thread starting
+it; the first poll that finds a ``DeviceSpan``'s start event complete), when its completion was
+observed, and its duration where the device measured it (``start.elapsed_time(done)`` of a
+``DeviceSpan``; ``CommOp.duration``). With a duration the segment's length is exact however
+coarsely the watcher polled, and it is placed at the earliest start the observations allow.
 
 Either way an op that never completes keeps its last state (queued or started): that is what a
 stall looks like from outside. Device states only move forward (the recorder's ``device``
@@ -38,14 +46,78 @@ Write = Callable[..., None]
 """``write(index, state, start=0.0, done=0.0)``: the recorder's ``device``."""
 
 
-class EventDone:
-    """A CUDA event recorded after a synchronous op, as a completion handle."""
+def device_interval(started: float, done: float, duration: float | None) -> tuple[float, float]:
+    """An op's (device start, device completion), monotonic seconds, from when its start was
+    observed (0.0: never seen started), when its completion was observed, and the duration the
+    device measured (None: not measured; the observations are the times). Pure.
 
-    def __init__(self, event) -> None:
-        self.event = event
+    With a duration the interval has that length: it starts at the observed start, or at
+    ``done - duration`` where the start was seen too late for it (in the same poll as the
+    completion) or not at all; a completion observed within a microsecond of the end the duration
+    gives is kept as observed (the notified case, where both observations are exact)."""
+    if duration is None:
+        return started, done
+    duration = max(0.0, duration)
+    start = started if started and done - started >= duration else done - duration
+    end = start + duration
+    return start, (done if abs(end - done) < 1e-6 else end)
+
+
+class EventPool:
+    """Reusable CUDA events (``make()`` creates one, with timing enabled): the hot path takes one
+    per op boundary, the watcher gives them back once the op finished, so an op allocates none in
+    the steady state. Thread-safe (a list's append and pop are atomic)."""
+
+    def __init__(self, make: Callable[[], object]) -> None:
+        self._make, self._free = make, []
+
+    def get(self):
+        try:
+            return self._free.pop()
+        except IndexError:
+            return self._make()
+
+    def put(self, *events) -> None:
+        self._free.extend(e for e in events if e is not None)
+
+
+class DeviceSpan:
+    """An op on a CUDA stream as a polled tracker: a timing event recorded on the stream before it
+    (``start``; None if none was), and what completes after it: an event recorded after it on the
+    same stream, or its NCCL ``Work``. ``started``: the monotonic time a poll first saw the start
+    event complete (0.0 before); ``duration``: seconds from start to done as the device timed them,
+    once complete (None when ``done`` is a ``Work``). ``release`` gives the events back."""
+
+    __slots__ = ("start", "done", "pool", "_started")
+
+    def __init__(self, start, done, pool: EventPool | None = None) -> None:
+        self.start, self.done, self.pool, self._started = start, done, pool, 0.0
+
+    @property
+    def started(self) -> float:
+        if not self._started and self.start is not None and self.start.query():
+            self._started = time.monotonic()
+        return self._started
 
     def is_completed(self) -> bool:
-        return self.event.query()
+        done = self.done
+        return done.query() if hasattr(done, "query") else done.is_completed()
+
+    @property
+    def duration(self) -> float | None:
+        if self.start is None or not hasattr(self.done, "query"):
+            return None
+        return self.start.elapsed_time(self.done) / 1e3  # ms -> s
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool.put(self.start, self.done if hasattr(self.done, "query") else None)
+            self.start = self.done = self.pool = None
+
+
+def _finished(tracker, started: float, done: float) -> tuple[float, float]:
+    """``device_interval`` for a tracker that has completed (a ``CommOp``, a ``DeviceSpan``)."""
+    return device_interval(started, done, getattr(tracker, "duration", None))
 
 
 class Backoff:
@@ -126,16 +198,24 @@ class Poller:
             done = tracker.is_completed()
         except RuntimeError:  # the op failed
             self._write(index, DeviceState.FAILED, done=time.monotonic())
+            _release(tracker)
             return "finished"
         if done:
             when = getattr(tracker, "completed", 0.0) or time.monotonic()
-            self._write(index, DeviceState.COMPLETED, started, when)
+            self._write(index, DeviceState.COMPLETED, *_finished(tracker, started, when))
+            _release(tracker)
             return "finished"
         if started and not shown:
             self._write(index, DeviceState.STARTED, started)
             entry[3] = True
             return "started"
         return ""
+
+
+def _release(tracker) -> None:
+    release = getattr(tracker, "release", None)
+    if release is not None:
+        release()
 
 
 class CompletionWatcher:
@@ -183,7 +263,7 @@ class CompletionWatcher:
     def _observed(self, index: int, op) -> None:
         if op.completed:
             state = DeviceState.COMPLETED if op.error is None else DeviceState.FAILED
-            self._write(index, state, op.started, op.completed)
+            self._write(index, state, *_finished(op, op.started, op.completed))
         elif op.started:
             self._write(index, DeviceState.STARTED, op.started)
 

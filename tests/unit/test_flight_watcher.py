@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from megascale.parallel.async_comm import CommOp
 from megascale.robustness.flight_format import DeviceState, OpKind, flight_path, read_records
 from megascale.robustness.flight_recorder import FlightRecorder
-from megascale.robustness.flight_watcher import MAX_INTERVAL_S, MIN_INTERVAL_S, Backoff, Poller
+from megascale.robustness.flight_watcher import (
+    MAX_INTERVAL_S,
+    MIN_INTERVAL_S,
+    Backoff,
+    DeviceSpan,
+    EventPool,
+    Poller,
+    device_interval,
+)
 
 Q, S, C, F = DeviceState.QUEUED, DeviceState.STARTED, DeviceState.COMPLETED, DeviceState.FAILED
 
@@ -172,4 +181,115 @@ def test_work_future_callback_marks_completion(tmp_path):
     bad.future.set_exception(RuntimeError("peer gone"))
     assert _device_states(recorder.path) == [C, F]
     assert recorder._watcher.thread is None
+    recorder.close()
+
+
+def test_device_interval_from_either_source():
+    """One rule for the NCCL-like mode's exact notifications and CUDA's polled events."""
+    # exact observations (the NCCL-like mode): kept as they are
+    assert device_interval(1.0, 1.25, 0.25) == (1.0, 1.25)
+    assert device_interval(1.0, 1.25, None) == (1.0, 1.25)
+    # start seen on time, completion seen late by a coarse poll: the device's duration wins
+    assert device_interval(1.0, 1.5, 0.125) == (1.0, 1.125)
+    # start first seen in the same poll as the completion: placed back by the duration
+    assert device_interval(1.5, 1.5, 0.25) == (1.25, 1.5)
+    assert device_interval(0.0, 2.0, 0.5) == (1.5, 2.0)  # start never seen
+
+
+class FakeEvent:
+    """A CUDA event the test completes by hand; times in ms as ``elapsed_time`` gives them."""
+
+    def __init__(self, ms: float = 0.0) -> None:
+        self.ms, self.done = ms, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, other) -> float:
+        return other.ms - self.ms
+
+
+def test_device_span_is_polled_into_start_and_exact_duration_and_its_events_reused(monkeypatch):
+    from types import SimpleNamespace
+
+    from megascale.robustness import flight_watcher
+
+    now = [100.0]  # the watcher's clock, moved by the test
+    monkeypatch.setattr(flight_watcher, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    writes: list[tuple] = []
+    p = Poller(lambda index, state, start=0.0, done=0.0: writes.append((index, state, start, done)))
+    pool = EventPool(FakeEvent)
+    start, done = pool.get(), pool.get()
+    start.ms, done.ms = 10.0, 35.0  # the op ran 25 ms on the device
+    span = DeviceSpan(start, done, pool)
+    p.add(3, span, queued=True)
+    assert p.poll() is False and writes == []  # queued: the stream has not reached the op
+    start.done = True
+    assert p.poll() is True
+    assert writes == [(3, S, 100.0, 0.0)]  # first seen started at 100 s
+    now[0], done.done = 100.5, True  # its completion seen by a poll 0.5 s later
+    assert p.poll() is True
+    index, state, begin, end = writes[1]
+    assert (index, state, begin) == (3, C, 100.0) and end == pytest.approx(100.025)  # 25 ms
+    assert p.in_flight() == [] and sorted(pool._free, key=id) == sorted([start, done], key=id)
+    assert pool.get() in (start, done)  # reused, not allocated
+
+
+def test_device_span_seen_started_and_done_in_one_poll_is_placed_back(monkeypatch):
+    from types import SimpleNamespace
+
+    from megascale.robustness import flight_watcher
+
+    monkeypatch.setattr(flight_watcher, "time", SimpleNamespace(monotonic=lambda: 7.0))
+    writes: list[tuple] = []
+    p = Poller(lambda index, state, start=0.0, done=0.0: writes.append((index, state, start, done)))
+    start, done = FakeEvent(0.0), FakeEvent(500.0)
+    start.done = done.done = True
+    p.add(0, DeviceSpan(start, done), queued=True)
+    assert p.poll() is True and writes == [(0, C, 6.5, 7.0)]  # 500 ms, ending when seen
+
+
+def test_device_span_over_a_work_has_a_start_and_no_duration():
+    class Work:
+        completed = False
+
+        def is_completed(self) -> bool:
+            return self.completed
+
+    pool, work = EventPool(FakeEvent), Work()
+    span = DeviceSpan(pool.get(), work, pool)
+    assert span.started == 0.0  # the stream has not reached it
+    span.start.done = True
+    assert span.started > 0 and not span.is_completed() and span.duration is None
+    work.completed = True
+    assert span.is_completed()
+    span.release()
+    assert len(pool._free) == 1  # the start event back; the Work is not an event
+
+
+def test_on_cuda_a_synchronous_op_is_followed_from_its_start_event_to_its_done_event(tmp_path):
+    """The recorder's CUDA path with events the test completes: the start event taken before the
+    op, the done event after it, both from the pool; the watcher writes start and completion."""
+
+    class Event(FakeEvent):
+        recorded = 0
+
+        def record(self) -> None:
+            Event.recorded += 1
+
+    recorder, channel = _recorder(tmp_path)
+    recorder._cuda, recorder._watcher.notify = True, False  # as install() sets them on a GPU
+    recorder._events = pool = EventPool(Event)
+    start = recorder.start_event()  # before the op, on its stream
+    index = _enter(recorder, channel)
+    recorder.track(index, None, channel.gid, start)  # a synchronous NCCL call returned None
+    assert Event.recorded == 2 and _device_states(recorder.path) == [Q]
+    (span,) = [entry[1] for lane in recorder._watcher._poller.lanes.values() for entry in lane]
+    span.done.ms = span.start.ms + 4.0
+    span.start.done = span.done.done = True
+    while recorder._watcher._poller.in_flight():  # the watcher thread's next poll
+        threading.Event().wait(0.001)
+    (record,) = read_records(recorder.path)
+    assert record.device == C and record.done_mono - record.start_mono == pytest.approx(0.004)
+    assert len(pool._free) == 2  # both events back for the next op
     recorder.close()

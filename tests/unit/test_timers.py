@@ -203,6 +203,12 @@ def test_comm_records_become_blocked_and_in_flight_segments():
     assert inflight == [
         ["megascale::dp::reduce_scatter_tensor", "comm.dp", 1_000_000_000, 600_000_000]
     ]
+    # On a GPU a host interval says nothing: only records timed on the device are drawn.
+    timed = (9, "all_reduce", False, 5 * s, 5 * s, 5 * s + 10, 5 * s + 2, 5 * s + 7)
+    assert comm_segments([*records, timed], spans, host=False) == (
+        [["megascale::other::all_reduce", "comm.other", 5 * s + 2, 5]],
+        [["megascale::other::all_reduce", "comm.other", 5 * s, 10]],
+    )
 
 
 def test_union_ns_clips_and_merges():
