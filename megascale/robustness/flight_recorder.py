@@ -429,8 +429,9 @@ class FlightRecorder:
     def track(self, index: int, result: object, key: object = None, start=None) -> None:
         """Follow record ``index``'s op to completion where it runs: ``result`` is what the host
         call returned (a work handle, or None for a synchronous call). The NCCL-like mode's
-        ``CommOp`` tells when it started; a torch ``Work`` or a CUDA event recorded after a
-        synchronous NCCL call only when it completed. Nothing to follow in the blocking gloo
+        ``CommOp`` tells when it started and completed; on CUDA a ``DeviceSpan`` (the start event,
+        and a done event recorded now after a synchronous call, or the op's NCCL ``Work``) tells
+        both; a torch ``Work`` alone only when it completed. Nothing to follow in the blocking gloo
         mode's synchronous calls (the host call was the op). ``key``: the ops tracked with one
         key complete in issue order (a group's collectives), None: no order is known (p2p).
         ``start``: on CUDA, the event ``start_event`` recorded before the op (the op then gets
