@@ -331,6 +331,7 @@ class FlightRecorder:
         if self._mm.closed:
             return
         self.uninstall()
+        self._watcher.stop()
         self.set_section("done")
         with self._lock:  # not under a completion write of another thread
             self._mm.close()

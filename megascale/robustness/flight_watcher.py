@@ -223,13 +223,21 @@ class CompletionWatcher:
 
     ``notify``: use completion callbacks where the tracker offers them (set it False on CUDA, where
     a ``Work``'s future does not tell the device's completion). ``thread``: the polling thread,
-    once a polled op was added (None before)."""
+    once a polled op was added (None before); ``stop`` ends it (ops still followed then are left
+    in their last state)."""
 
     def __init__(self, write: Write, notify: bool = True) -> None:
         self._write, self.notify = write, notify
         self._poller = Poller(write)
         self._cv = threading.Condition(self._poller.lock)
         self.thread: threading.Thread | None = None
+        self._stopped = False
+
+    def stop(self) -> None:
+        """End the polling thread at its next wake-up (the recorder is closed); idempotent."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
 
     def add(self, index: int, tracker, queued: bool, key: object = None) -> None:
         """Follow record ``index``'s op; ``queued``: its tracker tells when it started; ``key``:
@@ -280,8 +288,10 @@ class CompletionWatcher:
         poller = self._poller
         while True:
             with self._cv:
-                while not poller.lanes:
+                while not poller.lanes and not self._stopped:
                     self._cv.wait()
+                if self._stopped:
+                    return
             changed = poller.poll()
             with self._cv:
                 self._cv.wait(poller.backoff.polled(changed))  # add() may cut a long wait short

@@ -293,3 +293,5 @@ def test_on_cuda_a_synchronous_op_is_followed_from_its_start_event_to_its_done_e
     assert record.device == C and record.done_mono - record.start_mono == pytest.approx(0.004)
     assert len(pool._free) == 2  # both events back for the next op
     recorder.close()
+    recorder._watcher.thread.join(timeout=60)
+    assert not recorder._watcher.thread.is_alive()  # closing the recorder ends its watcher
