@@ -77,6 +77,14 @@ class CommEvent:
     link: str = "other"
     nbytes: int = 0
     cost_s: float = 0.0
+    peer: int | None = None
+    """p2p only: the other end's global rank (a send's destination, a receive's source)."""
+    transfer_start: float | None = None
+    """When the modelled transfer began: after the call was posted and its group's earlier calls
+    ended (``perf_counter``, system-wide on Linux, so it compares across ranks); None where the
+    trace does not run the cost itself (the NCCL-like mode's threads do)."""
+    exposed_s: float = 0.0
+    """The part of the caller's waits on this call that ``add_wait`` counted as exposed."""
 
 
 @dataclass
@@ -114,6 +122,18 @@ def _nbytes(args, kwargs) -> int:
     return max(sizes)
 
 
+def _peer(kind: str, args, kwargs) -> int | None:
+    """The global rank at the other end of a p2p call (``dst``/``src``, or the second argument)."""
+    if kind not in _P2P:
+        return None
+    name = "dst" if kind in ("isend", "send") else "src"
+    peer = kwargs.get(name, args[1] if len(args) > 1 else None)
+    group_peer = kwargs.get(f"group_{name}")
+    if peer is None and group_peer is not None:
+        peer = dist.get_global_rank(kwargs["group"], group_peer)
+    return peer if isinstance(peer, int) else None
+
+
 class _Lane:
     """One process group's communication thread: calls run in issue order, each starting no
     earlier than the previous one's modelled end plus its own cost."""
@@ -130,9 +150,12 @@ class _Lane:
         self._on_busy(start, self.busy_until)
         return self.busy_until
 
-    def submit(self, cost_s: float, fn: Callable) -> Future:
+    def submit(self, cost_s: float, fn: Callable, event: CommEvent | None = None) -> Future:
         def run():
-            remaining = self.reserve(cost_s) - time.perf_counter()
+            end = self.reserve(cost_s)
+            if event is not None:
+                event.transfer_start = end - cost_s
+            remaining = end - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
             return fn()
@@ -323,6 +346,8 @@ class CommTrace:
         with self._lock:
             self.state.exposed_s += end - start
             self.state.exposed_by_link[link] += explained
+            if event is not None:
+                event.exposed_s += explained
 
     def _busy_overlap(self, link: str, start: float, end: float) -> float:
         with self._lock:
@@ -363,6 +388,7 @@ class CommTrace:
         cost = self.price(kind, group, args, kwargs)
         event = CommEvent(kind, time.perf_counter(), coalesced=coalesced, link=link, nbytes=nbytes)
         event.cost_s = cost
+        event.peer = _peer(kind, args, kwargs)
         self.state.events.append(event)
         if not coalesced:
             self.state.comm_by_link[link] += cost
@@ -390,7 +416,7 @@ class CommTrace:
                 return None
             return work
 
-        return self.lane(group, event.link).submit(event.cost_s, call)
+        return self.lane(group, event.link).submit(event.cost_s, call, event)
 
     # -- installation ------------------------------------------------------------------------------
 
@@ -439,6 +465,8 @@ class CommTrace:
         self.state.events.append(event)
         self.state.comm_by_link[link] += event.cost_s
         ready_at = self.lane(group, link).reserve(event.cost_s) if self.threaded else event.issued
+        if self.threaded:
+            event.transfer_start = ready_at - event.cost_s
         return event, ready_at
 
     def _drain(self, group, link: str | None = None) -> None:
