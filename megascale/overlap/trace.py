@@ -18,7 +18,9 @@ communication threads, one per process group (a FIFO, like a GPU's communication
 ``exposed_s`` accumulates the time the caller spent blocked (synchronous calls and ``wait()``);
 ``exposed_by_link`` the part of it that the link's modelled transfers explain (``add_wait``): the
 communication that computation did not hide; ``comm_by_link`` sums the modelled cost of the calls
-issued. Ops issued together inside megatron-core's
+issued. Each event keeps what it was counted (``exposed_s``), its p2p peer and the start of its
+modelled transfer, so a receive's wait can be re-counted from both ends of its message once every
+rank's events are gathered (``megascale.overlap.pp_exposure``). Ops issued together inside megatron-core's
 ``_coalescing_manager`` (one bucket's collectives) or a ``batch_isend_irecv`` count as one operation;
 they run in the caller's thread after their group's queue drains (so every rank issues a group's
 calls in the same order), and their handle waits out their summed cost.
