@@ -24,8 +24,8 @@ SENDS = ("isend", "send")
 RECEIVES = ("irecv", "recv")
 
 
-def _overlap(window: tuple[float, float], waits: list[tuple[float, float]]) -> float:
-    """Length of ``window`` covered by the union of ``waits``."""
+def covered(window: tuple[float, float], waits: Sequence[tuple[float, float]]) -> float:
+    """Length of ``window`` (start, end) covered by the union of the intervals ``waits``."""
     lo, hi = window
     spans = sorted((max(s, lo), min(e, hi)) for s, e in waits if e > lo and s < hi)
     total, reach = 0.0, lo
@@ -76,7 +76,7 @@ def paired_exposure(events_by_rank: Sequence[Sequence[Mapping]]) -> list[float]:
             start = send.get("transfer_start")
             start = send["issued"] if start is None else start
             window = (start, start + send["cost_s"])
-            exposed[pair[0]] += _overlap(window, _wait(send) + _wait(recv))
+            exposed[pair[0]] += covered(window, _wait(send) + _wait(recv))
     return exposed
 
 

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.overlap.cost import CostModel
+from megascale.overlap.pp_exposure import covered
 from megascale.parallel.async_comm import p2p_name
 from megascale.parallel.comm_hooks import (
     COLLECTIVES,
@@ -353,15 +354,8 @@ class CommTrace:
 
     def _busy_overlap(self, link: str, start: float, end: float) -> float:
         with self._lock:
-            spans = sorted(
-                (max(s, start), min(e, end)) for s, e in self.state.busy[link] if e > start
-            )
-        total, reach = 0.0, start
-        for s, e in spans:
-            if e > reach:
-                total += e - max(s, reach)
-                reach = e
-        return total
+            spans = list(self.state.busy[link])
+        return covered((start, end), spans)
 
     def _busy(self, link: str) -> Callable[[float, float], None]:
         def on_busy(start: float, end: float) -> None:

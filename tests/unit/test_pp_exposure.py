@@ -72,3 +72,10 @@ def test_receiver_side_exposure_sums_what_the_trace_counted_for_uncoalesced_p2p(
     events = [_recv(0, exposed_s=0.3), _recv(0, exposed_s=0.2) | {"coalesced": True}]
     events.append({"kind": "all_reduce", "peer": None, "exposed_s": 5.0})
     assert receiver_side_exposure(events) == pytest.approx(0.3)
+
+
+def test_covered_counts_the_union_inside_the_window_only():
+    from megascale.overlap.pp_exposure import covered
+
+    # Overlapping spans count once; a span wholly after the window adds nothing (not less).
+    assert covered((0.0, 4.0), [(1.0, 2.0), (1.5, 3.0), (5.0, 6.0), (-2.0, -1.0)]) == 2.0
