@@ -14,13 +14,19 @@ Every collective and p2p call is priced by a cost model and run on a communicati
 
 The default layout is ``megascale-175b``'s scaled down to 8 CPU ranks: TP2 x PP2 (VPP2) x DP2 +
 sequence parallelism (175B: TP8 x PP8 (VPP6) x DP192 + SP), two micro-batches per pipeline stage and
-DP rank. Variants alternate within each round (noise lands on all alike) and train the same steps
-from the same parameters, so their losses must match ("max loss diff vs off").
+DP rank. PP exposure is counted from both ends of each message (``megascale.overlap.pp_exposure``:
+the part of its modelled transfer during which its receiver or sender waited); the receiver-side
+bound is printed beside it ("PP bound"). Variants alternate within each round (noise lands on all
+alike) and train the same steps from the same parameters, so their losses must match ("max loss
+diff vs off").
 
     python benchmarks/overlap.py                       # bytes model, serial + parallel block
     python benchmarks/overlap.py --cost fixed --latency-ms 20
     python benchmarks/overlap.py --json                # one JSON object
     python benchmarks/overlap.py --shapes 175b-tp      # TP bytes per FLOP of megascale-175b
+    python benchmarks/overlap.py --shapes 175b --steps 1   # + its micro-batches per stage, DP
+                                                           # buckets per chunk, 8 TP chunks
+    python benchmarks/overlap.py --shapes 175b-dp --steps 1   # its DP bytes per FLOP (hidden 256)
     python benchmarks/overlap.py --device cuda --cost fixed --latency-ms 0   # 8 GPUs, real links
 """
 
@@ -177,13 +183,14 @@ def preset_175b_sets(job: JobConfig, reference: JobConfig, dp: int) -> list[str]
     sets = matched_shape_sets(job, reference)
     hidden = int(sets[0].split("=")[1])
     per_stage = round(_reference_microbatches(reference))
-    return [
-        *sets,
+    changes = [
+        *sets,  # later settings of the same field win
         "model.seq_length=128",
         f"train.global_batch_size={per_stage * job.parallel.pp * dp}",
         _bucket_sets(job, reference, {"hidden_size": hidden}),
         "overlap.tp_chunks=8",
     ]
+    return [f"{k}={v}" for k, v in dict(c.split("=", 1) for c in changes).items()]
 
 
 def preset_175b_dp_sets(job: JobConfig, reference: JobConfig, dp: int) -> list[str]:
