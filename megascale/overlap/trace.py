@@ -20,10 +20,10 @@ communication threads, one per process group (a FIFO, like a GPU's communication
 communication that computation did not hide; ``comm_by_link`` sums the modelled cost of the calls
 issued. Each event keeps what it was counted (``exposed_s``), its p2p peer and the start of its
 modelled transfer, so a receive's wait can be re-counted from both ends of its message once every
-rank's events are gathered (``megascale.overlap.pp_exposure``). Ops issued together inside megatron-core's
-``_coalescing_manager`` (one bucket's collectives) or a ``batch_isend_irecv`` count as one operation;
-they run in the caller's thread after their group's queue drains (so every rank issues a group's
-calls in the same order), and their handle waits out their summed cost.
+rank's events are gathered (``megascale.overlap.pp_exposure``). Ops issued together inside
+megatron-core's ``_coalescing_manager`` (one bucket's collectives) or a ``batch_isend_irecv`` count
+as one operation; they run in the caller's thread after their group's queue drains (so every rank
+issues a group's calls in the same order), and their handle waits out their summed cost.
 
 In the NCCL-like CPU mode (``parallel.async_collectives``, ``megascale.parallel.async_comm``)
 pass its engine (``engine=``): the engine's own communication threads then wait out each call's
