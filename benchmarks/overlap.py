@@ -14,19 +14,26 @@ Every collective and p2p call is priced by a cost model and run on a communicati
 
 The default layout is ``megascale-175b``'s scaled down to 8 CPU ranks: TP2 x PP2 (VPP2) x DP2 +
 sequence parallelism (175B: TP8 x PP8 (VPP6) x DP192 + SP), two micro-batches per pipeline stage and
-DP rank. Variants alternate within each round (noise lands on all alike) and train the same steps
-from the same parameters, so their losses must match ("max loss diff vs off").
+DP rank. PP exposure is counted from both ends of each message (``megascale.overlap.pp_exposure``:
+the part of its modelled transfer during which its receiver or sender waited); the receiver-side
+bound is printed beside it ("PP bound"). Variants alternate within each round (noise lands on all
+alike) and train the same steps from the same parameters, so their losses must match ("max loss
+diff vs off").
 
     python benchmarks/overlap.py                       # bytes model, serial + parallel block
     python benchmarks/overlap.py --cost fixed --latency-ms 20
     python benchmarks/overlap.py --json                # one JSON object
     python benchmarks/overlap.py --shapes 175b-tp      # TP bytes per FLOP of megascale-175b
+    python benchmarks/overlap.py --shapes 175b --steps 1   # + its micro-batches per stage, DP
+                                                           # buckets per chunk, 8 TP chunks
+    python benchmarks/overlap.py --shapes 175b-dp --steps 1   # its DP bytes per FLOP (hidden 256)
     python benchmarks/overlap.py --device cuda --cost fixed --latency-ms 0   # 8 GPUs, real links
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -86,10 +93,12 @@ def _args(argv):
     parser.add_argument("--blocks", default="serial,parallel")
     parser.add_argument(
         "--shapes",
-        choices=("small", "175b-tp"),
+        choices=("small", "175b-tp", "175b", "175b-dp"),
         default="small",
         help="small: hidden 256, seq 256, mbs 4; 175b-tp: the hidden size whose TP bytes per "
-        "FLOP is megascale-175b's (seq 256, mbs 1, gbs 4); --set still overrides",
+        "FLOP is megascale-175b's (seq 256, mbs 1, gbs 4); 175b: that hidden size (seq 128) "
+        "with megascale-175b's micro-batches per stage, DP buckets per chunk and 8 TP chunks; "
+        "175b-dp: megascale-175b's tokens per DP rank and step at hidden 256; --set overrides",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -133,12 +142,87 @@ def matched_shape_sets(job: JobConfig, reference: JobConfig) -> list[str]:
     ]
 
 
+REFERENCE_WORLD = 12288
+"""GPUs of the ``megascale-175b`` run (its preset's header): DP = 12288 / (TP8 x PP8) = 192."""
+
+
+def chunk_params(job: JobConfig) -> float:
+    """Transformer parameters of one model chunk on one GPU (attention 4h^2 + MLP 2h x ffn per
+    layer, over TP; norms, biases and embeddings left out)."""
+    m, p = job.model, job.parallel
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    layers = m.num_layers / (p.pp * p.vpp)
+    return layers * (4 * m.hidden_size**2 + 2 * m.hidden_size * ffn) / p.tp
+
+
+def microbatches_per_stage(job: JobConfig, dp: int) -> float:
+    t = job.train
+    return t.global_batch_size / (dp * t.micro_batch_size) / job.parallel.pp
+
+
+def _bucket_sets(job: JobConfig, reference: JobConfig, changes: dict) -> str:
+    """``overlap.bucket_size`` giving ``job`` (with ``changes`` to its model) ``reference``'s DP
+    buckets per model chunk under megatron-core's default bucket at the reference's DP (max(40M,
+    1M x DP192) = 192M parameters against 453M per chunk at 175B: 2.4 buckets)."""
+    ref_dp = REFERENCE_WORLD // (reference.parallel.tp * reference.parallel.pp)
+    per_chunk = chunk_params(reference) / max(40_000_000, 1_000_000 * ref_dp)
+    here = dataclasses.replace(job, model=dataclasses.replace(job.model, **changes))
+    return f"overlap.bucket_size={max(1, round(chunk_params(here) / per_chunk))}"
+
+
+def _reference_microbatches(reference: JobConfig) -> float:
+    ref_dp = REFERENCE_WORLD // (reference.parallel.tp * reference.parallel.pp)
+    return microbatches_per_stage(reference, ref_dp)
+
+
+def preset_175b_sets(job: JobConfig, reference: JobConfig, dp: int) -> list[str]:
+    """``--shapes 175b``: ``reference``'s TP bytes per FLOP (``matched_shape_sets``'s hidden size,
+    on 128-token one-sample micro-batches), its micro-batches per pipeline stage (32 per DP rank
+    over PP8: 4), its DP buckets per model chunk, and 8 TP chunks. Not its DP bytes per FLOP: that
+    needs its 65,536 tokens per DP rank and step (``--shapes 175b-dp``)."""
+    sets = matched_shape_sets(job, reference)
+    hidden = int(sets[0].split("=")[1])
+    per_stage = round(_reference_microbatches(reference))
+    changes = [
+        *sets,  # later settings of the same field win
+        "model.seq_length=128",
+        f"train.global_batch_size={per_stage * job.parallel.pp * dp}",
+        _bucket_sets(job, reference, {"hidden_size": hidden}),
+        "overlap.tp_chunks=8",
+    ]
+    return [f"{k}={v}" for k, v in dict(c.split("=", 1) for c in changes).items()]
+
+
+def preset_175b_dp_sets(job: JobConfig, reference: JobConfig, dp: int) -> list[str]:
+    """``--shapes 175b-dp``: ``reference``'s DP bytes per FLOP (its tokens per DP rank and step,
+    32 x 2048 = 65,536) at the default hidden size, with its micro-batches per pipeline stage and
+    its DP buckets per model chunk: large micro-batches of 256-token samples."""
+    ref = reference.train
+    ref_dp = REFERENCE_WORLD // (reference.parallel.tp * reference.parallel.pp)
+    tokens = ref.global_batch_size // ref_dp * reference.model.seq_length
+    microbatches = round(_reference_microbatches(reference)) * job.parallel.pp
+    mbs = max(1, tokens // (microbatches * job.model.seq_length))
+    return [
+        f"train.micro_batch_size={mbs}",
+        f"train.global_batch_size={mbs * microbatches * dp}",
+        _bucket_sets(job, reference, {}),
+    ]
+
+
+SHAPES = {
+    "175b-tp": lambda job, ref, _dp: matched_shape_sets(job, ref),
+    "175b": preset_175b_sets,
+    "175b-dp": preset_175b_dp_sets,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     shape_sets: list[str] = []
-    if args.shapes == "175b-tp":
+    if args.shapes != "small":
         pre = load(args.config, [*DEFAULT_SETS, f"train.device={args.device}", *args.overrides])
-        shape_sets = matched_shape_sets(pre, load("megascale-175b"))
+        pre_dp = args.nproc // (pre.parallel.tp * pre.parallel.pp)
+        shape_sets = SHAPES[args.shapes](pre, load("megascale-175b"), pre_dp)
     base = load(
         args.config,
         [*DEFAULT_SETS, *shape_sets, f"train.device={args.device}", *args.overrides],
@@ -191,6 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _median_mean(per_rank, key: str, link: str, field: str, default: str = "") -> float:
+    """Median over steps of the mean over ranks of ``by_link[link][field]`` (or ``default``'s)."""
+
+    def value(result, i: int) -> float:
+        d = result[key][i]["by_link"].get(link, {})
+        return d.get(field, d.get(default, 0.0))
+
+    steps = range(len(per_rank[0][key]))
+    return statistics.median(statistics.fmean(value(r, i) for r in per_rank) for i in steps)
+
+
 def summarize(per_rank: list[dict]) -> dict:
     """Per block and variant: step time (median over steps of the slowest rank), and per
     dimension the modelled communication and the exposed part (medians over steps of the mean over
@@ -205,20 +300,17 @@ def summarize(per_rank: list[dict]) -> dict:
             )
         }
         for link in LINKS:
-            comm, exposed = (
-                statistics.median(
-                    statistics.fmean(
-                        r[key][i]["by_link"].get(link, {}).get(field, 0.0) for r in per_rank
-                    )
-                    for i in steps
+            comm = _median_mean(per_rank, key, link, "comm_s")
+            exposed = _median_mean(per_rank, key, link, "exposed_s")
+            row[link] = {"comm_s": comm, "exposed_comm_s": exposed}
+            if link == "pp":  # both ends of each message; the receiver-side bound beside it
+                row[link]["exposed_comm_s"] = _median_mean(
+                    per_rank, key, link, "exposed_paired_s", "exposed_s"
                 )
-                for field in ("comm_s", "exposed_s")
-            )
-            row[link] = {
-                "comm_s": comm,
-                "exposed_comm_s": exposed,
-                "hidden": 1 - exposed / comm if comm > 0 else None,
-            }
+                row[link]["exposed_bound_s"] = exposed
+                row[link]["hidden_bound"] = 1 - exposed / comm if comm > 0 else None
+            hidden = 1 - row[link]["exposed_comm_s"] / comm if comm > 0 else None
+            row[link]["hidden"] = hidden
         ref = per_rank[0].get(f"{block}/off", per_rank[0][key])
         row["max_loss_diff_vs_off"] = max(
             abs(a["loss"] - b["loss"]) / abs(b["loss"])
@@ -252,10 +344,14 @@ def report(args, base, summary: dict) -> str:
         f"cost model: {json.dumps(summary['cost_model'])}",
         "step time: median over steps of the slowest rank; comm / exposed: modelled communication "
         "and the part the caller waited for, per dimension, median over steps of the rank mean",
+        "PP exposed: the part of each message's modelled transfer during which its receiver or "
+        "sender waited (pipeline bubbles excluded); PP bound: the receiver-side bound (each "
+        "receive's wait up to the message's cost, bubbles included)",
         "",
         "| block | variant | step time (s) | vs off | TP/SP comm / exposed (s) | hidden "
-        "| PP comm / exposed (s) | hidden | DP comm / exposed (s) | hidden | loss diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| PP comm / exposed (s) | hidden | PP bound: exposed (s) | hidden "
+        "| DP comm / exposed (s) | hidden | loss diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for block, rows in summary["blocks"].items():
         for name, row in rows.items():
@@ -265,6 +361,9 @@ def report(args, base, summary: dict) -> str:
                 d = row[link]
                 cells.append(f"{d['comm_s']:.3f} / {d['exposed_comm_s']:.3f}")
                 cells.append("-" if d["hidden"] is None else f"{d['hidden']:.0%}")
+                if link == "pp":
+                    cells.append(f"{d['exposed_bound_s']:.3f}")
+                    cells.append("-" if d["hidden_bound"] is None else f"{d['hidden_bound']:.0%}")
             cells.append(f"{row['max_loss_diff_vs_off']:.1e}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

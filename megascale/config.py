@@ -93,7 +93,10 @@ class OverlapConfig:
     shapes, and more (76% / 73% against 71% / 66%) at 175B's TP bytes per FLOP
     (benchmarks/RESULTS.md)."""
     bucket_size: int | None = None
-    """Parameters per DP bucket; None uses megatron-core's default (max(40M, 1M * dp))."""
+    """Parameters per DP bucket; None uses megatron-core's default (max(40M, 1M * dp)). Only the
+    first model chunk is split into buckets (later chunks' grads are ready earlier), so with
+    interleaving this sets that chunk's bucket count (``megascale-175b``: 453M parameters per chunk
+    and GPU over the default 192M at DP192, about 2.4 buckets)."""
 
     def pp_active(self, parallel: ParallelConfig) -> bool:
         """Interleaved 1F1B with megatron-core's own p2p overlap."""

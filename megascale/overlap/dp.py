@@ -15,11 +15,18 @@ What it leaves exposed, and MegaScale fixes: the *first* bucket's all-gather is 
 the first forward pre-hook, which then waits for it at once. ``ParamGatherPrefetch.start`` issues it
 at the very start of the iteration, before data loading, so it is in flight while the batch is read;
 the forward pre-hook's wait finds it (nearly) done.
+
+With interleaving (several model chunks) a chunk's bucket chain starts only at its own first
+forward pre-hook, so each later chunk's first gather would be waited for at once. There
+megatron-core's ``align_param_gather`` is on and the schedule dispatches each chunk's gathers ahead
+of its first forward (``config.param_sync_func``, one ``pending_param_sync`` per chunk): chunk 0's
+and 1's at the start of the schedule, chunk k+1's during chunk k's first forward.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +69,20 @@ class ParamGatherPrefetch:
             return
         # Dispatches the next bucket's gather too, exactly as the forward pre-hook would.
         group.finish_param_sync()
+
+
+def pending_param_sync(chunk) -> Callable[..., None]:
+    """The schedule's ``param_sync_func`` for ``chunk``: dispatch the param all-gather of every
+    bucket group of the chunk not dispatched yet this iteration (``ParamGatherPrefetch`` may have
+    started the first one before data loading; dispatching it twice is an error in
+    megatron-core). Asynchronous; the forward pre-hooks wait."""
+
+    def start(*_unused) -> None:
+        for group in chunk.bucket_groups:
+            if not group.param_gather_dispatched:
+                group.start_param_sync()
+
+    return start
 
 
 def sync_params(model_chunks: list) -> None:

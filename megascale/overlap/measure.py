@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import JobConfig
+from megascale.overlap import pp_exposure
 from megascale.overlap.cost import CostModel, measure_gemm_flops
 from megascale.overlap.trace import CommTrace
 from megascale.parallel import async_comm, cpu_backend
@@ -95,6 +96,27 @@ def _link_classifier(groups):
     return link_of
 
 
+_P2P = pp_exposure.SENDS + pp_exposure.RECEIVES
+
+
+def _add_paired_pp(rows: list[dict], p2p_by_step: list[list[dict]]) -> None:
+    """Give each step's ``by_link["pp"]`` an ``exposed_paired_s``: its ``exposed_s`` with this
+    rank's p2p waits re-counted from both ends of each message (``megascale.overlap.pp_exposure``).
+    Gathers every rank's p2p events once, after the timed steps. Collective."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, p2p_by_step)
+    me = dist.get_rank()
+    for i, row in enumerate(rows):
+        step = [per_rank[i] for per_rank in everyone]
+        try:
+            paired = pp_exposure.paired_exposure(step)[me]
+        except ValueError:  # unpaired (batched p2p): keep the receiver-side bound
+            continue
+        pp = row["by_link"].setdefault("pp", {"comm_s": 0.0, "exposed_s": 0.0})
+        own = pp_exposure.receiver_side_exposure(step[me])
+        pp["exposed_paired_s"] = max(0.0, pp["exposed_s"] - own) + paired
+
+
 def calibrated_cost(fabric: str, elem_scale: float, alpha_scale: float) -> CostModel:
     """The fabric's cost model scaled by the GEMM rate every rank gets while all run at once
     (mean over ranks). Collective."""
@@ -142,6 +164,7 @@ def measure_rank(
             trainer = Trainer(job, groups, device, data_cache_dir=data_dir)
             _instrument(trainer, trace)
             trace.link_of = _link_classifier(groups)
+            p2p_by_step = []
             for i in range(warmup + steps):
                 trainer.reset_first_forward()
                 trace.reset()
@@ -166,10 +189,14 @@ def measure_rank(
                     },
                     "cost_model": cost.describe(),
                 }
+                p2p_by_step.append(
+                    [dataclasses.asdict(e) for e in events if e.kind in _P2P and not e.coalesced]
+                )
                 if keep_events:
                     row["events"] = [dataclasses.asdict(e) for e in events]
                     row["marks"] = [dataclasses.asdict(mk) for mk in marks]
                 results[name].append(row)
+            _add_paired_pp(results[name][len(results[name]) - len(p2p_by_step) :], p2p_by_step)
             del trainer
     trace.uninstall()
     if engine is not None:

@@ -18,10 +18,12 @@ communication threads, one per process group (a FIFO, like a GPU's communication
 ``exposed_s`` accumulates the time the caller spent blocked (synchronous calls and ``wait()``);
 ``exposed_by_link`` the part of it that the link's modelled transfers explain (``add_wait``): the
 communication that computation did not hide; ``comm_by_link`` sums the modelled cost of the calls
-issued. Ops issued together inside megatron-core's
-``_coalescing_manager`` (one bucket's collectives) or a ``batch_isend_irecv`` count as one operation;
-they run in the caller's thread after their group's queue drains (so every rank issues a group's
-calls in the same order), and their handle waits out their summed cost.
+issued. Each event keeps what it was counted (``exposed_s``), its p2p peer and the start of its
+modelled transfer, so a receive's wait can be re-counted from both ends of its message once every
+rank's events are gathered (``megascale.overlap.pp_exposure``). Ops issued together inside
+megatron-core's ``_coalescing_manager`` (one bucket's collectives) or a ``batch_isend_irecv`` count
+as one operation; they run in the caller's thread after their group's queue drains (so every rank
+issues a group's calls in the same order), and their handle waits out their summed cost.
 
 In the NCCL-like CPU mode (``parallel.async_collectives``, ``megascale.parallel.async_comm``)
 pass its engine (``engine=``): the engine's own communication threads then wait out each call's
@@ -48,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.overlap.cost import CostModel
+from megascale.overlap.pp_exposure import covered
 from megascale.parallel.async_comm import p2p_name
 from megascale.parallel.comm_hooks import (
     COLLECTIVES,
@@ -77,6 +80,14 @@ class CommEvent:
     link: str = "other"
     nbytes: int = 0
     cost_s: float = 0.0
+    peer: int | None = None
+    """p2p only: the other end's global rank (a send's destination, a receive's source)."""
+    transfer_start: float | None = None
+    """When the modelled transfer began: after the call was posted and its group's earlier calls
+    ended (``perf_counter``, system-wide on Linux, so it compares across ranks); None where the
+    trace does not run the cost itself (the NCCL-like mode's threads do)."""
+    exposed_s: float = 0.0
+    """The part of the caller's waits on this call that ``add_wait`` counted as exposed."""
 
 
 @dataclass
@@ -114,6 +125,18 @@ def _nbytes(args, kwargs) -> int:
     return max(sizes)
 
 
+def _peer(kind: str, args, kwargs) -> int | None:
+    """The global rank at the other end of a p2p call (``dst``/``src``, or the second argument)."""
+    if kind not in _P2P:
+        return None
+    name = "dst" if kind in ("isend", "send") else "src"
+    peer = kwargs.get(name, args[1] if len(args) > 1 else None)
+    group_peer = kwargs.get(f"group_{name}")
+    if peer is None and group_peer is not None:
+        peer = dist.get_global_rank(kwargs["group"], group_peer)
+    return peer if isinstance(peer, int) else None
+
+
 class _Lane:
     """One process group's communication thread: calls run in issue order, each starting no
     earlier than the previous one's modelled end plus its own cost."""
@@ -130,9 +153,12 @@ class _Lane:
         self._on_busy(start, self.busy_until)
         return self.busy_until
 
-    def submit(self, cost_s: float, fn: Callable) -> Future:
+    def submit(self, cost_s: float, fn: Callable, event: CommEvent | None = None) -> Future:
         def run():
-            remaining = self.reserve(cost_s) - time.perf_counter()
+            end = self.reserve(cost_s)
+            if event is not None:
+                event.transfer_start = end - cost_s
+            remaining = end - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
             return fn()
@@ -323,18 +349,13 @@ class CommTrace:
         with self._lock:
             self.state.exposed_s += end - start
             self.state.exposed_by_link[link] += explained
+            if event is not None:
+                event.exposed_s += explained
 
     def _busy_overlap(self, link: str, start: float, end: float) -> float:
         with self._lock:
-            spans = sorted(
-                (max(s, start), min(e, end)) for s, e in self.state.busy[link] if e > start
-            )
-        total, reach = 0.0, start
-        for s, e in spans:
-            if e > reach:
-                total += e - max(s, reach)
-                reach = e
-        return total
+            spans = list(self.state.busy[link])
+        return covered((start, end), spans)
 
     def _busy(self, link: str) -> Callable[[float, float], None]:
         def on_busy(start: float, end: float) -> None:
@@ -363,6 +384,7 @@ class CommTrace:
         cost = self.price(kind, group, args, kwargs)
         event = CommEvent(kind, time.perf_counter(), coalesced=coalesced, link=link, nbytes=nbytes)
         event.cost_s = cost
+        event.peer = _peer(kind, args, kwargs)
         self.state.events.append(event)
         if not coalesced:
             self.state.comm_by_link[link] += cost
@@ -390,7 +412,7 @@ class CommTrace:
                 return None
             return work
 
-        return self.lane(group, event.link).submit(event.cost_s, call)
+        return self.lane(group, event.link).submit(event.cost_s, call, event)
 
     # -- installation ------------------------------------------------------------------------------
 
@@ -439,6 +461,8 @@ class CommTrace:
         self.state.events.append(event)
         self.state.comm_by_link[link] += event.cost_s
         ready_at = self.lane(group, link).reserve(event.cost_s) if self.threaded else event.issued
+        if self.threaded:
+            event.transfer_start = ready_at - event.cost_s
         return event, ready_at
 
     def _drain(self, group, link: str | None = None) -> None:

@@ -26,6 +26,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megascale.config import JobConfig
 from megascale.model.gpt import build_gpt, init_parameters
+from megascale.overlap.dp import pending_param_sync
 from megascale.parallel.groups import Groups
 
 
@@ -73,11 +74,16 @@ def apply_ddp(
     pre-hooks one bucket ahead: see ``megascale.overlap.dp``.
     """
     overlap = job.overlap.dp
+    gather = overlap and job.parallel.distributed_optimizer
+    # Interleaved: the schedule dispatches every chunk's param all-gather ahead of its first
+    # forward (config.param_sync_func below); without it a later chunk's first gather waits at once.
+    align = gather and len(chunks) > 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=job.parallel.distributed_optimizer,
         overlap_grad_reduce=overlap,
-        overlap_param_gather=overlap and job.parallel.distributed_optimizer,
+        overlap_param_gather=gather,
+        align_param_gather=align,
         bucket_size=job.overlap.bucket_size,
         check_for_nan_in_grad=True,
     )
@@ -98,6 +104,8 @@ def apply_ddp(
         # it every micro-batch's backward would launch the bucket reduce-scatters.
         no_sync = [chunk.no_sync for chunk in wrapped]
         config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    if align:
+        config.param_sync_func = [pending_param_sync(chunk) for chunk in wrapped]
     return wrapped
 
 

@@ -125,6 +125,9 @@ def test_first_param_all_gather_is_issued_before_data_loading_and_first_forward(
         assert gathers, f"rank {rank}: no param all-gather in step 2"
         first = min(e["issued"] for e in gathers)
         assert first < _mark(on, "data_loaded") < _mark(on, "forward_start"), rank
+        # Interleaved: every chunk's gathers are dispatched before the first forward (the
+        # schedule's param_sync_func), not by the chunk's own first forward pre-hook.
+        assert max(e["issued"] for e in gathers) < _mark(on, "forward_start"), rank
         # Without overlap the gather happened inside the previous optimizer step instead.
         off = result["off"][1]
         assert not [
@@ -194,6 +197,10 @@ def test_pp_plain_1f1b_receives_are_posted_ahead_and_sends_are_not_waited(traced
         sends, last_recv = _p2p(on, "isend"), max(e["issued"] for e in _p2p(on, "irecv"))
         assert len(sends) == 8 and all(e["wait_start"] > last_recv for e in sends), stage
         assert all(not e["coalesced"] for e in sends + _p2p(on, "irecv")), stage
+        # Every send paired with its receive (same peers, order and bytes) on every rank.
+        for row in (on, off):
+            assert {e["peer"] for e in sends + _p2p(row, "irecv")} == {1 - stage}
+            assert row["by_link"]["pp"]["exposed_paired_s"] == 0.0  # no modelled cost here
 
 
 def test_nccl_like_mode_prices_calls_on_its_threads_and_keeps_the_numbers(data_dir):

@@ -1,0 +1,46 @@
+"""The overlap benchmark's 175B presets keep megascale-175b's ratios (pure arithmetic)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from megascale.config import load
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "overlap.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("overlap_benchmark", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sets(changes: list[str]) -> dict[str, str]:
+    return dict(c.split("=", 1) for c in changes)
+
+
+def test_175b_preset_keeps_tp_ratio_microbatches_per_stage_and_buckets_per_chunk(bench):
+    reference, small = load("megascale-175b"), load("tiny", bench.DEFAULT_SETS)
+    assert bench.chunk_params(reference) == pytest.approx(453e6, rel=1e-3)
+    sets = _sets(bench.preset_175b_sets(small, reference, dp=2))
+    job = load("tiny", [*bench.DEFAULT_SETS, *(f"{k}={v}" for k, v in sets.items())])
+    assert bench.tp_bytes_per_flop(job) == pytest.approx(
+        bench.tp_bytes_per_flop(reference), rel=0.05
+    )
+    assert bench.microbatches_per_stage(job, 2) == 4  # 32 per DP rank over PP8 at 175B
+    buckets = bench.chunk_params(job) / job.overlap.bucket_size
+    assert buckets == pytest.approx(453e6 / 192e6, rel=1e-3)  # megatron's bucket at DP192
+    assert job.overlap.tp_chunks == 8
+
+
+def test_175b_dp_preset_gives_each_dp_rank_175bs_tokens_per_step(bench):
+    reference, small = load("megascale-175b"), load("tiny", bench.DEFAULT_SETS)
+    job = load("tiny", [*bench.DEFAULT_SETS, *bench.preset_175b_dp_sets(small, reference, dp=2)])
+    tokens = job.train.global_batch_size // 2 * job.model.seq_length
+    assert tokens == 6144 // 192 * 2048 == 65536
+    assert bench.microbatches_per_stage(job, 2) == 4
