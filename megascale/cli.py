@@ -52,10 +52,10 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from megascale.robustness import service_main
+    from megascale.robustness import controller_command
 
     try:
-        return service_main.main(args)
+        return controller_command.main(args)
     except ValueError as e:
         print(f"megascale controller: {e}", file=sys.stderr)
         return 2
@@ -180,9 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     controller_p = sub.add_parser(
         "controller", help="robust-training controller (leader-elected; run 2 for a standby)"
     )
-    from megascale.robustness import service_main
+    from megascale.robustness import controller_command
 
-    service_main.add_arguments(controller_p)
+    controller_command.add_arguments(controller_p)
     controller_p.set_defaults(func=_controller)
     operator_p = sub.add_parser(
         "operator", help="Kubernetes: the MegaScaleJob operator, its CRD, the node self-check label"

@@ -65,7 +65,7 @@ from megascale.robustness.process import (
     write_metrics_url,
 )
 from megascale.robustness.progress import progress_path, read_progress
-from megascale.robustness.service_options import lease_ttl
+from megascale.robustness.controller_policy import lease_ttl
 from megascale.robustness.store import (
     KeepAlive,
     Lease,

@@ -213,9 +213,9 @@ def _agent_process(agent_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
 
 def _controller_process(service_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
-    from megascale.robustness import service_main
+    from megascale.robustness import controller_command
 
-    sys.exit(service_main.serve(service_opts, store_cfg))
+    sys.exit(controller_command.serve(service_opts, store_cfg))
 
 
 class LocalCluster:
@@ -284,7 +284,7 @@ class LocalCluster:
             time.sleep(0.02)
 
     def start_controllers(self) -> None:
-        from megascale.robustness.service_options import policy_for
+        from megascale.robustness.controller_policy import policy_for
 
         o, p, ft, t = self.opts, self.job.parallel, self.job.fault_tolerance, self.job.train
         policy = policy_for(
@@ -311,7 +311,8 @@ class LocalCluster:
 
     def spawn_controller(self, name: str) -> None:
         """Fork controller ``name``; it leads once elected, resuming from the state in etcd."""
-        from megascale.robustness.service_options import ServiceOptions, straggler_options
+        from megascale.robustness.controller_policy import straggler_options
+        from megascale.robustness.service import ServiceOptions
 
         o = self.opts
         service_opts = ServiceOptions(
@@ -660,7 +661,7 @@ def _run_cluster(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from megascale.robustness.service_main import add_fault_tolerance_arguments
+    from megascale.robustness.fault_tolerance_flags import add_fault_tolerance_arguments
 
     parser.add_argument("--nodes", type=int, default=2, help="nodes per generation (M)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (K)")
@@ -701,7 +702,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """LaunchOptions from the command line (InjectError for a bad --inject, LaunchError for a
     bad fault-tolerance flag)."""
-    from megascale.robustness.service_main import check_fault_tolerance_arguments
+    from megascale.robustness.fault_tolerance_flags import check_fault_tolerance_arguments
 
     try:
         check_fault_tolerance_arguments(args)

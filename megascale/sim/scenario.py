@@ -223,7 +223,7 @@ def decision_bytes(nodes: int, nproc_per_node: int = 8) -> dict[str, int]:
     (before the gateway's base64): the FSM ``state`` snapshot, the ``status`` agents watch, one
     ``start`` command, and all of them."""
     from megascale.robustness.controller import ControllerFSM, SendCommand
-    from megascale.robustness.service_options import policy_for
+    from megascale.robustness.controller_policy import policy_for
 
     fsm = ControllerFSM(policy_for(nodes, nproc_per_node, tp=nproc_per_node), 0.0)
     fsm.on_start(0.0)
