@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from megascale.entry import run_command
 from megascale.train.command import add_arguments as add_train_arguments
@@ -109,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     train.set_defaults(func=run_train)
 
+    _add_tool_commands(sub)
+    _add_process_commands(sub)
+    return parser
+
+
+def _add_tool_commands(sub: Any) -> None:
+    """The node self-check and the tools that run on demand: mfu, selfcheck, dashboards, data,
+    export, timeline, report."""
     mfu = sub.add_parser("mfu", help="model FLOPs per token and MFU for a config")
     from megascale.diagnostics import flops
 
@@ -163,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_arguments(report_p)
     report_p.set_defaults(func=_report)
 
+
+def _add_process_commands(sub: Any) -> None:
+    """The processes of a fault-tolerant job: launch, agent, controller, operator."""
     launch_p = sub.add_parser(
         "launch", help="local fault-tolerant cluster: etcd, controller, M(+S) agents x K workers"
     )
@@ -191,7 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     command.add_arguments(operator_p)
     operator_p.set_defaults(func=command.main)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
