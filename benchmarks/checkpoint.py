@@ -48,7 +48,7 @@ from megascale.launcher.local import run_local
 from megascale.logs import quiet_expected_noise
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.train import checkpoint
+from megascale.train import checkpoint, checkpoint_load
 from megascale.train.checkpoint_io import Storage
 from megascale.train.checkpoint_shards import to_dcp, training_entries
 from megascale.train.run import seed_everything
@@ -237,7 +237,7 @@ def load_rank(job, data_dir: Path, root: Path, rounds: int) -> list[float]:
     for _ in range(rounds):
         dist.barrier()
         start = time.perf_counter()
-        checkpoint.load_latest(trainer, Storage(root))
+        checkpoint_load.load_latest(trainer, Storage(root))
         times.append(_slowest(time.perf_counter() - start))
     destroy_groups()
     return times

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from megascale.entry import run_command
 from megascale.train.command import add_arguments as add_train_arguments
@@ -52,10 +53,10 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from megascale.robustness import service_main
+    from megascale.robustness import controller_command
 
     try:
-        return service_main.main(args)
+        return controller_command.main(args)
     except ValueError as e:
         print(f"megascale controller: {e}", file=sys.stderr)
         return 2
@@ -109,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
     train.set_defaults(func=run_train)
 
+    _add_tool_commands(sub)
+    _add_process_commands(sub)
+    return parser
+
+
+def _add_tool_commands(sub: Any) -> None:
+    """The node self-check and the tools that run on demand: mfu, selfcheck, dashboards, data,
+    export, timeline, report."""
     mfu = sub.add_parser("mfu", help="model FLOPs per token and MFU for a config")
     from megascale.diagnostics import flops
 
@@ -163,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_arguments(report_p)
     report_p.set_defaults(func=_report)
 
+
+def _add_process_commands(sub: Any) -> None:
+    """The processes of a fault-tolerant job: launch, agent, controller, operator."""
     launch_p = sub.add_parser(
         "launch", help="local fault-tolerant cluster: etcd, controller, M(+S) agents x K workers"
     )
@@ -180,9 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     controller_p = sub.add_parser(
         "controller", help="robust-training controller (leader-elected; run 2 for a standby)"
     )
-    from megascale.robustness import service_main
+    from megascale.robustness import controller_command
 
-    service_main.add_arguments(controller_p)
+    controller_command.add_arguments(controller_p)
     controller_p.set_defaults(func=_controller)
     operator_p = sub.add_parser(
         "operator", help="Kubernetes: the MegaScaleJob operator, its CRD, the node self-check label"
@@ -191,7 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     command.add_arguments(operator_p)
     operator_p.set_defaults(func=command.main)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

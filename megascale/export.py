@@ -1,7 +1,7 @@
 """``megascale export``: a trained run to a Hugging Face ``transformers`` model directory.
 
 ``export(run_dir, output, step=None)`` reads the run's ``config.toml``, builds a 1-process CPU
-trainer the way training does, loads the checkpoint through ``checkpoint.load_latest`` (the only
+trainer the way training does, loads the checkpoint through ``checkpoint_load.load_latest`` (the only
 reader of checkpoint files), maps the model's ``state_dict()`` onto a ``transformers`` architecture
 that computes the same function, and writes ``config.json`` + ``model.safetensors`` (+ the files
 of ``RUN_DIR/tokenizer/``) for ``AutoModelForCausalLM.from_pretrained`` (no custom code).
@@ -278,7 +278,7 @@ def _probe(trainer) -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_model(job: JobConfig, run_dir: Path, step: int | None) -> LoadedModel:
     """Build a 1-rank CPU trainer and load checkpoint ``step`` (None: the newest) through
-    ``checkpoint.load_latest``.
+    ``checkpoint_load.load_latest``.
 
     ``parallel.tp = pp = dp = 1``, in this process's own world-size-1 gloo group (a FileStore, no
     listening store; gloo bound to the loopback interface), torn down after; refused if a process
@@ -322,11 +322,12 @@ def load_model(job: JobConfig, run_dir: Path, step: int | None) -> LoadedModel:
 
 
 def _load(trainer, where: str, step: int | None) -> int:
-    """``checkpoint.load_latest`` into ``trainer``; the step loaded, or ExportError saying why not."""
-    from megascale.train import checkpoint
+    """``checkpoint_load.load_latest`` into ``trainer``; the step loaded, or ExportError saying
+    why not."""
+    from megascale.train import checkpoint_load
 
     try:
-        loaded = checkpoint.load_latest(trainer, where, step=step)
+        loaded = checkpoint_load.load_latest(trainer, where, step=step)
     except (RuntimeError, KeyError) as e:  # e.g. a state_dict that does not fit this model
         why = " ".join(str(e).split())[:300] or type(e).__name__
         raise ExportError(f"the checkpoint does not load into a 1-process model: {why}") from e

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from megascale.messages_job import ControllerState, FaultRecord
-from megascale.robustness.controller_types import Fault, State
+from megascale.robustness.controller_actions import Fault
+from megascale.robustness.controller_states import State
 
 if TYPE_CHECKING:
     from megascale.robustness.controller import ControllerFSM

@@ -166,25 +166,7 @@ def run_scenario(
             return result
         result.first_start_s = running.time - t0
         _steady(result, ctl.pid, etcd_pid, [p.pid for p in procs], endpoint, steady_s)
-        store = Store(StoreConfig.parse(endpoint))
-        for k in range(kills):
-            time.sleep(rng.uniform(2.0, 2.0 + heartbeat_s))
-            state = ControllerState.decode(store.get(JobKeys(job).state).json())
-            generation = state.generation
-            victim = rng.choice(state.order)
-            pipes[where[victim]].send(("kill", victim))
-            killed_at = _recv(pipes[where[victim]], 30, "kill time")[1]
-            fault = _wait_event(run_dir, "fault", generation, 60, node=victim)
-            stopped = _wait_event(run_dir, "all_stopped", generation, 120)
-            back = _wait_event(run_dir, "generation_running", generation + 1, 180)
-            if fault is None or stopped is None or back is None:
-                result.notes.append(f"kill {k}: no recovery (fault={fault is not None})")
-                break
-            result.detect_s.append(fault.time - killed_at)
-            result.stop_s.append(stopped.time - fault.time)
-            result.restart_s.append(back.time - stopped.time)
-            logger.info("N=%d kill %d: %s", nodes, k, fault.detail)
-        store.close()
+        _kill_nodes(result, endpoint, job, run_dir, kills, rng, pipes, where)
     finally:
         try:
             for pipe in pipes:
@@ -201,6 +183,41 @@ def run_scenario(
             except subprocess.TimeoutExpired:
                 ctl.kill()
     return result
+
+
+def _kill_nodes(
+    result: ScenarioResult,
+    endpoint: str,
+    job: str,
+    run_dir: Path,
+    kills: int,
+    rng: random.Random,
+    pipes: list,
+    where: dict[str, int],
+) -> None:
+    """Kill ``kills`` nodes of the running generation one at a time, each at a random moment,
+    and record how long detection, stopping and restarting took (a note when one never
+    recovered, which ends the series)."""
+    heartbeat_s = result.heartbeat_s
+    store = Store(StoreConfig.parse(endpoint))
+    for k in range(kills):
+        time.sleep(rng.uniform(2.0, 2.0 + heartbeat_s))
+        state = ControllerState.decode(store.get(JobKeys(job).state).json())
+        generation = state.generation
+        victim = rng.choice(state.order)
+        pipes[where[victim]].send(("kill", victim))
+        killed_at = _recv(pipes[where[victim]], 30, "kill time")[1]
+        fault = _wait_event(run_dir, "fault", generation, 60, node=victim)
+        stopped = _wait_event(run_dir, "all_stopped", generation, 120)
+        back = _wait_event(run_dir, "generation_running", generation + 1, 180)
+        if fault is None or stopped is None or back is None:
+            result.notes.append(f"kill {k}: no recovery (fault={fault is not None})")
+            break
+        result.detect_s.append(fault.time - killed_at)
+        result.stop_s.append(stopped.time - fault.time)
+        result.restart_s.append(back.time - stopped.time)
+        logger.info("N=%d kill %d: %s", result.nodes, k, fault.detail)
+    store.close()
 
 
 def _steady(
@@ -223,7 +240,7 @@ def decision_bytes(nodes: int, nproc_per_node: int = 8) -> dict[str, int]:
     (before the gateway's base64): the FSM ``state`` snapshot, the ``status`` agents watch, one
     ``start`` command, and all of them."""
     from megascale.robustness.controller import ControllerFSM, SendCommand
-    from megascale.robustness.service_options import policy_for
+    from megascale.robustness.controller_policy import policy_for
 
     fsm = ControllerFSM(policy_for(nodes, nproc_per_node, tp=nproc_per_node), 0.0)
     fsm.on_start(0.0)

@@ -29,7 +29,7 @@ metadata into the step's ``.metadata``, writes the manifest (temporary name, the
 the markers, and prunes to the last ``keep``. A crash anywhere before the manifest leaves a
 directory that is never loaded.
 
-Restart (``load_latest``, collective): rank 0 lists the complete checkpoints and broadcasts the
+Restart (``checkpoint_load.load_latest``, collective): rank 0 lists the complete checkpoints and broadcasts the
 list and the newest manifest. The ranks verify every file of it (size, sha256; each rank a share,
 agreed with one all-reduce), so one bad file makes every rank fall back to the previous checkpoint
 together. A checkpoint that verifies but cannot be loaded here (another layout with
@@ -40,7 +40,6 @@ layouts and the way forward. Loading never executes code (see ``checkpoint_forma
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -50,30 +49,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from megascale.config import CheckpointConfig
 from megascale.train import checkpoint_format as fmt
-from megascale.train import checkpoint_legacy as legacy
 from megascale.train.checkpoint_io import (
     DONE_DIR,
     MANIFEST,
     HostCopier,
     Storage,
     check_config,
-    load_state_bytes,
     location,
     os_cause,
     rng_state,
-    set_rng_state,
     sha256_hex,
     step_name,
 )
-from megascale.train.checkpoint_paths import CheckpointPathError, resolve_file
 from megascale.train.checkpoint_shards import (
     Entry,
-    ensure_optimizer_state,
     optimizer_step_count,
     set_optimizer_step_count,
     to_dcp,
@@ -456,210 +449,3 @@ def _refuse_to_overwrite(storage: Storage) -> None:
             "not load it (checkpoint.resume = false): it would be overwritten; use another run "
             "directory or checkpoint.url, or resume"
         )
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Local checkpoint directories that have a manifest, oldest first."""
-    return [step_dir(root, s) for s in Storage(root).complete_steps()]
-
-
-# --------------------------------------------------------------------------------------------------
-# Load
-# --------------------------------------------------------------------------------------------------
-
-
-def resume(trainer: Trainer, cfg: CheckpointConfig, run_dir: Path) -> int | None:
-    """Load the latest complete checkpoint at this job's checkpoint location. Collective."""
-    check_config(cfg, trainer.groups.layout.world_size)
-    return load_latest(
-        trainer, location(cfg, run_dir), broadcast=cfg.broadcast_on_load, reshard=cfg.reshard
-    )
-
-
-def load_latest(
-    trainer: Trainer,
-    where: str | Path | Storage,
-    *,
-    broadcast: bool = True,
-    step: int | None = None,
-    reshard: bool = True,
-) -> int | None:
-    """Load the newest checkpoint that every rank can verify; return its step (None: none exist).
-
-    Collective: the ranks agree on the choice, so one bad file makes all ranks fall back together.
-    ``step`` loads that checkpoint only. Raises CheckpointUnusable, on every rank, when complete
-    checkpoints exist and none can be loaded here (a layout change with ``reshard`` off, an older
-    layout-bound format at another layout, or none verifies). ``broadcast`` applies to the older
-    format (one read per DP group).
-    """
-    storage = where if isinstance(where, Storage) else Storage(where)
-    groups = trainer.groups
-    listed = [storage.complete_steps() if groups.rank == 0 else None]
-    dist.broadcast_object_list(listed, src=0)  # one listing, so every rank walks the same steps
-    candidates = [s for s in listed[0] if step is None or s == step]
-    if step is not None and not candidates:
-        raise CheckpointUnusable(
-            f"no complete checkpoint at step {step} in {storage.path('')}; complete: "
-            f"{listed[0] or 'none'}"
-        )
-    skipped = []
-    for candidate in reversed(candidates):
-        manifest = [
-            storage.read_json(f"{step_name(candidate)}/{MANIFEST}") if groups.rank == 0 else None
-        ]
-        dist.broadcast_object_list(manifest, src=0)
-        _check_loadable(manifest[0], candidate, trainer, storage, reshard)
-        if int(manifest[0].get("format_version", 1)) < FORMAT_VERSION:
-            loaded = legacy.load_step(trainer, storage, candidate, broadcast=broadcast)
-            why = "a file does not verify"
-        else:
-            loaded, why = _load_step(trainer, storage, candidate, manifest[0])
-        if loaded:
-            logger.info("resumed from %s", storage.path(step_name(candidate)))
-            return candidate
-        logger.warning("skipping checkpoint %s: %s", step_name(candidate), why)
-        skipped.append(f"{step_name(candidate)} ({why})")
-    if skipped:
-        raise CheckpointUnusable(
-            f"no checkpoint in {storage.path('')} can be loaded: {'; '.join(skipped)}; they are "
-            "left as they are: repair or move them, or use another run directory"
-        )
-    return None
-
-
-def _check_loadable(
-    manifest: dict | None, step: int, trainer: Trainer, storage: Storage, reshard: bool
-) -> None:
-    """Raise CheckpointUnusable when this complete checkpoint cannot be loaded at this layout."""
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        return  # unreadable: it fails verification and the previous one is tried
-    saved, here = manifest.get("layout"), _layout(trainer.groups, trainer)
-    if not isinstance(saved, dict):
-        saved = {}
-    same = all(saved.get(k) == here[k] for k in ("tp", "pp", "dp"))
-    where = storage.path(step_name(step))
-    if int(manifest.get("format_version", 1)) < FORMAT_VERSION and not same:
-        raise CheckpointUnusable(
-            f"{where} was saved by an older megascale in a format bound to its layout "
-            f"({_describe(saved)}); this run is {_describe(here)}: resume it at "
-            f"{_describe(saved)} once (its next checkpoint is layout-independent), or use "
-            "another run directory"
-        )
-    if saved != here and not reshard:
-        raise CheckpointUnusable(
-            f"{where} was saved with layout {_describe(saved)}, this run is {_describe(here)}, "
-            "and checkpoint.reshard = false: set checkpoint.reshard = true to load it at this "
-            f"layout, run at {_describe(saved)}, or use another run directory"
-        )
-
-
-def _read_file(storage: Storage, sdir: str, name: str) -> bytes | None:
-    """A file a manifest names, only if it is a regular file inside the step directory
-    (``checkpoint_paths.resolve_file``); None when it is missing or refused."""
-    try:
-        path = resolve_file(storage.path(sdir), name, local=storage.local)
-        return storage.fs.cat_file(path)
-    except (CheckpointPathError, OSError, ValueError) as e:
-        logger.warning("checkpoint %s: %s", sdir, e)
-        return None
-
-
-def _inside(storage: Storage, sdir: str, name: str) -> bool:
-    """Whether ``name`` is a regular file inside the step directory (checked, not read)."""
-    try:
-        resolve_file(storage.path(sdir), name, local=storage.local)
-        return True
-    except CheckpointPathError as e:
-        logger.warning("checkpoint %s: %s", sdir, e)
-        return False
-
-
-def _data_files_listed(metadata, files: dict) -> str:
-    """'' when every data file the DCP metadata names is one the manifest lists (so verified)."""
-    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    unlisted = sorted(named - set(files))
-    return f"data files not in the manifest: {unlisted[:4]}" if unlisted else ""
-
-
-def _verify_share(storage: Storage, sdir: str, files: dict, rank: int, world: int) -> str:
-    """Verify this rank's share of a checkpoint's files; return why not ('' when all verify)."""
-    for i, name in enumerate(sorted(files)):
-        if i % world != rank:
-            continue
-        entry, data = files[name], _read_file(storage, sdir, name)
-        if data is None:
-            return f"{name} missing or not a file of the checkpoint"
-        if len(data) != entry.get("bytes") or sha256_hex(data) != entry.get("sha256"):
-            return f"{name} does not match its checksum"
-    return ""
-
-
-@torch.no_grad()
-def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) -> tuple[bool, str]:
-    """Verify, then load one layout-independent checkpoint into the trainer. Collective."""
-    groups, sdir, files = trainer.groups, step_name(step), manifest["files"]
-    why = _verify_share(storage, sdir, files, groups.rank, groups.layout.world_size)
-    whys: list[str] = [""] * groups.layout.world_size
-    dist.all_gather_object(whys, why)  # every rank falls back together, naming the bad file
-    why = next((w for w in whys if w), "")
-    if why:
-        return False, why
-    try:
-        metadata = fmt.load_metadata(_read_file(storage, sdir, fmt.METADATA) or b"")
-    except Exception as e:  # refused by the allow-list, or not a metadata file (every rank alike)
-        return False, f"{fmt.METADATA} cannot be read: {e}"
-    unlisted = _data_files_listed(metadata, files)
-    if unlisted:
-        return False, unlisted
-    ensure_optimizer_state(trainer)
-    entries = training_entries(trainer)
-    fmt.read_pieces(
-        to_dcp(entries, groups.rank, groups.layout.world_size), storage.url_of(sdir), metadata
-    )
-    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
-        if hasattr(inner, "_copy_main_params_to_model_params"):
-            inner._copy_main_params_to_model_params()  # bf16 model params from the fp32 ones
-    _apply_common(trainer, load_state_bytes(_read_file(storage, sdir, COMMON) or b""))
-    if manifest.get("layout") == _layout(groups, trainer):
-        rng = f"{rank_dir(groups.rank)}/rng.pt"
-        set_rng_state(load_state_bytes(_read_file(storage, sdir, rng) or b""))
-    else:
-        logger.info(
-            "checkpoint %s resharded from %s to %s",
-            sdir,
-            _describe(manifest.get("layout")),
-            _describe(_layout(groups, trainer)),
-        )
-    return True, ""
-
-
-def model_digest(where: str | Path | Storage) -> tuple[str | None, int | None]:
-    """sha256 over the model weights of the newest complete checkpoint (each global tensor by key,
-    dtype, shape and bytes, keys sorted), and its step. Independent of the layout that saved it.
-    Read in this process, verified against the manifest; (None, step) when it cannot be read."""
-    storage = where if isinstance(where, Storage) else Storage(where)
-    steps = storage.complete_steps()
-    if not steps:
-        return None, None
-    sdir = step_name(steps[-1])
-    manifest = storage.read_json(f"{sdir}/{MANIFEST}") or {}
-    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    entry, data = files.get(fmt.METADATA), _read_file(storage, sdir, fmt.METADATA)
-    if not isinstance(entry, dict) or data is None or sha256_hex(data) != entry.get("sha256"):
-        return None, steps[-1]
-    try:
-        metadata = fmt.load_metadata(data)
-    except Exception as e:
-        logger.warning("no parameter digest of %s: %s", sdir, e)
-        return None, steps[-1]
-    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    if _data_files_listed(metadata, files) or not all(
-        _inside(storage, sdir, name) for name in named
-    ):
-        return None, steps[-1]
-    keys = sorted(k for k in metadata.state_dict_metadata if not k.startswith("optimizer."))
-    digest = hashlib.sha256()
-    for key, tensor in fmt.read_whole(storage.url_of(sdir), metadata, keys).items():
-        digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest(), steps[-1]

@@ -32,7 +32,7 @@ from megascale.parallel.groups import build_groups, destroy_groups, init_distrib
 from megascale.robustness import inject
 from megascale.robustness.fatal import RUN_DIR_ENV, fail_job
 from megascale.robustness.progress import WorkerSignals
-from megascale.train import checkpoint
+from megascale.train import checkpoint, checkpoint_load
 from megascale.train.trainer import Trainer
 
 logger = logging.getLogger("megascale")
@@ -141,7 +141,7 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
     )
     if job.checkpoint.resume:
         try:
-            trainer.resumed_from = checkpoint.resume(trainer, job.checkpoint, run_dir)
+            trainer.resumed_from = checkpoint_load.resume(trainer, job.checkpoint, run_dir)
         except checkpoint.CheckpointUnusable as e:
             if os.environ.get(RUN_DIR_ENV):  # under a node agent: no restart can fix it
                 fail_job(str(e), run_dir)

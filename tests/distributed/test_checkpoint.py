@@ -18,7 +18,7 @@ from megascale.launcher.local import RankFailed, run_local
 from megascale.overlap.dp import sync_params
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.train import checkpoint
+from megascale.train import checkpoint, checkpoint_load
 from megascale.train.checkpoint_io import MANIFEST, Storage, check_config, step_name
 from megascale.train.checkpoint_shards import optimizer_step_count, training_entries
 from megascale.train.run import run_rank
@@ -96,7 +96,7 @@ def test_crash_during_background_write_leaves_no_manifest(
     root = tmp_path / "checkpoints"
     assert (root / step_name(4)).is_dir()  # stage 2 had started writing step 4 ...
     assert not (root / step_name(4) / MANIFEST).exists()  # ... and left no manifest
-    assert checkpoint.complete_checkpoints(root) == [root / step_name(2)]
+    assert checkpoint_load.complete_checkpoints(root) == [root / step_name(2)]
 
     resumed = run_local(run_rank, 4, (job, tmp_path), timeout_s=300)[0]
     assert _losses(resumed) == uninterrupted[2:]  # from step 2, exactly
@@ -146,7 +146,7 @@ def _save_then_load(job, data_dir: Path, run_dir: Path) -> dict:
     out = {"saved": _digest(saved), "stall_s": saver.last_stall_s}
     fresh = Trainer(job, saved.groups, "cpu", data_cache_dir=data_dir)
     storage = Storage(run_dir / "checkpoints")
-    out["step"] = checkpoint.load_latest(fresh, storage)
+    out["step"] = checkpoint_load.load_latest(fresh, storage)
     out["digest"] = _digest(fresh)
     out["reads"] = sorted({r.split("/")[1] for r in storage.reads if r.count("/") >= 1})
     destroy_groups()
@@ -186,7 +186,7 @@ def _memory_round_trip(job, data_dir: Path) -> dict:
     saver.finalize()
     checkpoint.fault_hook = None
     second = Trainer(job, first.groups, "cpu", data_cache_dir=data_dir)
-    step = checkpoint.load_latest(second, job.checkpoint.url)
+    step = checkpoint_load.load_latest(second, job.checkpoint.url)
     got = [second.step().loss for _ in range(2)]
     listing = Storage(job.checkpoint.url).listdir(step_name(2))
     assert fsspec.filesystem("memory").exists("/ckpt/" + step_name(2))  # a real memory:// store

@@ -16,7 +16,7 @@ from harness import with_changes
 
 from megascale.config import load, validate
 from megascale.launcher.local import run_local
-from megascale.train import checkpoint
+from megascale.train import checkpoint_load
 from megascale.train.checkpoint_io import Storage
 from megascale.train.run import run_rank
 
@@ -143,4 +143,4 @@ def test_layout_change_reshards_or_refuses_and_never_touches_the_checkpoints(tmp
     assert steps == list(range(1, 21))  # continued from step 10, not from step 1
     manifest = json.loads((run_dir / "checkpoints" / "step_00000020" / "manifest.json").read_text())
     assert manifest["layout"]["dp"] == 2
-    assert checkpoint.complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_00000020"
+    assert checkpoint_load.complete_checkpoints(run_dir / "checkpoints")[-1].name == "step_00000020"

@@ -9,7 +9,7 @@ from harness import with_changes
 
 from megascale.config import load, validate
 from megascale.launcher.local import run_local
-from megascale.train import checkpoint
+from megascale.train import checkpoint, checkpoint_load
 from megascale.train.run import run_rank
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, optimizer):
 
     first = run_local(run_rank, 4, (job, tmp_path / "resumed", 3), timeout_s=300)[0]
     assert [m.step for m in first] == [1, 2, 3]
-    assert checkpoint.complete_checkpoints(tmp_path / "resumed" / "checkpoints")
+    assert checkpoint_load.complete_checkpoints(tmp_path / "resumed" / "checkpoints")
     second = run_local(run_rank, 4, (job, tmp_path / "resumed"), timeout_s=300)[0]
 
     assert [m.step for m in second] == [4, 5, 6]

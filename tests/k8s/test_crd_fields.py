@@ -14,8 +14,8 @@ from k8s_support import example_jobs
 from megascale import config
 from megascale.k8s import crd, launch
 from megascale.k8s.job import Job
-from megascale.robustness import service_main
-from megascale.robustness.service_options import policy_for
+from megascale.robustness import fault_tolerance_flags
+from megascale.robustness.controller_policy import policy_for
 
 K8S_DIR = Path(launch.__file__).parent
 NOT_READERS = {"crd.py", "crd_status.py", "validation.py"}  # the schema and its checks
@@ -99,9 +99,11 @@ def test_fault_tolerance_reaches_the_config_and_the_controller(tmp_path, monkeyp
     # the controller's pod: job.json is the section's base, its flags win
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps(launch.job_policy(job)))
-    monkeypatch.setenv(service_main.JOB_SPEC_ENV, str(spec))
+    monkeypatch.setenv(fault_tolerance_flags.JOB_SPEC_ENV, str(spec))
     args = _controller_args(job)
-    ft = service_main.fault_tolerance_of(args, service_main.job_spec_fault_tolerance())
+    ft = fault_tolerance_flags.fault_tolerance_of(
+        args, fault_tolerance_flags.job_spec_fault_tolerance()
+    )
     assert (ft.selfcheck_timeout_s, ft.selfcheck_tests) == (240.0, ["gpu", "host", "network"])
     assert (ft.policy, ft.straggler_action) == ("shrink", "evict")
     assert policy_for(4, 8, fault_tolerance=ft).selfcheck_timeout_s == 240.0

@@ -10,8 +10,8 @@ import pytest
 
 from megascale import config
 from megascale.cli import build_parser
-from megascale.robustness import service_main
-from megascale.robustness.service_options import policy_for
+from megascale.robustness import fault_tolerance_flags
+from megascale.robustness.controller_policy import policy_for
 
 CONTROLLER = ["controller", "--job", "j", "--run-dir", "r", "--nodes", "2", "--nproc-per-node", "1"]
 CONTROLLER += ["--endpoints", "127.0.0.1:2379"]
@@ -60,18 +60,18 @@ def test_bad_fault_tolerance_values_are_named():
 def test_controller_flags_override_the_section_defaults():
     parser = build_parser()
     args = parser.parse_args(CONTROLLER)
-    assert service_main.fault_tolerance_of(args) == config.FaultToleranceConfig()
+    assert fault_tolerance_flags.fault_tolerance_of(args) == config.FaultToleranceConfig()
     args = parser.parse_args(
         [*CONTROLLER, "--max-restarts", "3", "--straggler-window", "6", "--selfcheck-timeout", "9"]
     )
-    ft = service_main.fault_tolerance_of(args)
+    ft = fault_tolerance_flags.fault_tolerance_of(args)
     assert ft == dataclasses.replace(
         config.FaultToleranceConfig(), max_restarts=3, straggler_window=6, selfcheck_timeout_s=9.0
     )
     policy = policy_for(2, 1, fault_tolerance=ft)
     assert (policy.max_restarts, policy.selfcheck_timeout_s) == (3, 9.0)
     with pytest.raises(ValueError, match=r"^fault_tolerance.straggler_consecutive = 0: must be"):
-        service_main.fault_tolerance_of(
+        fault_tolerance_flags.fault_tolerance_of(
             parser.parse_args([*CONTROLLER, "--straggler-consecutive", "0"])
         )
 

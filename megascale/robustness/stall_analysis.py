@@ -1,0 +1,95 @@
+"""Stall analysis: the ranks' flight-recorder states (``FlightRecord``), which ranks a stalled
+collective waits for (``stall_suspects``), a stall caused by mismatched collectives
+(``mismatch_signature``), and the per-section stall timeouts learned from observed durations
+(``SectionTimeouts``). Pure values and functions, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FlightRecord:
+    """A rank's flight-recorder state: the last collective it entered and whether it left it."""
+
+    seq: int
+    """Sequence number of that collective within ``group`` (every member counts the same calls)."""
+    kind: str
+    """e.g. "all_reduce", "reduce_scatter", "send"."""
+    left: bool
+    """Whether the rank has left (completed) it."""
+    group: tuple[int, ...] | None = None
+    """Global ranks of the process group; None when one sequence spans all ranks."""
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> FlightRecord:
+        group = d.get("group")
+        return cls(
+            int(d["seq"]),
+            str(d.get("kind", "")),
+            bool(d.get("left", False)),
+            tuple(int(r) for r in group) if group is not None else None,
+        )
+
+
+def stall_suspects(records: Mapping[int, FlightRecord], *, ranks: Iterable[int] = ()) -> list[int]:
+    """The ranks that never entered the collective the others wait in.
+
+    The awaited collective is the (group, seq) in which most ranks wait (have entered, not left),
+    ties going to the higher seq. Its participants are ``group`` (or, for group None, every rank in
+    ``records`` and ``ranks``); a participant is a suspect if its last record is an older seq,
+    another group, or missing (its recorder could not be read). [] when no rank waits.
+    """
+    waiting = Counter((rec.group, rec.seq) for rec in records.values() if not rec.left)
+    if not waiting:
+        return []
+    (group, seq), _ = max(waiting.items(), key=lambda item: (item[1], item[0][1]))
+    participants = set(group) if group is not None else set(records) | set(ranks)
+    return sorted(
+        r
+        for r in participants
+        if (rec := records.get(r)) is None or rec.group != group or rec.seq < seq
+    )
+
+
+class SectionTimeouts:
+    """Per-section stall timeouts learned from observed durations (STYLE.md #9): ``factor`` x the
+    longest of the last ``window`` observations, at least ``floor``; the section's default until
+    ``min_samples`` observations exist."""
+
+    def __init__(
+        self,
+        defaults: Mapping[str, float],
+        floor: float,
+        factor: float,
+        min_samples: int,
+        window: int = 32,
+    ) -> None:
+        self.defaults, self.floor, self.factor = dict(defaults), floor, factor
+        self.min_samples, self.window = min_samples, window
+        self.samples: dict[str, deque[float]] = {s: deque(maxlen=window) for s in defaults}
+
+    def observe(self, section: str, seconds: float) -> None:
+        self.samples[section].append(seconds)
+
+    def timeout(self, section: str) -> float:
+        samples = self.samples[section]
+        if len(samples) < self.min_samples:
+            return self.defaults[section]
+        return max(self.floor, self.factor * max(samples))
+
+
+def mismatch_signature(culprits: Iterable[Mapping[str, Any]]) -> str | None:
+    """The signature of a stall whose culprits (a ``stall`` event's ``culprits``) are all
+    mismatched collectives: what each odd rank issued, where; None for any other stall."""
+    culprits = list(culprits)
+    if not culprits or any(c.get("reason") != "mismatch" for c in culprits):
+        return None
+    odd = "; ".join(
+        sorted(f"rank {c.get('rank')} issued {c.get('op')} on {c.get('group')}" for c in culprits)
+    )
+    return f"mismatched collective: {odd} while its group's other members issued another"
