@@ -2,7 +2,7 @@
 
     python benchmarks/figures.py --baseline /work/main [--steps 2000] [--metrics RUN/metrics.jsonl]
 
-What a rank's training thread does per step for the agent (``robustness.progress``): the
+What a rank's training thread does per step for the agent (``probes.progress``): the
 ``WorkerSignals`` step boundary (compute time from the flight recorder; in this tree also the
 exposed communication by group, data wait, MFU and checkpoint figures) and the progress-file
 rewrite. A real ``FlightRecorder`` with 24 registered channels (a TP/PP/DP job's groups and p2p
@@ -28,8 +28,8 @@ from pathlib import Path
 
 def measure(steps: int) -> float:
     """Seconds per step of the step boundary + progress write (child process)."""
-    from megascale.robustness.flight_recorder import FlightRecorder
-    from megascale.robustness.progress import ProgressFile, WorkerSignals
+    from megascale.probes.flight_recorder import FlightRecorder
+    from megascale.probes.progress import ProgressFile, WorkerSignals
 
     try:
         from megascale.messages import StepMetrics
@@ -54,7 +54,7 @@ def measure(steps: int) -> float:
 
 def per_op_add() -> float:
     """Seconds of the per-op addition (``channel.blocked_s += dt``)."""
-    from megascale.robustness.flight_recorder import Channel
+    from megascale.probes.flight_recorder import Channel
 
     channel = Channel(1, 0)
     return timeit.timeit("c.blocked_s += 1e-6", globals={"c": channel}, number=200_000) / 2e5

@@ -61,9 +61,9 @@ def measure(path: str, rounds: int) -> list[float]:
     exporter, FSM, step-time learning, straggler tracker, flight records, exits, errors)."""
     import tempfile
 
-    from megascale.robustness.controller import ControllerFSM, ControllerPolicy, SendCommand
-    from megascale.robustness.service import ControllerService, ServiceOptions
-    from megascale.robustness.store import WatchEvent
+    from megascale.controller.controller import ControllerFSM, ControllerPolicy, SendCommand
+    from megascale.controller.service import ControllerService, ServiceOptions
+    from megascale.etcd.store import WatchEvent
 
     raw = Path(path).read_bytes().split(b"\n")
     nodes = len(raw)

@@ -16,7 +16,7 @@ state is in memory at a time (the 1B preset needs ~18 GB of it).
 
 Printed: the device, date, versions, config and command, then one table row per variant with the
 median step time, tokens/s over all timed steps, the spread of per-round tokens/s, MFU (model
-FLOPs of *that* variant, per ``megascale.diagnostics.flops``: a window does less attention work, so
+FLOPs of *that* variant, per ``megascale.probes.flops``: a window does less attention work, so
 its MFU can drop while its tokens/s rises) and tokens/s relative to the baseline. On CPU the MFU
 column reads "n/a". Paste GPU results into ``benchmarks/RESULTS.md``.
 
@@ -45,13 +45,13 @@ import torch
 
 from megascale import config as config_mod
 from megascale.config import JobConfig
-from megascale.diagnostics.flops import flops_per_token
-from megascale.diagnostics.peak import run_peak
 from megascale.launcher.local import free_port
 from megascale.logs import quiet_expected_noise
 from megascale.model.gpt import te_available, use_te_spec
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
+from megascale.probes.flops import flops_per_token
+from megascale.probes.peak import run_peak
 from megascale.train.run import resolve_device, seed_everything
 from megascale.train.trainer import Trainer
 
@@ -196,7 +196,7 @@ def report(
         f"timing:   {args.rounds} round(s) x ({args.warmup} warm-up + {args.steps} timed) steps "
         "per variant, variants alternating, order rotated each round",
         f"peak:     {f'{peak_tflops:g} TFLOP/s dense bf16' if peak_tflops else 'n/a'}; MFU counts "
-        "each variant's own model FLOPs (causal keys attended, megascale.diagnostics.flops)",
+        "each variant's own model FLOPs (causal keys attended, megascale.probes.flops)",
         *(f"note:     {n}" for n in notes),
         "",
         "| variant | parallel_block | window | step ms (median) | tokens/s | spread | MFU "

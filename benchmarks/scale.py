@@ -86,8 +86,8 @@ def control(
     hb: float,
     agents: str,
 ) -> None:
-    from megascale.launcher.etcd import EmbeddedEtcd
-    from megascale.sim.scenario import as_row, run_scenario
+    from megascale.etcd.server import EmbeddedEtcd
+    from megascale.tools.sim.scenario import as_row, run_scenario
 
     how = {"asyncio": "asyncio tasks", "threads": "threads"}[agents]
     print(
@@ -113,7 +113,7 @@ def control(
 
 
 def decision_sizes(nodes: list[int]) -> None:
-    from megascale.sim.scenario import decision_bytes
+    from megascale.tools.sim.scenario import decision_bytes
 
     print(
         "Bytes the controller writes when a generation starts (pure FSM, JSON before base64): "

@@ -59,15 +59,15 @@ import torch.distributed as dist
 
 from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
-from megascale.diagnostics import timers
-from megascale.diagnostics.comm_timer import timeline_comm
 from megascale.launcher.local import run_local
 from megascale.logs import quiet_expected_noise
 from megascale.overlap.trace import CommTrace
 from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.robustness.flight_format import flight_path
-from megascale.robustness.flight_recorder import FlightRecorder, NullFlightRecorder
+from megascale.probes import timers
+from megascale.probes.comm_timer import timeline_comm
+from megascale.probes.flight_format import flight_path
+from megascale.probes.flight_recorder import FlightRecorder, NullFlightRecorder
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 
@@ -237,7 +237,7 @@ def meter_cost(n: int = 20000) -> float:
     as in training)."""
     from types import SimpleNamespace
 
-    from megascale.diagnostics.compute_time import ComputeMeter
+    from megascale.probes.compute_time import ComputeMeter
 
     recorder = SimpleNamespace(blocked_s=0.0)
     config = SimpleNamespace(timers=None)

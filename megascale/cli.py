@@ -13,37 +13,37 @@ from megascale.train.command import run as run_train
 
 
 def _mfu(args: argparse.Namespace) -> int:
-    from megascale.diagnostics import flops
+    from megascale.probes import flops
 
     return flops.run(args)
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from megascale.diagnostics import timeline_command
+    from megascale.tools import timeline_command
 
     return timeline_command.run(args)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from megascale.diagnostics import report
+    from megascale.tools import report
 
     return report.run(args)
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
-    from megascale.diagnostics import selfcheck
+    from megascale.agent import selfcheck
 
     return selfcheck.run(args)
 
 
 def _dashboards(args: argparse.Namespace) -> int:
-    from megascale.diagnostics import dashboards
+    from megascale.tools import dashboards
 
     return dashboards.run(args)
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from megascale.launcher import agent
+    from megascale.agent import agent
 
     try:
         return agent.run_from_args(args)
@@ -53,7 +53,7 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from megascale.robustness import controller_command
+    from megascale.controller import controller_command
 
     try:
         return controller_command.main(args)
@@ -73,7 +73,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from megascale import export
+    from megascale.tools import export
 
     try:
         done = export.export(args.run_dir, args.output, args.step)
@@ -119,7 +119,7 @@ def _add_tool_commands(sub: Any) -> None:
     """The node self-check and the tools that run on demand: mfu, selfcheck, dashboards, data,
     export, timeline, report."""
     mfu = sub.add_parser("mfu", help="model FLOPs per token and MFU for a config")
-    from megascale.diagnostics import flops
+    from megascale.probes import flops
 
     flops.add_arguments(mfu)
     mfu.set_defaults(func=_mfu)
@@ -127,13 +127,13 @@ def _add_tool_commands(sub: Any) -> None:
     selfcheck_p = sub.add_parser(
         "selfcheck", help="node self-check: GPU, host, network; exit code 0 iff the node is fit"
     )
-    from megascale.diagnostics import selfcheck
+    from megascale.agent import selfcheck
 
     selfcheck.add_arguments(selfcheck_p)
     selfcheck_p.set_defaults(func=_selfcheck)
 
     dashboards_p = sub.add_parser("dashboards", help="Grafana dashboards: export JSON or push")
-    from megascale.diagnostics import dashboards
+    from megascale.tools import dashboards
 
     dashboards.add_arguments(dashboards_p)
     dashboards_p.set_defaults(func=_dashboards)
@@ -154,12 +154,12 @@ def _add_tool_commands(sub: Any) -> None:
     convert_p.set_defaults(func=_data)
 
     export_p = sub.add_parser("export", help="a trained run to a Hugging Face transformers model")
-    from megascale import export
+    from megascale.tools import export
 
     export.add_arguments(export_p)
     export_p.set_defaults(func=_export)
 
-    from megascale.diagnostics import report, timeline_command
+    from megascale.tools import report, timeline_command
 
     timeline_p = sub.add_parser(
         "timeline", help="merge every rank's timeline into one Chrome/Perfetto trace + CSV tables"
@@ -185,14 +185,14 @@ def _add_process_commands(sub: Any) -> None:
     launch_p.set_defaults(func=_launch)
     agent_p = sub.add_parser("agent", help="node agent: heartbeats, runs this node's workers")
     add_config_arguments(agent_p)
-    from megascale.launcher import agent
+    from megascale.agent import agent
 
     agent.add_arguments(agent_p)
     agent_p.set_defaults(func=_agent)
     controller_p = sub.add_parser(
         "controller", help="robust-training controller (leader-elected; run 2 for a standby)"
     )
-    from megascale.robustness import controller_command
+    from megascale.controller import controller_command
 
     controller_command.add_arguments(controller_p)
     controller_p.set_defaults(func=_controller)

@@ -196,7 +196,7 @@ class TrainConfig:
     """Dense TFLOP/s per device that MFU is measured against, on any device. None: on a GPU the
     dense bf16 peak of its name (an unknown GPU reports no MFU); on CPU a peak measured at start by
     a short matmul benchmark in ``model.params_dtype``, cached per machine
-    (``megascale.diagnostics.peak``). Every MFU figure is labelled with where its peak came from."""
+    (``megascale.probes.peak``). Every MFU figure is labelled with where its peak came from."""
 
 
 @dataclass
@@ -252,7 +252,8 @@ class CheckpointConfig:
 
 @dataclass
 class DiagnosticsConfig:
-    """The per-rank timeline and the straggler analysis (``megascale.diagnostics``)."""
+    """The per-rank timeline and the straggler analysis (``megascale.probes.timers``,
+    ``megascale.tools.straggler``)."""
 
     timeline: bool = True
     """Record named segments (forward, backward, optimizer, DP/PP/TP communication, data loading,
@@ -273,7 +274,7 @@ class DiagnosticsConfig:
 
 @dataclass
 class MetricsConfig:
-    """Optional sinks for the per-step figures of ``metrics.jsonl`` (``diagnostics.sinks``)."""
+    """Optional sinks for the per-step figures of ``metrics.jsonl`` (``probes.sinks``)."""
 
     tensorboard: bool = False
     """Write TensorBoard event files (needs the ``tensorboard`` package: ``megascale[tensorboard]``)."""
@@ -290,7 +291,7 @@ class MetricsConfig:
 @dataclass
 class FaultToleranceConfig:
     """The fault-tolerance settings and their only defaults: lost nodes, restarts, stragglers,
-    self-check. ``robustness.controller_policy.policy_for`` builds the controller's policy from it
+    self-check. ``controller.controller_policy.policy_for`` builds the controller's policy from it
     for ``megascale launch`` (its flags win), ``megascale controller`` (its flags override it)
     and the operator (``k8s.launch.fault_tolerance_settings`` maps the CRD onto it)."""
 

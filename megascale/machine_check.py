@@ -58,7 +58,7 @@ def estimate_rank_bytes(cfg: JobConfig, device: str) -> MemoryEstimate:
     per layer about ``34 * s * b * h`` bytes (Korthikanti et al. 2022, fp16) scaled to the
     parameter width, split over ``tp``, times the micro-batches a first pipeline stage holds in
     flight under 1F1B (up to ``pp``); the logits add ``s * b * vocab / tp`` floats."""
-    from megascale.diagnostics.flops import count_parameters, padded_vocab
+    from megascale.probes.flops import count_parameters, padded_vocab
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     dp = p.dp or 1
@@ -83,7 +83,7 @@ def resolve_device(requested: str) -> str:
     """ "auto" -> "cuda" when a GPU is visible, else "cpu"; ValueError for "cuda" without one.
     Never initialises CUDA (NVML counts the GPUs): ``megascale train --nproc-per-node N`` calls it
     before forking its ranks. Imports no torch or megatron-core: bad input is refused at once."""
-    from megascale.launcher.gpus import visible_gpu_count
+    from megascale.gpus import visible_gpu_count
 
     if requested == "auto":
         return "cuda" if visible_gpu_count() else "cpu"
@@ -221,6 +221,6 @@ def gpu_memory_bytes() -> int | None:
 def gpu_count() -> int:
     """GPUs on this machine, counted without initialising CUDA here: launchers fork later, and a
     forked child cannot use CUDA once its parent has."""
-    from megascale.launcher.gpus import physical_gpu_count
+    from megascale.gpus import physical_gpu_count
 
     return physical_gpu_count()

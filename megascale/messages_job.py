@@ -44,7 +44,7 @@ class RankAssignment(Message):
 @declare
 class NeighbourEntry(Message):
     """A ``selfcheck`` command's all-reduce with ``node`` on port offset ``channel``
-    (``robustness.neighbours``)."""
+    (``controller.neighbours``)."""
 
     node: str
     channel: int
@@ -146,7 +146,7 @@ class ControllerState(Message):
 
 @declare
 class EffectiveFigures(Message):
-    """Effective training time (``robustness.effective``): productive seconds of ``wall_s``."""
+    """Effective training time (``controller.effective``): productive seconds of ``wall_s``."""
 
     productive_s: float
     wall_s: float
@@ -155,7 +155,7 @@ class EffectiveFigures(Message):
 
 @declare
 class JobSummaryRecord(Message):
-    """``summary``: the job's figures (``robustness.job_summary`` documents each); job-wide
+    """``summary``: the job's figures (``controller.job_summary`` documents each); job-wide
     figures are rank 0's, never summed over ranks or nodes."""
 
     time: float
@@ -181,7 +181,7 @@ class JobSummaryRecord(Message):
 
 @declare
 class Event(Message):
-    """One decision of the controller (``robustness.events``): ``kind`` (``EVENT_KINDS``),
+    """One decision of the controller (``controller.events``): ``kind`` (``EVENT_KINDS``),
     ``node``/``rank`` None when it is about the job; ``term``: the writing leader's term (None
     for a writer without one)."""
 
@@ -223,7 +223,7 @@ class FaultTiming(Message):
 
 @declare
 class FatalError(Message):
-    """The job-fatal error a rank ended the job with (``robustness.fatal``)."""
+    """The job-fatal error a rank ended the job with (``probes.fatal``)."""
 
     node: str | None
     rank: int | None

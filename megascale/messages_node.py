@@ -5,7 +5,7 @@ them with the job-level messages (``messages_job``); producers and consumers imp
 ==================  ===========================================  =================================
 message             producer -> consumers                        where it travels
 ==================  ===========================================  =================================
-``RankProgress``    worker (``robustness.progress``) -> agent    ``RUN_DIR/progress/rank_N.json``
+``RankProgress``    worker (``probes.progress``) -> agent    ``RUN_DIR/progress/rank_N.json``
 ``Heartbeat``       agent -> controller, agent exporter          etcd ``heartbeats/<node>``
 ``StepMetrics``     rank 0 (``train.run``) -> report, launcher   a line of ``metrics.jsonl``
 ``Ack``             agent -> controller                          etcd ``acks/<node>``
@@ -273,7 +273,7 @@ class DurableCheckpoint(Message):
 
 @declare
 class RankProgress(Message):
-    """``RUN_DIR/progress/rank_NNNNN.json``: what a worker tells its agent (``robustness.progress``
+    """``RUN_DIR/progress/rank_NNNNN.json``: what a worker tells its agent (``probes.progress``
     documents the sections and clocks). The figures are the last completed step's."""
 
     rank: int
@@ -296,7 +296,7 @@ class RankProgress(Message):
     val_loss: float | None = None
     checkpoint: CheckpointFigures | None = None
     mfu_peak: str | None = None
-    """The peak ``mfu`` is against, in words (``diagnostics.peak.peak_label``)."""
+    """The peak ``mfu`` is against, in words (``probes.peak.peak_label``)."""
     durable: DurableCheckpoint | None = None
     NESTED: ClassVar = {
         "checkpoint": (CheckpointFigures, "one"),
@@ -310,7 +310,7 @@ class RankProgress(Message):
 @declare
 class WorkerStatus(Message):
     """One worker process as its agent sees it; ``fatal`` is the reason a rank gave for a
-    job-fatal exit (``robustness.fatal``), None otherwise; ``peer``: its output says a peer
+    job-fatal exit (``probes.fatal``), None otherwise; ``peer``: its output says a peer
     failed (its own exit is then a symptom)."""
 
     pid: int
@@ -431,7 +431,7 @@ class StepMetrics(Message):
     tokens_per_s: float
     mfu: float | None = None
     mfu_peak_tflops: float | None = None
-    """The per-device peak ``mfu`` divides by (``diagnostics.peak``)."""
+    """The per-device peak ``mfu`` divides by (``probes.peak``)."""
     mfu_peak_source: str | None = None
     """Where that peak came from: ``train.peak_tflops``, ``gpu:<name> dense bf16`` or
     ``measured:cpu <dtype>`` (a matmul benchmark on this machine)."""

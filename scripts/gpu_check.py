@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
     try:
-        from megascale.launcher.gpus import visible_gpu_count
+        from megascale.gpus import visible_gpu_count
     except ImportError as e:
         print(f"gpu-check: {sys.executable} cannot import megascale ({e}): run `make install`")
         return 2

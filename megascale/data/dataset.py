@@ -173,7 +173,7 @@ def build_once_per_machine(builder, cache_dir: Path) -> list:
     """``builder.build()`` with the index cache built once per dataset by one rank per machine.
 
     Without torch.distributed: a plain build. Otherwise (collective): the lowest rank of each
-    machine (``diagnostics.timers.node_name``) builds the missing index files while holding an
+    machine (``probes.timers.node_name``) builds the missing index files while holding an
     exclusive lock on ``CACHE_DIR/.megascale-build.lock``, so machines sharing the cache directory
     never write it at once (the first builds, the others find the files), while the other ranks
     wait on a barrier; then every rank memory-maps the files. megatron-core's own rule (global
@@ -183,7 +183,7 @@ def build_once_per_machine(builder, cache_dir: Path) -> list:
 
     if not dist.is_initialized():
         return builder.build()
-    from megascale.diagnostics.timers import node_name
+    from megascale.probes.timers import node_name
 
     nodes: list = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, node_name())

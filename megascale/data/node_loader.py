@@ -140,7 +140,7 @@ def train_batches(
     """The train split's batches as ``data.loader`` asks: ``NodeBatches`` ("node", collective
     when torch.distributed is initialised) or ``ShardedBatches`` ("rank"). ``needs_tokens``:
     False for a middle pipeline stage (see ``NodeBatches``)."""
-    from megascale.diagnostics.timers import node_name
+    from megascale.probes.timers import node_name
 
     t = job.train
     args = (dataset, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, t.seed)

@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from megascale.config import ConfigError
+from megascale.etcd.keys import JobKeys
+from megascale.etcd.store import Store, StoreConfig, StoreError
 from megascale.k8s import builders, crd, node_selfcheck
 from megascale.k8s.builders import BuildError, Job
 from megascale.k8s.status import (
@@ -59,8 +61,6 @@ from megascale.messages import (
     JobSummaryRecord,
     decoded,
 )
-from megascale.robustness.keys import JobKeys
-from megascale.robustness.store import Store, StoreConfig, StoreError
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Rules, in the order they apply:
   message the controller's reason for failing); Pending before the controller wrote any; Suspended while
   ``runPolicy.suspend``; Failed when ``activeDeadlineSeconds`` has passed since ``startTime`` or
   when more pods were replaced than ``backoffLimit``. Succeeded and Failed are final.
-* **Figures** from the controller's ``summary`` (``robustness.job_summary``, refreshed while the
+* **Figures** from the controller's ``summary`` (``controller.job_summary``, refreshed while the
   job trains): ``step``, ``tokensPerSecond``, ``mfu`` and ``mfuPeak``, ``lastCheckpoint`` (step,
   time, url), ``faults``, ``effectiveTrainingTime``; each keeps its last value while etcd cannot
   be read or the controller has not published it. ``restarts`` and the generation come from the
@@ -277,7 +277,7 @@ def _evicted_nodes(
 
 
 def _figures(summary: JobSummaryRecord) -> dict[str, Any]:
-    """The status fields of the controller's ``summary`` (``robustness.job_summary``): only
+    """The status fields of the controller's ``summary`` (``controller.job_summary``): only
     those it has a value for, so that an absent figure keeps the status' last one."""
     out: dict[str, Any] = {"faults": summary.faults}
     if summary.step is not None:
@@ -333,7 +333,7 @@ def _phase(job: Job, prior: Mapping[str, Any], state: ControllerState | None) ->
     if state is not None:
         fault = state.fault
         if state.state == "failed" and fault is not None and fault.kind == "job_fatal":
-            return "Failed", "JobFatal"  # the job itself cannot proceed (robustness/fatal.py)
+            return "Failed", "JobFatal"  # the job itself cannot proceed (probes/fatal.py)
         return phase_of(state.state), f"Controller{_camel(state.state)}"
     if prior.get("phase") in (None, "Suspended"):  # new, or resumed: until the controller says
         return "Pending", "WaitingForController"

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megascale.launcher import gpus
+from megascale import gpus
 from megascale.launcher.monitor import Monitor
 from megascale.launcher.outcome import FINAL_FILE, summarize
 from megascale.launcher.runlock import prepare_run_dir
@@ -49,7 +49,7 @@ from megascale.launcher.signals import StopSignals, reset_in_child
 from megascale.machine_check import check_machine
 from megascale.machine_check import gpu_count as _gpu_count
 from megascale.messages import ControllerState, decoded
-from megascale.robustness import inject
+from megascale.probes import inject
 
 logger = logging.getLogger("megascale.launch")
 
@@ -73,8 +73,8 @@ def write_secret(path: Path, text: str) -> None:
 def local_store_config(run_dir: Path | str, endpoint: str, **kwargs: Any) -> Any:
     """A ``StoreConfig`` for the embedded etcd of the local cluster that runs in ``run_dir``:
     its endpoint (the launcher logs it) and the job's credentials (``ETCD_PASSWORD_FILE``), for
-    tools that read the job's keys (``megascale.robustness.keys``) while it runs."""
-    from megascale.robustness.store import StoreConfig
+    tools that read the job's keys (``megascale.etcd.keys``) while it runs."""
+    from megascale.etcd.store import StoreConfig
 
     password = (Path(run_dir) / ETCD_PASSWORD_FILE).read_text().strip()
     return StoreConfig.parse(endpoint, username=ETCD_USER, password=password, **kwargs)
@@ -157,7 +157,7 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
         opts.faults, nodes=opts.nodes + opts.spares, world_size=world, steps=job.train.steps
     )
     if opts.topology_file is not None:
-        from megascale.launcher.neighbour_check import TopologyError, load_topology
+        from megascale.agent.neighbour_check import TopologyError, load_topology
 
         nodes = [f"node-{i}" for i in range(opts.nodes + opts.spares)]
         try:
@@ -205,14 +205,14 @@ def _die_with_launcher(launcher_pid: int) -> None:
 
 def _agent_process(agent_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
-    from megascale.launcher import agent
+    from megascale.agent import agent
 
     sys.exit(agent.main(agent_opts, store_cfg))
 
 
 def _controller_process(service_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
-    from megascale.robustness import controller_command
+    from megascale.controller import controller_command
 
     sys.exit(controller_command.serve(service_opts, store_cfg))
 
@@ -221,9 +221,9 @@ class LocalCluster:
     """The processes of one ``megascale launch`` (see the module docstring)."""
 
     def __init__(self, opts: LaunchOptions, job: Any, run_dir: Path) -> None:
-        from megascale.launcher.etcd import EmbeddedEtcd
-        from megascale.robustness.keys import JobKeys
-        from megascale.robustness.store import Store, StoreConfig
+        from megascale.etcd.keys import JobKeys
+        from megascale.etcd.server import EmbeddedEtcd
+        from megascale.etcd.store import Store, StoreConfig
 
         self.opts, self.job, self.run_dir = opts, job, run_dir
         self.keys = JobKeys(opts.job_id)
@@ -243,7 +243,7 @@ class LocalCluster:
         self.controllers: dict[str, Any] = {}
 
     def agent_options(self, node: str) -> Any:
-        from megascale.launcher.agent import AgentOptions
+        from megascale.agent.agent import AgentOptions
 
         return AgentOptions(
             job_id=self.opts.job_id,
@@ -283,7 +283,7 @@ class LocalCluster:
             time.sleep(0.02)
 
     def start_controllers(self) -> None:
-        from megascale.robustness.controller_policy import policy_for
+        from megascale.controller.controller_policy import policy_for
 
         o, p, ft, t = self.opts, self.job.parallel, self.job.fault_tolerance, self.job.train
         policy = policy_for(
@@ -310,8 +310,8 @@ class LocalCluster:
 
     def spawn_controller(self, name: str) -> None:
         """Fork controller ``name``; it leads once elected, resuming from the state in etcd."""
-        from megascale.robustness.controller_policy import straggler_options
-        from megascale.robustness.service import ServiceOptions
+        from megascale.controller.controller_policy import straggler_options
+        from megascale.controller.service import ServiceOptions
 
         o = self.opts
         service_opts = ServiceOptions(
@@ -333,7 +333,7 @@ class LocalCluster:
     def wait_for_leader(self, name: str, wait_s: float = 30.0) -> None:
         """Wait until controller ``name`` holds the leader key (RuntimeError if it exits or has
         not won within ``wait_s``)."""
-        from megascale.robustness.store import StoreError
+        from megascale.etcd.store import StoreError
 
         proc, key = self.controllers[name], self.keys.controller_leader
         deadline = time.monotonic() + wait_s
@@ -369,7 +369,7 @@ class LocalCluster:
                 logger.info("%s metrics at %s", n, path.read_text().strip())
 
     def job_state(self) -> str | None:
-        from megascale.robustness.store import StoreError
+        from megascale.etcd.store import StoreError
 
         try:
             kv = self.store.get(self.keys.state)
@@ -397,7 +397,7 @@ def launch(opts: LaunchOptions) -> int:
     """Run the local cluster to the end (see the module docstring); returns the exit code.
     SIGTERM and SIGINT stop it in order (``signals.StopSignals``), final.json included."""
     from megascale.config import to_toml
-    from megascale.robustness.process import setup_logging
+    from megascale.process import setup_logging
 
     job, notes = check_options(opts)  # LaunchError, ConfigError, InjectError: nothing started
     run_dir = Path(opts.run_dir or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -459,7 +459,7 @@ def _run_cluster(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from megascale.robustness.fault_tolerance_flags import add_fault_tolerance_arguments
+    from megascale.controller.fault_tolerance_flags import add_fault_tolerance_arguments
 
     parser.add_argument("--nodes", type=int, default=2, help="nodes per generation (M)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (K)")
@@ -485,7 +485,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="builtin",
         help="node self-check after a fault: builtin (matmul, gloo all-reduce, disk; the default: "
         "every 'node' here shares one machine, so the full check's bandwidth thresholds would "
-        "measure the others), full (+ megascale.diagnostics.selfcheck), auto (full if present)",
+        "measure the others), full (+ megascale.agent.selfcheck), auto (full if present)",
     )
     parser.add_argument(
         "--topology",
@@ -500,7 +500,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """LaunchOptions from the command line (InjectError for a bad --inject, LaunchError for a
     bad fault-tolerance flag)."""
-    from megascale.robustness.fault_tolerance_flags import check_fault_tolerance_arguments
+    from megascale.controller.fault_tolerance_flags import check_fault_tolerance_arguments
 
     try:
         check_fault_tolerance_arguments(args)

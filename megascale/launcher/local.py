@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from megascale.launcher.gpus import check_fork_safe
+from megascale.gpus import check_fork_safe
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from megascale.launcher.outcome import current_step
 from megascale.launcher.supervise import Supervisor
 from megascale.messages import Event, read_metrics
-from megascale.robustness import inject
+from megascale.probes import inject
 
 if TYPE_CHECKING:
     from megascale.launcher.cluster import LocalCluster
@@ -179,7 +179,7 @@ class Monitor:
     def _forge_stop(self) -> None:
         """The ``forge-command`` fault: a ``stop`` of a generation far beyond the controller's,
         written with the job's own credentials to every node's command key."""
-        from megascale.robustness.keys import make_command
+        from megascale.etcd.keys import make_command
 
         for node in self.cluster.agents:
             forged = make_command(self.cluster.opts.job_id, 999999, "stop", f"forged-{node}")
@@ -198,7 +198,7 @@ class Monitor:
                 pass
 
     def _leader_pid(self) -> int | None:
-        from megascale.robustness.store import StoreError
+        from megascale.etcd.store import StoreError
 
         try:
             kv = self.cluster.store.get(self.cluster.keys.controller_leader)
@@ -209,7 +209,7 @@ class Monitor:
         return pid if pid in ours else None
 
     def _restart_lost_agents(self) -> None:
-        from megascale.robustness.store import StoreError
+        from megascale.etcd.store import StoreError
 
         for node in sorted(self.restart_after_loss):
             try:

@@ -24,10 +24,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megascale.controller.events import Event, read_events
 from megascale.messages import FinalOutcome, read_metrics
 from megascale.messages_job import FatalError, FaultTiming
-from megascale.robustness import inject
-from megascale.robustness.events import Event, read_events
+from megascale.probes import inject
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def faults_detected(events: list[Event]) -> dict[str, int]:
 
 def failure(events: list[Event]) -> tuple[str | None, FatalError | None]:
     """The reason of the controller's ``failed`` event (None when it did not fail the job),
-    and the job-fatal error a rank ended the job with (``robustness.fatal``)."""
+    and the job-fatal error a rank ended the job with (``probes.fatal``)."""
     failed = [e for e in events if e.kind == "failed"]
     fatal = [e for e in events if e.kind == "fault" and e.detail.get("fault") == "job_fatal"]
     return (

@@ -40,7 +40,7 @@ class Supervisor:
         return reason
 
     def _check_etcd(self) -> str | None:
-        from megascale.launcher.etcd import EtcdStartError
+        from megascale.etcd.server import EtcdStartError
 
         etcd = self.cluster.etcd
         if etcd.running:

@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     """``megascale train``: N local ranks, or this process as one rank under torchrun (its
     environment); 0 when training finished, 2 when the checkpoints cannot be loaded."""
     from megascale import config as config_mod
-    from megascale.launcher import gpus, runlock
+    from megascale import gpus
+    from megascale.launcher import runlock
     from megascale.machine_check import check_machine, resolve_device
 
     gpus.prefer_nvml_checks()  # the ranks are forked from here: no CUDA init in this process

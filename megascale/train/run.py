@@ -21,17 +21,17 @@ from megascale.config import ConfigError, JobConfig, to_dict, to_toml
 from megascale.data.blend import parse_blend
 from megascale.data.corpus import default_token_file
 from megascale.data.indexed import bin_path, idx_path, tokenizer_copy_path
-from megascale.diagnostics.peak import Peak, peak_label, run_peak
-from megascale.diagnostics.sinks import Sinks, open_sinks
-from megascale.diagnostics.timers import build_timeline
 from megascale.logs import setup_logging
 from megascale.machine_check import resolve_device
 from megascale.messages import CheckpointFigures, StepMetrics
 from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.robustness import inject
-from megascale.robustness.fatal import RUN_DIR_ENV, fail_job
-from megascale.robustness.progress import WorkerSignals
+from megascale.probes import inject
+from megascale.probes.fatal import RUN_DIR_ENV, fail_job
+from megascale.probes.peak import Peak, peak_label, run_peak
+from megascale.probes.progress import WorkerSignals
+from megascale.probes.sinks import Sinks, open_sinks
+from megascale.probes.timers import build_timeline
 from megascale.train import checkpoint, checkpoint_load
 from megascale.train.trainer import Trainer
 
@@ -66,7 +66,7 @@ class Progress:
 
 
 def agreed_peak(job: JobConfig, device: str) -> Peak | None:
-    """The MFU peak every rank uses: rank 0's (``diagnostics.peak.run_peak``: measured once on
+    """The MFU peak every rank uses: rank 0's (``probes.peak.run_peak``: measured once on
     CPU, cached per machine), broadcast so that all ranks report one MFU. Collective; before the
     first step, never on the step path."""
     found = [None]
@@ -81,7 +81,7 @@ class MetricsLog:
 
     On open it keeps only the lines up to ``resumed_step`` (0 for a fresh run), so steps redone after
     a restart from an older checkpoint appear once, and a fresh run in an old directory starts clean.
-    Each record also goes to ``sinks`` (TensorBoard, W&B: ``diagnostics.sinks``; none by default).
+    Each record also goes to ``sinks`` (TensorBoard, W&B: ``probes.sinks``; none by default).
     """
 
     def __init__(self, path: Path, resumed_step: int, sinks: Sinks | None = None) -> None:
@@ -170,7 +170,7 @@ def rank0_sinks(job: JobConfig, run_dir: Path, trainer: Trainer) -> Sinks:
 
 def check_data_path(job: JobConfig, run_dir: Path) -> None:
     """A ``data.path`` whose files do not exist would fail on every node: end the job
-    (``robustness.fatal.fail_job``) instead of letting the controller restart it."""
+    (``probes.fatal.fail_job``) instead of letting the controller restart it."""
     if job.data.path is None:
         return
     missing = [

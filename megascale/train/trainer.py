@@ -21,16 +21,16 @@ from megascale.data.corpus import default_token_file
 from megascale.data.dataset import build_splits, eval_batches
 from megascale.data.indexed import DataError
 from megascale.data.node_loader import train_batches
-from megascale.diagnostics.compute_time import ComputeMeter
-from megascale.diagnostics.flops import flops_per_token
-from megascale.diagnostics.peak import Peak
-from megascale.diagnostics.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.messages import StepMetrics
 from megascale.model.gpt import transformer_config, use_te_spec
 from megascale.overlap.dp import ParamGatherPrefetch
 from megascale.overlap.tp_plan import init_te_userbuffers, plan_for_this_rank
 from megascale.parallel.groups import Groups
 from megascale.parallel.parallelize import forward_backward_func, parallelize
+from megascale.probes.compute_time import ComputeMeter
+from megascale.probes.flops import flops_per_token
+from megascale.probes.peak import Peak
+from megascale.probes.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.train.optimizer import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class Trainer:
 def _blocked_seconds():
     """How long this process has been blocked in communication so far, as a callable: the flight
     recorder's count when one is installed (training installs it), else None."""
-    from megascale.robustness.flight_recorder import installed_recorder
+    from megascale.probes.flight_recorder import installed_recorder
 
     recorder = installed_recorder()
     return None if recorder is None else (lambda: recorder.blocked_s)

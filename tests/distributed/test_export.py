@@ -23,9 +23,9 @@ import pytest
 import torch
 from harness import with_changes
 
-from megascale import export as export_mod
 from megascale.config import load, validate
 from megascale.launcher.local import RankFailed, run_local
+from megascale.tools import export as export_mod
 from megascale.train.run import run_rank
 
 pytestmark = pytest.mark.slow

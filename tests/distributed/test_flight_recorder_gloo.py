@@ -25,8 +25,8 @@ from harness import with_changes
 from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
-from megascale.robustness import inject
-from megascale.robustness.flight_format import (
+from megascale.probes import inject
+from megascale.probes.flight_format import (
     DeviceState,
     OpKind,
     OpState,
@@ -37,8 +37,8 @@ from megascale.robustness.flight_format import (
     stall_culprits,
     stall_suspects,
 )
-from megascale.robustness.flight_recorder import open_recorder
-from megascale.robustness.progress import progress_path, read_progress
+from megascale.probes.flight_recorder import open_recorder
+from megascale.probes.progress import progress_path, read_progress
 from megascale.train.run import run_rank
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megascale import cli
-from megascale.launcher import workers
-from megascale.launcher.workers import Zygote
+from megascale.agent import workers
+from megascale.agent.workers import Zygote
 from megascale.train import run as train_run
 
 

@@ -18,10 +18,10 @@ from harness import with_changes
 
 from megascale import cli
 from megascale.config import load, validate
+from megascale.controller.events import EventLog
 from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
-from megascale.robustness.events import EventLog
-from megascale.robustness.inject import ENV
+from megascale.probes.inject import ENV
 from megascale.train.run import run_rank
 
 pytestmark = pytest.mark.slow

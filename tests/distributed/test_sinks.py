@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megascale.config import ConfigError, MetricsConfig, load, validate
-from megascale.diagnostics import sinks
+from megascale.probes import sinks
 from megascale.train.run import MetricsLog
 from megascale.train.trainer import StepMetrics
 

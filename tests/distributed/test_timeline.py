@@ -16,15 +16,15 @@ from harness import with_changes
 from megascale import cli
 from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
-from megascale.diagnostics import straggler
-from megascale.diagnostics.comm_timer import FlightComm
-from megascale.diagnostics.timers import build_timeline, comm_segments, rank_file
 from megascale.launcher.local import run_local
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.robustness.flight_format import flight_path, read_records
-from megascale.robustness.flight_recorder import FlightRecorder
-from megascale.robustness.inject import ENV
+from megascale.probes.comm_timer import FlightComm
+from megascale.probes.flight_format import flight_path, read_records
+from megascale.probes.flight_recorder import FlightRecorder
+from megascale.probes.inject import ENV
+from megascale.probes.timers import build_timeline, comm_segments, rank_file
+from megascale.tools import straggler
 from megascale.train.run import run_rank, seed_everything
 from megascale.train.trainer import Trainer
 

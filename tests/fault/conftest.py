@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from megascale.launcher.etcd import EmbeddedEtcd
-from megascale.robustness.keys import JobKeys
-from megascale.robustness.store import Store, StoreConfig
+from megascale.etcd.keys import JobKeys
+from megascale.etcd.server import EmbeddedEtcd
+from megascale.etcd.store import Store, StoreConfig
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from megascale import cli
-from megascale.launcher import workers
-from megascale.launcher.etcd import EmbeddedEtcd
+from megascale.agent import workers
+from megascale.etcd.keys import JobKeys, make_command
+from megascale.etcd.server import EmbeddedEtcd
+from megascale.etcd.store import Store, StoreConfig
 from megascale.messages import GenerationRecord
-from megascale.robustness.keys import JobKeys, make_command
-from megascale.robustness.store import Store, StoreConfig
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megascale.controller.events import Event, read_events
 from megascale.k8s.status import rfc3339
 from megascale.launcher.outcome import read_final
-from megascale.robustness.events import Event, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +49,12 @@ class StatusWatch(threading.Thread):
         self.statuses: list[dict] = []
 
     def run(self) -> None:
+        from megascale.etcd.keys import JobKeys
+        from megascale.etcd.store import Store, StoreError
         from megascale.k8s.builders import Job
         from megascale.k8s.operator import read_view
         from megascale.k8s.status import decide
         from megascale.launcher.cluster import local_store_config
-        from megascale.robustness.keys import JobKeys
-        from megascale.robustness.store import Store, StoreError
 
         found = None
         while found is None and not self.stop.wait(0.2):
@@ -446,7 +446,7 @@ def test_slow_node_is_evicted_when_configured_and_a_spare_takes_its_ranks(
 
 
 def _fired(run_dir: Path) -> list[dict]:
-    from megascale.robustness.inject import fired
+    from megascale.probes.inject import fired
 
     return fired(run_dir)
 
@@ -501,7 +501,7 @@ def test_a_controller_frozen_past_its_lease_records_nothing_when_it_wakes(refere
 
 
 def test_etcd_is_per_job_authenticated_and_a_forged_command_is_ignored(reference, tmp_path):
-    from megascale.robustness.store import Store, StoreConfig, StoreError
+    from megascale.etcd.store import Store, StoreConfig, StoreError
 
     def anonymous_writes_are_refused() -> None:
         log, deadline = tmp_path / "logs" / "launch.log", time.monotonic() + 120

@@ -12,12 +12,11 @@ import time
 
 import pytest
 
-from megascale.launcher.etcd import EmbeddedEtcd, EtcdStartError
-from megascale.messages import Event
-from megascale.robustness.election import Election
-from megascale.robustness.events import EventLog, read_events
-from megascale.robustness.keys import JobKeys
-from megascale.robustness.store import (
+from megascale.controller.election import Election
+from megascale.controller.events import EventLog, read_events
+from megascale.etcd.keys import JobKeys
+from megascale.etcd.server import EmbeddedEtcd, EtcdStartError
+from megascale.etcd.store import (
     Get,
     LeaseNotFound,
     Put,
@@ -28,6 +27,7 @@ from megascale.robustness.store import (
     missing,
     value_is,
 )
+from megascale.messages import Event
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megascale.launcher.logscan import LogScanner, error_kind
-from megascale.robustness import inject
+from megascale.agent.logscan import LogScanner, error_kind
+from megascale.probes import inject
 
 
 def test_specs_parse_and_keep_a_stable_id():

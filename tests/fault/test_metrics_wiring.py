@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megascale.robustness.events import read_events
+from megascale.controller.events import read_events
 
 pytestmark = pytest.mark.slow
 

@@ -214,7 +214,7 @@ def prometheus(tmp_path_factory, live):
 
 def _panel_failures(base: str, job: str) -> dict[str, str]:
     """Each dashboard variable and panel query that errs or stays empty (retried for 60 s)."""
-    from megascale.diagnostics import dashboards
+    from megascale.tools import dashboards
 
     pending = []
     for uid, model in dashboards.build_all().items():
@@ -256,8 +256,8 @@ def _instant(base: str, expr: str) -> list[dict]:
 
 
 def test_every_dashboard_query_returns_data_from_a_live_launch(prometheus, live):
-    from megascale.diagnostics import dashboards
     from megascale.messages import read_metrics
+    from megascale.tools import dashboards
 
     base, (run_dir, job, _, _) = prometheus, live
     failures = _panel_failures(base, job)
@@ -319,11 +319,11 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
     """The message contract on the live run's own messages: the heartbeats in etcd, the
     progress records and metrics.jsonl decode (schema checked, no undeclared field), and every
     declared field is produced -- except the few this CPU run cannot have, named here."""
+    from megascale.etcd.keys import JobKeys
+    from megascale.etcd.store import Store
     from megascale.launcher.cluster import local_store_config
     from megascale.messages import Heartbeat, RankProgress, read_metrics
-    from megascale.robustness.keys import JobKeys
-    from megascale.robustness.progress import read_progress
-    from megascale.robustness.store import Store
+    from megascale.probes.progress import read_progress
 
     run_dir, job, endpoint, _ = live
     store = Store(local_store_config(run_dir, endpoint, retry_s=5.0))
@@ -359,6 +359,7 @@ def _assert_controller_messages_produced(store, keys, run_dir: Path) -> None:
     """The controller's messages of the live run (restarted once, healthy again): commands
     and acks, its state, status, generation and summary, and the events, in etcd and in
     events.jsonl, decode and carry every field a consumer reads."""
+    from megascale.controller.events import read_events
     from megascale.messages import (
         Ack,
         Command,
@@ -368,7 +369,6 @@ def _assert_controller_messages_produced(store, keys, run_dir: Path) -> None:
         GenerationRecord,
         JobSummaryRecord,
     )
-    from megascale.robustness.events import read_events
 
     def read(kind, key):
         kv = store.get(key)

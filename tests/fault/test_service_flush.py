@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from megascale.controller import service as service_mod
+from megascale.controller.controller import ControllerFSM, ControllerPolicy
+from megascale.controller.events import EventLog, read_events
+from megascale.controller.service import ControllerService, LostLeadership, ServiceOptions
+from megascale.etcd.keys import make_command
 from megascale.messages import ControllerState, ControllerStatus, Event, GenerationRecord
-from megascale.robustness import service as service_mod
-from megascale.robustness.controller import ControllerFSM, ControllerPolicy
-from megascale.robustness.events import EventLog, read_events
-from megascale.robustness.keys import make_command
-from megascale.robustness.service import ControllerService, LostLeadership, ServiceOptions
 
 NODES = 300  # > 2 x 128: several transactions
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from megascale.controller.service import lease_ttl, policy_for
 from megascale.launcher import rendezvous as rdzv
 from megascale.parallel.layout import Layout
-from megascale.robustness.service import lease_ttl, policy_for
-from megascale.sim.scenario import run_scenario
+from megascale.tools.sim.scenario import run_scenario
 
 
 def test_replay_issues_every_operation_against_a_real_tcpstore():

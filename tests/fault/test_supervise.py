@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from megascale.launcher.etcd import EmbeddedEtcd
+from megascale.etcd.server import EmbeddedEtcd
+from megascale.etcd.store import Store, StoreConfig
 from megascale.launcher.supervise import Supervisor
-from megascale.robustness.store import Store, StoreConfig
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from megascale.config import load
 from megascale.data.node_loader import stale_segments
 from megascale.launcher.local import free_port
 from megascale.launcher.outcome import parameter_digest
-from megascale.robustness.inject import fired
+from megascale.probes.inject import fired
 
 pytestmark = pytest.mark.slow
 

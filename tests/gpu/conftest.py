@@ -2,7 +2,7 @@
 
 The pytest process itself never initialises CUDA. Every test does its GPU work in ranks forked by
 ``megascale.launcher.local.run_local`` (one per GPU, NCCL between them), and a child cannot use CUDA
-that its parent initialised; GPUs are counted through NVML (``megascale.launcher.gpus``).
+that its parent initialised; GPUs are counted through NVML (``megascale.gpus``).
 ``scripts/gpu-check`` runs this tier and the GPU benchmarks in one command.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megascale.launcher.gpus import cuda_initialised, prefer_nvml_checks, visible_gpu_count
+from megascale.gpus import cuda_initialised, prefer_nvml_checks, visible_gpu_count
 
 prefer_nvml_checks()  # before megatron-core / TE are imported (they probe CUDA at import)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # harness.py
@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
     if cuda_initialised():
         raise pytest.UsageError(
             "CUDA was initialised in the pytest process while collecting tests/gpu: the forked "
-            "ranks could not use it (see megascale.launcher.gpus)"
+            "ranks could not use it (see megascale.gpus)"
         )
     for item in items:
         marker = item.get_closest_marker("gpu")

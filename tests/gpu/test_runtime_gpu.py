@@ -11,7 +11,7 @@ from collections import defaultdict
 import pytest
 from gpu_jobs import in_child, small_job
 
-from megascale.robustness.progress import progress_path, read_progress
+from megascale.probes.progress import progress_path, read_progress
 from megascale.train.checkpoint_io import step_name
 from megascale.train.run import run_rank
 

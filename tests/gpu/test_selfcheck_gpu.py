@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 from gpu_jobs import in_child
 
-from megascale.diagnostics.selfcheck import (
+from megascale.agent.selfcheck import (
     NO_CUDA,
     SKIPPED,
     CheckResult,
     SelfCheckOptions,
     run_selfcheck,
 )
-from megascale.diagnostics.selfcheck_calibration import calibration_toml, measured_figures
-from megascale.diagnostics.selfcheck_thresholds import load_thresholds
+from megascale.agent.selfcheck_calibration import calibration_toml, measured_figures
+from megascale.agent.selfcheck_thresholds import load_thresholds
 
 pytestmark = pytest.mark.gpu
 

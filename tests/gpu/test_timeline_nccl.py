@@ -9,9 +9,9 @@ import json
 import pytest
 from gpu_jobs import small_job
 
-from megascale.diagnostics.timers import rank_file
 from megascale.launcher.local import run_local
-from megascale.robustness.flight_format import flight_path, read_records
+from megascale.probes.flight_format import flight_path, read_records
+from megascale.probes.timers import rank_file
 from megascale.train.run import run_rank
 
 pytestmark = pytest.mark.gpu(2)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from k8s_support import FakeKube
 
-from megascale.launcher.etcd import EmbeddedEtcd
-from megascale.robustness.store import Store, StoreConfig
+from megascale.etcd.server import EmbeddedEtcd
+from megascale.etcd.store import Store, StoreConfig
 
 
 @pytest.fixture

@@ -133,7 +133,7 @@ def test_external_etcd_tls_and_credentials_reach_the_containers():
     assert builders.etcd_endpoints(job)[0] == "https://etcd-0.etcd.infra.svc:2379"
     pod = builders.worker_pod(job, 0)
     values = env(container(pod))
-    # the password where robustness.service reads it; the user through --user $(...)
+    # the password where controller.service reads it; the user through --user $(...)
     assert values["MEGASCALE_ETCD_PASSWORD"] == {
         "secretKeyRef": {"name": "etcd-auth", "key": "password"}
     }
@@ -313,8 +313,8 @@ def test_worker_pod_runs_the_agent_with_a_stable_identity():
 def test_agents_and_controller_are_scrapeable_on_the_pod_address():
     """A fixed, named /metrics port on the pod's IP, declared on the container, with the common
     prometheus.io annotations on the pod; the agent and controller CLIs accept those flags."""
-    from megascale.launcher.agent import add_arguments as agent_arguments
-    from megascale.robustness.controller_command import add_arguments as controller_arguments
+    from megascale.agent.agent import add_arguments as agent_arguments
+    from megascale.controller.controller_command import add_arguments as controller_arguments
 
     job = job_of("gpu-volcano")
     worker = builders.worker_pod(job, 0)

@@ -12,10 +12,10 @@ from typing import Any
 from k8s_support import example_jobs
 
 from megascale import config
+from megascale.controller import fault_tolerance_flags
+from megascale.controller.controller_policy import policy_for
 from megascale.k8s import crd, launch
 from megascale.k8s.job import Job
-from megascale.robustness import fault_tolerance_flags
-from megascale.robustness.controller_policy import policy_for
 
 K8S_DIR = Path(launch.__file__).parent
 NOT_READERS = {"crd.py", "crd_status.py", "validation.py"}  # the schema and its checks

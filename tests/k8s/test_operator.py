@@ -16,6 +16,19 @@ import pytest
 import yaml
 from k8s_support import EXAMPLES, FakeKube, example_jobs, load_docs
 
+from megascale.controller.controller import (
+    ControllerFSM,
+    ControllerPolicy,
+    Evict,
+    RecordEvent,
+    SendCommand,
+    StartGeneration,
+)
+from megascale.controller.effective import EffectiveTime
+from megascale.controller.events import EventLog
+from megascale.controller.job_summary import JobSummary
+from megascale.etcd.keys import JobKeys
+from megascale.etcd.store import Store, StoreConfig
 from megascale.k8s import builders, crd, validation
 from megascale.k8s.builders import Job
 from megascale.k8s.command import add_arguments
@@ -35,19 +48,6 @@ from megascale.messages import (
     Heartbeat,
     RankFigures,
 )
-from megascale.robustness.controller import (
-    ControllerFSM,
-    ControllerPolicy,
-    Evict,
-    RecordEvent,
-    SendCommand,
-    StartGeneration,
-)
-from megascale.robustness.effective import EffectiveTime
-from megascale.robustness.events import EventLog
-from megascale.robustness.job_summary import JobSummary
-from megascale.robustness.keys import JobKeys
-from megascale.robustness.store import Store, StoreConfig
 
 T0 = 1_750_000_000.0
 

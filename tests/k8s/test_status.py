@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 from k8s_support import example_jobs
 
+from megascale.controller.job_summary import JobSummary
 from megascale.k8s import crd, validation
 from megascale.k8s.builders import Job
 from megascale.k8s.status import (
@@ -35,7 +36,6 @@ from megascale.messages import (
     JobSummaryRecord,
     RankFigures,
 )
-from megascale.robustness.job_summary import JobSummary
 
 T0 = 1_750_000_000.0
 STATUS_SCHEMA = validation.json_schema(crd.status_schema())

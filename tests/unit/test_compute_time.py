@@ -1,4 +1,4 @@
-"""``megascale.diagnostics.compute_time.ComputeMeter`` on the host clock (the CPU path), driven as
+"""``megascale.probes.compute_time.ComputeMeter`` on the host clock (the CPU path), driven as
 megatron-core's schedule drives ``config.timers``; a fake clock gives hand-written expectations."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megascale.diagnostics import compute_time
+from megascale.probes import compute_time
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_forward_and_backward_compute_less_blocked_time_per_step(clock):
 
 
 def test_without_timeline_other_timers_are_no_ops_and_detach_keeps_the_meter(clock):
-    from megascale.diagnostics.timers import _set_timers
+    from megascale.probes.timers import _set_timers
 
     config = SimpleNamespace(timers=None)
     meter = compute_time.ComputeMeter().install(config)

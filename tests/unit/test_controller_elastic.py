@@ -10,15 +10,15 @@ from test_controller_fsm import Clock, ack_all, commands, policy, records
 
 from megascale import config
 from megascale.config import ConfigError
-from megascale.robustness.controller import (
+from megascale.controller.controller import (
     ControllerFSM,
     ControllerPolicy,
     Evict,
     StartGeneration,
     State,
 )
-from megascale.robustness.controller_elastic import RestartBudget, dp_of, shrink_nodes
-from megascale.robustness.fatal import EXIT_JOB_FATAL, read_fatal, write_fatal
+from megascale.controller.controller_elastic import RestartBudget, dp_of, shrink_nodes
+from megascale.probes.fatal import EXIT_JOB_FATAL, read_fatal, write_fatal
 
 NODES = ("n0", "n1", "n2", "n3")
 

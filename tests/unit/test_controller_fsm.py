@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from megascale.messages import Command, Heartbeat, MessageError
-from megascale.robustness.controller import (
+from megascale.controller.controller import (
     TRANSITIONS,
     ControllerFSM,
     ControllerPolicy,
@@ -23,7 +22,8 @@ from megascale.robustness.controller import (
     State,
     stall_suspects,
 )
-from megascale.robustness.keys import JobKeys, is_current, make_command
+from megascale.etcd.keys import JobKeys, is_current, make_command
+from megascale.messages import Command, Heartbeat, MessageError
 
 
 class Clock:

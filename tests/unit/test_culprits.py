@@ -5,7 +5,7 @@ Layout used: TP {0,1},{2,3}; DP {0,2},{1,3} (dp, pp, tp) = (rank // 2 ... ) as i
 
 from __future__ import annotations
 
-from megascale.robustness.flight_format import (
+from megascale.probes.flight_format import (
     DeviceState,
     GroupInfo,
     OpKind,

@@ -17,9 +17,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from megascale.cli import main
-from megascale.diagnostics import dashboards
-from megascale.diagnostics.metrics import (
+from megascale.agent.metrics import (
     FAULT_KINDS,
     METRICS,
     AgentMetrics,
@@ -27,7 +25,9 @@ from megascale.diagnostics.metrics import (
     MetricSpec,
     metric_names,
 )
+from megascale.cli import main
 from megascale.messages import CheckpointFigures, Heartbeat, RankFigures
+from megascale.tools import dashboards
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = dashboards.build_all()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megascale.robustness.effective import EffectiveTime
+from megascale.controller.effective import EffectiveTime
 
 
 def test_steps_count_once_with_their_latest_time_and_start_up_is_lost():

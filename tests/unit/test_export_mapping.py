@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megascale.config import ModelConfig
-from megascale.export import (
+from megascale.tools.export import (
     PHI,
     STARCODER2,
     ExportError,
@@ -112,7 +112,7 @@ def test_convert_maps_every_tensor_and_refuses_unknown_ones():
 
 def test_a_multi_rank_job_becomes_a_valid_one_rank_cpu_job():
     from megascale.config import load, validate
-    from megascale.export import _one_rank_job
+    from megascale.tools.export import _one_rank_job
 
     sets = ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.sequence_parallel=true"]
     job = validate(load("tiny", [*sets, "parallel.batch_p2p_comm=false"]), 8, "gloo")

@@ -1,4 +1,4 @@
-"""megascale.diagnostics.flops against hand computations.
+"""megascale.probes.flops against hand computations.
 
 Reference shape: GPT-3 175B as in Narayanan et al. 2021 (arXiv 2104.04473): l = 96 layers,
 h = 12288, 96 heads (head dim d = 128), s = 2048, ffn 4h = 49152, and V = 51200 (GPT-2's 50257
@@ -20,8 +20,8 @@ import pytest
 
 from megascale import config
 from megascale.config import ModelConfig
-from megascale.diagnostics import flops as F
-from megascale.diagnostics.flops import (
+from megascale.probes import flops as F
+from megascale.probes.flops import (
     PEAK_TFLOPS,
     count_parameters,
     flops_per_token,

@@ -10,8 +10,8 @@ import pytest
 
 from megascale import config
 from megascale.cli import build_parser
-from megascale.robustness import fault_tolerance_flags
-from megascale.robustness.controller_policy import policy_for
+from megascale.controller import fault_tolerance_flags
+from megascale.controller.controller_policy import policy_for
 
 CONTROLLER = ["controller", "--job", "j", "--run-dir", "r", "--nodes", "2", "--nproc-per-node", "1"]
 CONTROLLER += ["--endpoints", "127.0.0.1:2379"]

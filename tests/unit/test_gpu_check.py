@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megascale.launcher import gpus
+from megascale import gpus
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")

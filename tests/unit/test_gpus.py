@@ -1,4 +1,4 @@
-"""GPU counting without CUDA initialisation (``megascale.launcher.gpus``), on a CPU machine: a
+"""GPU counting without CUDA initialisation (``megascale.gpus``), on a CPU machine: a
 CUDA build of torch is simulated and every call that would initialise CUDA is a trap."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import stat
 import pytest
 import torch
 
-from megascale.launcher import gpus
+from megascale import gpus
 from megascale.train.run import resolve_device
 
 

@@ -103,17 +103,17 @@ def test_find_cycle_reports_a_circle():
 
 def test_graph_sees_lazy_and_relative_imports():
     graph = import_graph()
-    assert "megascale.launcher.agent" in graph["megascale.cli"]  # imported inside a function
+    assert "megascale.agent.agent" in graph["megascale.cli"]  # imported inside a function
     assert "megascale.train.command" in graph["megascale.cli"]  # at the top
     assert len(graph) > 100 and all(m.startswith("megascale") for m in graph)
     relative = ast.parse("from ..store import Store\nfrom . import keys").body
-    assert _targets(relative[0], "megascale.robustness.service", False) == [
+    assert _targets(relative[0], "megascale.controller.service", False) == [
         "megascale.store",
         "megascale.store.Store",
     ]
-    assert _targets(relative[1], "megascale.robustness", True) == [
-        "megascale.robustness",
-        "megascale.robustness.keys",
+    assert _targets(relative[1], "megascale.etcd", True) == [
+        "megascale.etcd",
+        "megascale.etcd.keys",
     ]
 
 

@@ -10,9 +10,9 @@ import os
 from test_controller_elastic import four_nodes
 from test_controller_fsm import ack_all, commands, records
 
-from megascale.robustness.controller import ControllerFSM, Evict, State
-from megascale.robustness.events import read_events
-from megascale.robustness.fatal import error_signature, read_exit_error, write_exit_error
+from megascale.controller.controller import ControllerFSM, Evict, State
+from megascale.controller.events import read_events
+from megascale.probes.fatal import error_signature, read_exit_error, write_exit_error
 
 NODES_AND_SPARE = ("n0", "n1", "n2", "n3", "n4")
 DISK_FULL = "CheckpointError: checkpoint write failed: No space left on device (ENOSPC)"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from megascale.controller.effective import EffectiveTime
+from megascale.controller.job_summary import JobSummary
 from megascale.messages import DurableCheckpoint, Heartbeat, JobSummaryRecord, RankFigures
-from megascale.robustness.effective import EffectiveTime
-from megascale.robustness.job_summary import JobSummary
 
 FSM = SimpleNamespace(
     state=SimpleNamespace(value="running"), generation=1, step=7, faults=[], restarts=0

@@ -12,7 +12,7 @@ import torch
 
 from megascale.config import load
 from megascale.launcher.outcome import parameter_digest
-from megascale.robustness import inject
+from megascale.probes import inject
 from megascale.train import checkpoint_format as fmt
 
 DATA = "rank_00000/__0_0.distcp"

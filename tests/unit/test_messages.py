@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from megascale.etcd.keys import make_command
 from megascale.messages import (
     SCHEMA,
     Ack,
@@ -28,7 +29,6 @@ from megascale.messages import (
     WorkerStatus,
     read_metrics,
 )
-from megascale.robustness.keys import make_command
 
 
 def _heartbeat() -> Heartbeat:

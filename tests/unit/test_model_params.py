@@ -15,7 +15,7 @@ import traceback
 import pytest
 
 from megascale import config
-from megascale.diagnostics.flops import count_parameters, padded_vocab
+from megascale.probes.flops import count_parameters, padded_vocab
 
 CASES: dict[str, list[str]] = {
     "tiny": [],

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from test_controller_fsm import ack_all, commands, records, running
 
-from megascale.launcher.neighbour_check import TopologyError, load_topology, resolve
-from megascale.robustness.controller import ControllerFSM, SendCommand
-from megascale.robustness.neighbours import (
+from megascale.agent.neighbour_check import TopologyError, load_topology, resolve
+from megascale.controller.controller import ControllerFSM, SendCommand
+from megascale.controller.neighbours import (
     NeighbourResult,
     NeighbourTest,
     judge,

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from megascale.config import ConfigError, load, validate
-from megascale.diagnostics import flops, peak, straggler
+from megascale.probes import flops, peak
+from megascale.tools import straggler
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 
 from megascale.launcher import rendezvous as rdzv
 from megascale.parallel.layout import Layout
-from megascale.sim.agents import SimPool
-from megascale.sim.scenario import percentile
+from megascale.tools.sim.agents import SimPool
+from megascale.tools.sim.scenario import percentile
 
 
 @pytest.mark.parametrize(("world", "tp", "pp"), [(8, 2, 2), (64, 8, 4), (96, 4, 3)])

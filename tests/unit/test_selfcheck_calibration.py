@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-from megascale.diagnostics import selfcheck, selfcheck_gpu
-from megascale.diagnostics.selfcheck import FAIL, PASS, SKIPPED, CheckResult
-from megascale.diagnostics.selfcheck_calibration import (
+from megascale.agent import selfcheck, selfcheck_gpu
+from megascale.agent.selfcheck import FAIL, PASS, SKIPPED, CheckResult
+from megascale.agent.selfcheck_calibration import (
     calibration_toml,
     measured_figures,
 )
-from megascale.diagnostics.selfcheck_thresholds import GpuThresholds, load_thresholds
+from megascale.agent.selfcheck_thresholds import GpuThresholds, load_thresholds
 
 CHECKS = [
     CheckResult("gpu.matmul", PASS, 700.0, "TFLOP/s"),

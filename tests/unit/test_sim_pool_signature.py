@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 
-from megascale.launcher.workers import WorkerPool
-from megascale.sim.agents import SimPool
+from megascale.agent.workers import WorkerPool
+from megascale.tools.sim.agents import SimPool
 
 
 def test_the_simulated_pool_takes_every_call_the_agent_makes_of_the_real_one():

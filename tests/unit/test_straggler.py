@@ -8,8 +8,9 @@ import random
 import pytest
 
 from megascale.config import load, to_toml
-from megascale.diagnostics import flops, straggler
 from megascale.parallel.layout import Layout
+from megascale.probes import flops
+from megascale.tools import straggler
 
 LAYOUT = Layout(world_size=8, tp=2, pp=2, dp=2)  # stage 0: ranks 0-3, stage 1: ranks 4-7
 NODES = {r: f"node-{r // 4}" for r in range(8)}

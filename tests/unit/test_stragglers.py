@@ -1,11 +1,11 @@
-"""The straggler model (``megascale.robustness.stragglers``): per-stage scores, the live tracker,
+"""The straggler model (``megascale.controller.stragglers``): per-stage scores, the live tracker,
 and the progress fields that feed it; pure, hand-written inputs and expectations."""
 
 from __future__ import annotations
 
 import pytest
 
-from megascale.robustness.stragglers import StragglerTracker, node_scores, stage_scores
+from megascale.controller.stragglers import StragglerTracker, node_scores, stage_scores
 
 # PP2 x DP2 x TP2 on 2 nodes with the stages across nodes: node-0 holds ranks 0,1 (stage 0) and
 # 4,5 (stage 1); node-1 holds 2,3 (stage 0) and 6,7 (stage 1). The last stage (LM head and loss)
@@ -86,7 +86,7 @@ def test_recovery_rearms_and_reset_and_forget():
 
 
 def test_worker_signals_write_the_compute_time_and_stage(tmp_path):
-    from megascale.robustness import progress
+    from megascale.probes import progress
 
     path = progress.progress_path(tmp_path, 3)
     signals = progress.WorkerSignals(_Recorder(), progress.ProgressFile(path, 3))
@@ -103,7 +103,7 @@ def test_worker_signals_write_the_compute_time_and_stage(tmp_path):
 
 
 def test_worker_signals_report_the_step_periods_blocked_time_by_group(tmp_path):
-    from megascale.robustness import progress
+    from megascale.probes import progress
 
     path = progress.progress_path(tmp_path, 0)
     recorder = _Recorder()

