@@ -1,4 +1,5 @@
-"""The package's import graph has no circles and library code never imports the CLI.
+"""The package's import graph has no circles, library code never imports the CLI, and each room
+imports only what the process it runs in runs (docs/architecture.md).
 
 Every import in every ``.py`` under ``megascale/`` counts, function-local (lazy) ones included:
 a lazy import that closes a cycle is still a circle. Imports under ``if TYPE_CHECKING:`` never
@@ -134,3 +135,49 @@ def test_library_code_never_imports_the_cli():
         if "megascale.cli" in deps and module not in CLI_ENTRY_POINTS
     )
     assert not importers, f"library modules that import megascale.cli: {importers}"
+
+
+# The rooms follow the processes (docs/architecture.md). What a room may not import, because the
+# process it runs in does not run that code: a training rank never runs the controller, the agent,
+# the etcd client, the operator or the offline tools; the operator talks to etcd only.
+RANK_ROOMS = ("model", "data", "train", "parallel", "overlap", "probes")
+NOT_IN_A_RANK = {"tools", "controller", "agent", "etcd", "k8s"}
+ROOM_MAY_NOT_IMPORT = {
+    **{room: NOT_IN_A_RANK for room in RANK_ROOMS},
+    "probes": NOT_IN_A_RANK | {"launcher"},
+    "k8s": {"controller", "agent", "launcher", "tools", *RANK_ROOMS},
+}
+
+
+def room(module: str) -> str:
+    """``megascale.probes.timers`` -> ``probes``; a module at the package root -> ``root``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else "root"
+
+
+def room_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} -> {dep}"
+        for module, deps in graph.items()
+        for dep in deps
+        if room(dep) in ROOM_MAY_NOT_IMPORT.get(room(module), ())
+    )
+
+
+def test_room_contracts_catch_a_forbidden_import():
+    graph = {"megascale.probes.timers": {"megascale.controller.service", "megascale.config"}}
+    assert room_violations(graph) == ["megascale.probes.timers -> megascale.controller.service"]
+
+
+def test_rooms_import_only_what_their_process_runs():
+    assert room_violations(import_graph()) == []
+
+
+def test_only_the_cli_imports_the_offline_tools():
+    importers = sorted(
+        module
+        for module, deps in import_graph().items()
+        if module not in CLI_ENTRY_POINTS and room(module) != "tools"
+        if any(room(dep) == "tools" for dep in deps)
+    )
+    assert not importers, f"modules outside tools/ that import it: {importers}"
