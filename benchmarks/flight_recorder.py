@@ -48,7 +48,8 @@ from megascale.launcher.local import run_local
 from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.probes.flight_format import DeviceState, OpKind, flight_path
-from megascale.probes.flight_recorder import FlightRecorder, _OpWrapper
+from megascale.probes.flight_hooks import _OpWrapper
+from megascale.probes.flight_recorder import FlightRecorder
 from megascale.probes.flight_watcher import MAX_INTERVAL_S, MIN_INTERVAL_S, Backoff
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer

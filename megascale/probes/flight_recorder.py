@@ -10,9 +10,10 @@ collectives and calls between c10d functions are seen too), ``batch_isend_irecv`
 megatron-core's import-time aliases (``megascale.parallel.comm_hooks``). Per op it writes one
 record when the op is entered, and updates its state in place when the op returns (synchronous
 ops) or when its handle's ``wait()`` is called and returns (asynchronous ones): a few
-``struct.pack_into`` calls into the mmap, no syscall, no fsync. An op re-entered through
-``handle_torch_function`` (the CPU backend's TorchFunctionMode) or called by another c10d function
-is counted once, by the outermost call. Ops issued inside megatron-core's ``_coalescing_manager``
+``struct.pack_into`` calls into the mmap, no syscall, no fsync. The wrappers themselves are in
+``megascale.probes.flight_hooks``. An op re-entered through ``handle_torch_function`` (the CPU
+backend's TorchFunctionMode) or called by another c10d function is counted once, by the outermost
+call. Ops issued inside megatron-core's ``_coalescing_manager``
 (a DP bucket group) are one record of ``count`` ops; each op of a ``batch_isend_irecv`` is its own
 record. Sequence numbers count calls per process group (p2p: per pair of ranks on a group), so
 every member numbers the same call alike.
@@ -34,9 +35,7 @@ call is wrapped once: the recorder also keeps, in memory only, when each asynchr
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import inspect
 import logging
 import mmap
 import os
@@ -52,11 +51,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from megascale.parallel.comm_hooks import CommWrapper, Patches, Reentry, comm_thread_flag
+from megascale.parallel.comm_hooks import CommWrapper, Patches
 from megascale.probes.flight_format import (
-    ASYNC,
-    BATCH,
-    COALESCED,
     GROUP_HEAD,
     HEADER,
     MAGIC,
@@ -70,16 +66,21 @@ from megascale.probes.flight_format import (
     OFF_STATE,
     OFF_STEP,
     OFF_WRITE_INDEX,
-    P2P,
     RECORD,
     RUN,
     VERSION,
     DeviceState,
-    OpKind,
     OpState,
     flight_path,
     proc_stat,
     runs_of,
+)
+from megascale.probes.flight_hooks import (
+    CallState,
+    _OpWrapper,
+    batch_wrapper,
+    coalescing_wrapper,
+    op_wrappers,
 )
 from megascale.probes.flight_watcher import CompletionWatcher, DeviceSpan, EventPool
 
@@ -96,67 +97,14 @@ __all__ = [
 
 DEFAULT_CAPACITY = 4096
 DEFAULT_GROUP_TABLE_BYTES = 64 * 1024
-_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 # Hot-path constants bound once (an enum member or module attribute read costs as much as the
 # struct call it feeds).
-_ENTERED, _WAITING = int(OpState.ENTERED), int(OpState.WAITING)
-_LEFT, _FAILED = int(OpState.LEFT), int(OpState.FAILED)
+_ENTERED, _WAITING, _LEFT = int(OpState.ENTERED), int(OpState.WAITING), int(OpState.LEFT)
 _COMPLETED = int(DeviceState.COMPLETED)  # and FAILED above it: the device's final states
 _U64, _F64, _U32, _STEP = struct.Struct("<Q"), struct.Struct("<d"), struct.Struct("<I"), "<qdd"
 _pack_record, _pack_u64, _pack_f64 = RECORD.pack_into, _U64.pack_into, _F64.pack_into
 _RECORD_SIZE = RECORD.size
 _monotonic = time.monotonic
-
-_KIND_OF = {
-    "all_reduce": OpKind.ALL_REDUCE,
-    "all_gather": OpKind.ALL_GATHER,
-    "all_gather_into_tensor": OpKind.ALL_GATHER_INTO_TENSOR,
-    "all_gather_single": OpKind.ALL_GATHER_INTO_TENSOR,
-    "_all_gather_base": OpKind.ALL_GATHER_INTO_TENSOR,
-    "reduce_scatter": OpKind.REDUCE_SCATTER,
-    "reduce_scatter_tensor": OpKind.REDUCE_SCATTER_TENSOR,
-    "reduce_scatter_single": OpKind.REDUCE_SCATTER_TENSOR,
-    "_reduce_scatter_base": OpKind.REDUCE_SCATTER_TENSOR,
-    "broadcast": OpKind.BROADCAST,
-    "reduce": OpKind.REDUCE,
-    "all_to_all": OpKind.ALL_TO_ALL,
-    "all_to_all_single": OpKind.ALL_TO_ALL_SINGLE,
-    "gather": OpKind.GATHER,
-    "scatter": OpKind.SCATTER,
-    "barrier": OpKind.BARRIER,
-    "send": OpKind.SEND,
-    "recv": OpKind.RECV,
-    "isend": OpKind.ISEND,
-    "irecv": OpKind.IRECV,
-}
-# The argument whose size a record carries: the full collective's payload.
-_SIZE_ARG = {
-    "all_reduce": "tensor",
-    "all_gather": "tensor_list",
-    "all_gather_into_tensor": "output_tensor",
-    "all_gather_single": "output_tensor",
-    "_all_gather_base": "output_tensor",
-    "reduce_scatter": "input_list",
-    "reduce_scatter_tensor": "input",
-    "reduce_scatter_single": "input",
-    "_reduce_scatter_base": "input",
-    "broadcast": "tensor",
-    "reduce": "tensor",
-    "all_to_all": "input_tensor_list",
-    "all_to_all_single": "input",
-    "gather": "tensor",
-    "scatter": "tensor",
-    "send": "tensor",
-    "recv": "tensor",
-    "isend": "tensor",
-    "irecv": "tensor",
-}
-_P2P_PEER_KW = {
-    "send": "group_dst",
-    "isend": "group_dst",
-    "recv": "group_src",
-    "irecv": "group_src",
-}
 
 
 # -- writer ----------------------------------------------------------------------------------------
@@ -186,10 +134,6 @@ def group_kind(label: str) -> str:
     return "other"
 
 
-class _Local(Reentry):
-    coalescing: _Pending | None = None
-
-
 @dataclass(frozen=True)
 class RingCopy:
     """Records ``first`` .. ``first + n - 1`` of a recorder's ring as they were when copied
@@ -207,15 +151,6 @@ class RingCopy:
     def records(self) -> Iterator[tuple[tuple, float]]:
         """(the record's fields as ``RECORD`` unpacks them, its wait time), oldest first."""
         return zip(RECORD.iter_unpack(self.data), self.wait_mono, strict=True)
-
-
-@dataclass
-class _Pending:
-    """The ops issued inside one coalescing block, recorded as one op on leaving it."""
-
-    kind: OpKind | None = None
-    nbytes: int = 0
-    count: int = 0
 
 
 class FlightRecorder:
@@ -263,7 +198,7 @@ class FlightRecorder:
         self._groups_used = 0
         self._groups: dict[object, Channel | None] = {}
         self._lock = threading.Lock()
-        self.local = _Local()
+        self.local = CallState()
         self.active = False
         self._patches = Patches()
         self._table_full_warned = False
@@ -293,11 +228,7 @@ class FlightRecorder:
 
     def install(self) -> FlightRecorder:
         """Start recording this process's communication (patches torch.distributed)."""
-        wrappers = {
-            name: _OpWrapper(name, getattr(dist, name), self)
-            for name in _KIND_OF
-            if hasattr(dist, name)
-        }
+        wrappers = op_wrappers(self)
         self.active = True
         from megascale.parallel import cpu_backend
 
@@ -560,86 +491,13 @@ class FlightRecorder:
             _U64.pack_into(self._mm, OFF_GROUPS_USED, self._groups_used)
         return Channel(gid, offset)
 
-    # -- batch and coalescing wrappers -------------------------------------------------------------
+    # -- batch and coalescing wrappers (``flight_hooks``) ----------------------------------------
 
     def _batch(self, original: Callable) -> Callable:
-        recorder = self
-
-        def batch_isend_irecv(p2p_op_list):
-            local = recorder.local
-            if local.inside or not recorder.active or comm_thread_flag.active:
-                return original(p2p_op_list)
-            indices, channels = [], []
-            for op in p2p_op_list:
-                name = getattr(op.op, "name", None) or getattr(op.op, "__name__", "")
-                channel = recorder.pair(op.group, op.peer)
-                if channel is not None:
-                    kind = OpKind.ISEND if name == "isend" else OpKind.IRECV
-                    flags = ASYNC | P2P | BATCH
-                    nbytes = _nbytes(op.tensor)
-                    indices.append(recorder.enter(kind, channel, nbytes, flags, op.peer))
-                    channels.append(channel)
-            local.inside = True
-            try:
-                works = original(p2p_op_list)
-            except BaseException:
-                recorder.mark(indices, _FAILED)
-                raise
-            finally:
-                local.inside = False
-            for i, w in zip(indices, works, strict=False):
-                recorder.track(i, w)
-            if len(works) == len(indices):
-                return [
-                    _RecordedWork(w, recorder, (i,), c)
-                    for w, i, c in zip(works, indices, channels, strict=True)
-                ]
-            first = channels[0] if channels else None
-            return [_RecordedWork(w, recorder, tuple(indices), first) for w in works]  # NCCL
-
-        return batch_isend_irecv
+        return batch_wrapper(self, original)
 
     def _coalescing(self, original: Callable) -> Callable:
-        recorder = self
-
-        @contextlib.contextmanager
-        def coalescing_manager(group=None, device=None, async_ops=False):
-            local = recorder.local
-            if (
-                local.inside
-                or local.coalescing is not None
-                or not recorder.active
-                or comm_thread_flag.active
-            ):
-                with original(group, device, async_ops) as cm:
-                    yield cm
-                return
-            pending, indices = _Pending(), ()
-            try:
-                with original(group, device, async_ops) as cm:
-                    handle = _RecordedWork(cm, recorder, ())
-                    local.coalescing = pending
-                    try:
-                        yield handle
-                    finally:
-                        local.coalescing = None
-                    channel = recorder.group(group)
-                    if pending.count and channel is not None:  # leaving the block issues the ops
-                        flags = COALESCED | (ASYNC if async_ops else 0)
-                        index = recorder.enter(
-                            pending.kind, channel, pending.nbytes, flags, count=pending.count
-                        )
-                        handle.indices = indices = (index,)
-                        handle.channel = channel
-            except BaseException:
-                recorder.mark(indices, _FAILED)
-                raise
-            for i in indices:
-                recorder.track(i, getattr(handle, "_work", None), handle.channel.gid)
-            if not async_ops:
-                recorder.mark(indices, _LEFT)
-
-        return coalescing_manager
+        return coalescing_wrapper(self, original)
 
 
 class NullFlightRecorder:
@@ -667,122 +525,6 @@ class NullFlightRecorder:
         pass
 
 
-class _OpWrapper(CommWrapper):
-    """Records one torch.distributed function's calls. The hot path: keep it short (it runs on
-    every collective, with the training step's data in the caches)."""
-
-    def __init__(self, name: str, original: Callable, recorder: FlightRecorder) -> None:
-        super().__init__(name, original)
-        self.recorder, self.kind, self.local = recorder, _KIND_OF[name], recorder.local
-        params = list(inspect.signature(original).parameters)
-        self.group_at = params.index("group")
-        # -1: no async_op parameter (isend/irecv are always asynchronous, the others synchronous)
-        self.async_at = params.index("async_op") if "async_op" in params else -1
-        self.always_async = name in ("isend", "irecv")
-        self.size_name = _SIZE_ARG.get(name)
-        self.size_at = params.index(self.size_name) if self.size_name else -1
-        self.peer_kw = _P2P_PEER_KW.get(name)
-
-    def __call__(self, *args, **kwargs):
-        local = self.local
-        if local.inside or not self.recorder.active or comm_thread_flag.active:
-            # re-entered through handle_torch_function, or the NCCL-like mode's communication
-            # thread carrying out a call the host made (recorded then)
-            return self.original(*args, **kwargs)
-        recorder, index, n = self.recorder, None, len(args)
-        at = self.size_at
-        nbytes = 0 if at < 0 else _nbytes(args[at] if n > at else kwargs.get(self.size_name))
-        pending = local.coalescing
-        if pending is None:
-            group = args[self.group_at] if n > self.group_at else kwargs.get("group")
-            at = self.async_at
-            is_async = self.always_async or (
-                at >= 0 and bool(args[at] if n > at else kwargs.get("async_op"))
-            )
-            if self.peer_kw is None:
-                channel, peer, flags = recorder.group(group), NO_PEER, 0
-            else:
-                peer = self._peer(args, kwargs, group)
-                channel, flags = recorder.pair(group, peer), P2P
-                peer = peer if peer >= 0 else NO_PEER
-            if channel is not None:  # None: not a member (torch does nothing either)
-                flags |= ASYNC if is_async else 0
-                # one clock read: the record's enter time, and the start of the blocked interval
-                started = _monotonic()
-                index = recorder.enter(self.kind, channel, nbytes, flags, peer, 1, started)
-                start = recorder.start_event() if recorder._cuda else None
-        else:  # inside a coalescing block: recorded as one op when the block ends
-            pending.kind = pending.kind or self.kind
-            pending.nbytes += nbytes
-            pending.count += 1
-        local.inside = True
-        try:
-            result = self.original(*args, **kwargs)
-        except BaseException:
-            if index is not None:
-                recorder.mark((index,), _FAILED)
-            raise
-        finally:
-            local.inside = False
-        if index is None:
-            return result
-        recorder.track(index, result, channel.gid if self.peer_kw is None else None, start)
-        if is_async and result is not None:
-            return _RecordedWork(result, recorder, (index,), channel)
-        left = _monotonic()  # the record's leave time, and the end of the blocked interval
-        recorder.leave(index, left)
-        recorder.blocked_s += left - started
-        channel.blocked_s += left - started
-        return result
-
-    def _peer(self, args, kwargs, group) -> int:
-        peer = (
-            args[1]
-            if len(args) > 1
-            else kwargs.get("dst" if self.peer_kw == "group_dst" else "src")
-        )
-        if peer is None and kwargs.get(self.peer_kw) is not None:
-            peer = dist.get_global_rank(group, kwargs[self.peer_kw])
-        return -1 if peer is None else int(peer)
-
-
-class _RecordedWork:
-    """A work handle (or megatron-core's coalescing handle) whose ``wait()`` marks its records."""
-
-    def __init__(
-        self,
-        work,
-        recorder: FlightRecorder,
-        indices: tuple[int, ...],
-        channel: Channel | None = None,
-    ) -> None:
-        self._work, self._recorder, self.indices, self._done = work, recorder, indices, False
-        self.channel = channel  # whose blocked time the wait adds to
-
-    def wait(self, *args, **kwargs):
-        if self._done:
-            return self._work.wait(*args, **kwargs)
-        recorder, indices = self._recorder, self.indices
-        started = _monotonic()  # the WAITING time, and the start of the blocked interval
-        recorder.mark(indices, _WAITING, started)
-        try:
-            result = self._work.wait(*args, **kwargs)
-        except BaseException:
-            recorder.mark(indices, _FAILED)
-            raise
-        finally:
-            self._done = True
-        left = _monotonic()
-        recorder.mark(indices, _LEFT, left)
-        recorder.blocked_s += left - started
-        if self.channel is not None:
-            self.channel.blocked_s += left - started
-        return result
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
 def installed_recorder() -> FlightRecorder | None:
     """The active recorder whose wrapper stands in front of ``torch.distributed.all_reduce``
     (anywhere in a chain of stacked wrappers), or None: read from what is patched, so it is the
@@ -793,18 +535,6 @@ def installed_recorder() -> FlightRecorder | None:
             return fn.recorder
         fn = fn.original
     return None
-
-
-def _nbytes(value) -> int:
-    """Bytes of a tensor or a list of tensors (0 for anything else)."""
-    # Under a TorchFunctionMode (the CPU backend) every tensor attribute read goes through the
-    # mode's Python handler; a size needs no device remapping.
-    with _NO_TORCH_FUNCTION():
-        if isinstance(value, torch.Tensor):
-            return value.nbytes
-        if isinstance(value, list | tuple):
-            return sum(t.nbytes for t in value if isinstance(t, torch.Tensor))
-    return 0
 
 
 def _map(path: Path | None, size: int) -> mmap.mmap:

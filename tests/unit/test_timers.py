@@ -312,7 +312,7 @@ def test_flight_recorder_wrappers_give_sync_async_coalesced_and_batched_records(
 
     import torch.distributed as dist
 
-    from megascale.probes.flight_recorder import _OpWrapper
+    from megascale.probes.flight_hooks import _OpWrapper
 
     recorder = _memory_recorder()
     channel = recorder.add_group(7, (0, 1), "g")
