@@ -2,7 +2,8 @@
 ring in a memory-mapped file that the node agent reads without the worker's cooperation.
 
 The file's byte layout, the reader (``last_state``, ``read_records``) and the stall analysis
-(``stall_suspects``) are in ``megascale.probes.flight_format``, which does not import torch.
+(``stall_suspects``) are in ``megascale.probes.flight_format`` and ``flight_culprits``, which do
+not import torch.
 
 ``FlightRecorder(path, rank, world).install()`` wraps torch.distributed's collective and p2p
 functions (under both ``torch.distributed`` and ``distributed_c10d`` names, so that object

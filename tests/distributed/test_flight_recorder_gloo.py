@@ -26,6 +26,7 @@ from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
 from megascale.probes import inject
+from megascale.probes.flight_culprits import stall_culprits, stall_suspects
 from megascale.probes.flight_format import (
     DeviceState,
     OpKind,
@@ -34,8 +35,6 @@ from megascale.probes.flight_format import (
     flight_path,
     last_state,
     read_flight,
-    stall_culprits,
-    stall_suspects,
 )
 from megascale.probes.flight_recorder import open_recorder
 from megascale.probes.progress import progress_path, read_progress

@@ -5,6 +5,7 @@ Layout used: TP {0,1},{2,3}; DP {0,2},{1,3} (dp, pp, tp) = (rank // 2 ... ) as i
 
 from __future__ import annotations
 
+from megascale.probes.flight_culprits import stall_culprits, stall_suspects
 from megascale.probes.flight_format import (
     DeviceState,
     GroupInfo,
@@ -12,8 +13,6 @@ from megascale.probes.flight_format import (
     OpRecord,
     OpState,
     RankState,
-    stall_culprits,
-    stall_suspects,
 )
 
 TP = {0: 0x10, 1: 0x10, 2: 0x11, 3: 0x11}

@@ -12,6 +12,7 @@ import struct
 
 import pytest
 
+from megascale.probes.flight_culprits import stall_suspects
 from megascale.probes.flight_format import (
     ASYNC,
     HEADER,
@@ -26,7 +27,6 @@ from megascale.probes.flight_format import (
     read_flight,
     read_records,
     runs_of,
-    stall_suspects,
 )
 from megascale.probes.flight_recorder import FlightRecorder, NullFlightRecorder
 from megascale.probes.progress import (

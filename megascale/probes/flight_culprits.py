@@ -1,0 +1,242 @@
+"""The stall analysis over the ranks' flight files: which ranks hold up a stall, and why.
+
+``stall_culprits`` builds a wait-for graph from each rank's ``RankState`` (``flight_format``'s
+reader, or its JSON as the agents' heartbeats carry it) and names the ranks it ends in;
+``stall_suspects`` is the set of their ranks. No torch: the controller runs it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megascale.probes.flight_format import P2P, OpRecord, RankState
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """A rank named by the stall analysis, why, and where (group label, op, sequence number)."""
+
+    rank: int
+    reason: str
+    """"not-entered": never enqueued the op its peers wait in; "not-started": enqueued it, but
+    its device never started it (its communication is stuck); "stopped": the process is stopped;
+    "mismatch": at the same sequence number it issued another op or size than its peers; "waiting":
+    in a cycle of ranks waiting for one another."""
+    group: str = ""
+    op: str = ""
+    seq: int = 0
+
+    def describe(self) -> str:
+        where = f" in {self.op} #{self.seq} on {self.group}" if self.op else ""
+        return f"rank {self.rank} {self.reason.replace('-', ' ')}{where}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "reason": self.reason, "group": self.group, "op": self.op,
+                "seq": self.seq}  # fmt: skip
+
+
+def stall_suspects(states: Mapping[int, RankState]) -> list[int]:
+    """The ranks that hold up a stall (``stall_culprits``' ranks)."""
+    return sorted({c.rank for c in stall_culprits(states)})
+
+
+def stall_culprits(states: Mapping[int, RankState]) -> list[Culprit]:
+    """The ranks that hold up a stall, each with the reason and the op it holds up.
+
+    A wait-for graph over what the ranks' flight files say: a rank waits in op (group g, seq s)
+    when it is blocked there (host view) or its device started it and it has not completed
+    (NCCL-like records). It waits for each member of g that has not started (g, s): never entered
+    it (its last sequence number on g is below s; p2p: the peer on that pair's channel), entered
+    it but its device never started it, or whose state is missing (file unreadable). Following
+    the waits from every waiting rank ends in ranks that wait for no one: computing, stopped before
+    the collective, gone, or with their communication stuck. Those are the suspects, with ranks
+    waiting for each other in a cycle (a mismatched order). A rank waiting where every member has
+    started is no suspect (that collective itself hangs: nobody is behind), unless the members'
+    records of it differ in op or size: then the ranks in the minority are named ("mismatch"),
+    and they alone (with stopped ranks): every other wait is behind that collective, which never
+    completes. In a tie (a pair) the op that the same-labelled groups' waiters record at that
+    sequence number wins (data-parallel replicas issue the same calls); failing that, the lower
+    rank's.
+    Ranks whose process is stopped (SIGSTOP, /proc state "T", known only on the same host) are
+    suspects wherever they stopped. [] when no rank waits and none is stopped.
+
+    This follows waits across groups: with TP {0,1},{2,3} and DP {0,2},{1,3}, rank 3 stopped
+    before a TP all-reduce that rank 2 waits in, ranks 0 and 1 waiting in DP ops for 2 and 3,
+    the suspect is 3 alone (2 is blocked too, but waits for 3).
+    """
+    edges: dict[object, set[object]] = {}
+    ops: dict[tuple[int, int], dict[int, OpRecord]] = {}
+    for rank, state in states.items():
+        for op in state.blocked:
+            info = state.groups.get(op.group)
+            if info is None:
+                continue  # group table was full: membership unknown
+            node = ("op", op.group, op.seq)
+            ops.setdefault((op.group, op.seq), {})[rank] = op
+            edges.setdefault(rank, set()).add(node)
+            if node in edges:
+                continue
+            edges[node] = {
+                m
+                for m in info.ranks
+                if m not in states
+                or (m != rank and not states[m].started(op.group, op.seq))
+                or (m == rank and (op.group, op.seq) in state.unstarted)
+            }
+    culprits: dict[int, Culprit] = {}
+    for (gid, seq), by_rank in ops.items():
+        culprits.update({c.rank: c for c in _mismatched(states, gid, seq, by_rank, ops)})
+    # A mismatch hangs its group for good: every rank waiting or queued behind it is downstream.
+    dead = {} if culprits else _dead_links(states)
+    culprits.update(dead)
+    for comp in [] if dead or culprits else _sink_components(edges):
+        for node in comp:
+            if isinstance(node, int) and node not in culprits:
+                culprits[node] = _why(states, node, comp, edges)
+    for rank, state in states.items():
+        if state.stopped and rank not in culprits:
+            culprits[rank] = Culprit(rank, "stopped")
+    return sorted(culprits.values(), key=lambda c: c.rank)
+
+
+def _dead_links(states: Mapping[int, RankState]) -> dict[int, Culprit]:
+    """Ranks whose device has not started an op that a group peer's device already started:
+    their communication stopped (a dead NIC, a stuck kernel) while the host went on issuing
+    (NCCL, or the NCCL-like mode: a host waiting for a result is not in a ``wait()``, so its
+    ``blocked`` may be empty). Its peers then wait on ops queued behind the dead ones, in every
+    group it is in, so the wait graph alone would not single it out. A rank waiting in an op
+    its device started may only be queued behind that op: when some candidates wait in no
+    started op, only they are named."""
+    out: dict[int, Culprit] = {}
+    for rank, state in states.items():
+        if state.stopped:
+            continue
+        for gid, seq in sorted(state.unstarted, key=lambda g: (g[1], g[0])):
+            info = state.groups.get(gid)
+            peers = [m for m in (info.ranks if info else ()) if m != rank and m in states]
+            if any(states[m].started(gid, seq) for m in peers):
+                kind = next(
+                    (op.kind.name.lower() for st in states.values() for op in st.blocked
+                     if (op.group, op.seq) == (gid, seq)), "",
+                )  # fmt: skip
+                out[rank] = Culprit(rank, "not-started", _label(states, gid), kind, seq)
+                break
+    idle = {
+        r: c
+        for r, c in out.items()
+        if all((o.group, o.seq) in states[r].unstarted for o in states[r].blocked)
+    }
+    return idle or out
+
+
+def _mismatched(
+    states: Mapping[int, RankState],
+    gid: int,
+    seq: int,
+    by_rank: Mapping[int, OpRecord],
+    ops: Mapping[tuple[int, int], Mapping[int, OpRecord]],
+) -> list[Culprit]:
+    """The ranks whose record of (gid, seq) differs in op or size from the most common one
+    (ties: see ``stall_culprits``; ``ops`` is every blocked op by (group, seq))."""
+    if len(by_rank) < 2:
+        return []
+    shapes: dict[tuple[object, int], list[int]] = {}
+    for rank, op in by_rank.items():
+        shapes.setdefault(_shape(op), []).append(rank)
+    if len(shapes) < 2:
+        return []
+    label = _label(states, gid)
+    kind = label.split(" [")[0]  # the label without the ranks: the same for every replica
+    elsewhere = Counter(
+        _shape(op)
+        for (other, other_seq), members in ops.items()
+        if other != gid and other_seq == seq and _label(states, other).split(" [")[0] == kind
+        for op in members.values()
+    )
+    common = max(shapes.items(), key=lambda kv: (len(kv[1]), elsewhere[kv[0]], -min(kv[1])))[1]
+    return [
+        Culprit(rank, "mismatch", label, f"{op.kind.name.lower()} of {op.nbytes} bytes", seq)
+        for rank, op in by_rank.items()
+        if rank not in common
+    ]
+
+
+def _shape(op: OpRecord) -> tuple[object, int]:
+    # The two ends of a p2p transfer record a send and a receive at the same number.
+    return ("p2p", 0) if op.flags & P2P else (op.kind, op.nbytes)
+
+
+def _why(states: Mapping[int, RankState], rank: int, comp: list[object], edges: Mapping) -> Culprit:
+    """Why ``rank``, in sink component ``comp``, is a suspect: the op a waiter waits for it in."""
+    for node, behind in edges.items():
+        if isinstance(node, tuple) and rank in behind:
+            _, gid, seq = node
+            state = states.get(rank)
+            reason = "stopped" if state is not None and state.stopped else (
+                "not-started" if state is not None and state.seq(gid) >= seq else "not-entered"
+            )  # fmt: skip
+            waiter = next(
+                (op for st in states.values() for op in st.blocked
+                 if (op.group, op.seq) == (gid, seq)), None,
+            )  # fmt: skip
+            kind = waiter.kind.name.lower() if waiter is not None else ""
+            return Culprit(rank, reason, _label(states, gid), kind, seq)
+    return Culprit(rank, "waiting" if len(comp) > 1 else "not-entered")
+
+
+def _label(states: Mapping[int, RankState], gid: int) -> str:
+    for state in states.values():
+        info = state.groups.get(gid)
+        if info is not None:
+            return f"{info.label or 'group'} {list(info.ranks)}"
+    return f"{gid:016x}"
+
+
+def _sink_components(edges: Mapping[object, set[object]]) -> list[list[object]]:
+    """Strongly connected components with no edge leaving them (Tarjan, iterative)."""
+    index: dict[object, int] = {}
+    low: dict[object, int] = {}
+    comp_of: dict[object, int] = {}
+    components: list[list[object]] = []
+    stack: list[object] = []
+    on_stack: set[object] = set()
+    for root in list(edges):
+        if root in index:
+            continue
+        work = [(root, iter(edges.get(root, ())))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(edges.get(child, ()))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    comp_of[member] = len(components)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(component)
+    return [
+        comp
+        for i, comp in enumerate(components)
+        if all(comp_of[child] == i for node in comp for child in edges.get(node, ()))
+    ]
