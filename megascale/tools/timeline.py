@@ -32,7 +32,8 @@ from typing import Any
 from megascale.controller.events import EVENTS_FILE, read_events
 from megascale.messages import Event
 from megascale.parallel.layout import Coord, Layout
-from megascale.probes.timers import CATEGORIES, TIMELINE_DIR
+from megascale.probes.timeline_segments import CATEGORIES
+from megascale.probes.timers import TIMELINE_DIR
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from megascale.probes.comm_timer import FlightComm
 from megascale.probes.flight_format import flight_path, read_records
 from megascale.probes.flight_recorder import FlightRecorder
 from megascale.probes.inject import ENV
-from megascale.probes.timers import build_timeline, comm_segments, rank_file
+from megascale.probes.timeline_segments import comm_segments
+from megascale.probes.timers import build_timeline, rank_file
 from megascale.tools import straggler
 from megascale.train.run import run_rank, seed_everything
 from megascale.train.trainer import Trainer

@@ -12,14 +12,14 @@ from megascale.messages import Event
 from megascale.probes import timers
 from megascale.probes.comm_timer import FlightComm
 from megascale.probes.flight_format import OpKind
-from megascale.probes.timers import (
-    NULL_TIMELINE,
-    NullTimeline,
-    Timeline,
+from megascale.probes.timeline_segments import (
+    CATEGORIES,
+    MEGATRON_SEGMENTS,
     classify_comm,
     comm_segments,
     megatron_segment,
 )
+from megascale.probes.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.tools import timeline as tl
 
 META = {
@@ -40,9 +40,9 @@ def test_megatron_timer_names_map_to_megascale_spans():
     assert megatron_segment("all-grads-sync") == ("megascale::dp::grad_sync", "comm.dp")
     assert megatron_segment("optimizer-inner-step") == ("megascale::optim::inner_step", "optimizer")
     assert megatron_segment("something-new") == ("megascale::mcore::something_new", "other")
-    for name, cat in timers.MEGATRON_SEGMENTS.values():
+    for name, cat in MEGATRON_SEGMENTS.values():
         assert name.startswith("megascale::") and name.count("::") == 2, name
-        assert cat in timers.CATEGORIES
+        assert cat in CATEGORIES
 
 
 @pytest.mark.parametrize(
