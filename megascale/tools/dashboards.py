@@ -127,151 +127,150 @@ def _heatmap(title: str, expr: str, unit: str, description: str) -> heatmap.Pane
     )
 
 
+def _dashboard(title: str, uid: str, panels: list[Any]) -> dash_b.Dashboard:
+    """A megascale dashboard: its variables, the last hour refreshed every 30 s, ``panels`` in
+    order (Grafana lays them out left to right, top to bottom)."""
+    builder = _variables(
+        dash_b.Dashboard(title).uid(uid).tags(["megascale"]).time("now-1h", "now").refresh("30s")
+    )
+    for panel in panels:
+        builder = builder.with_panel(panel)
+    return builder
+
+
+def _job_stats() -> list[stat.Panel]:
+    """The job-wide stats of the controller's job summary and its robustness counters."""
+    return [
+        _stat(
+            "MFU",
+            "max by (megascale_job) (megascale_job_mfu_ratio{JOB})",
+            "percentunit",
+            "Model FLOPs utilisation against the peak the trainer logs (the controller's "
+            "job summary).",
+        ),
+        _stat(
+            "Tokens / s",
+            "max by (megascale_job) (megascale_job_tokens_per_second{JOB})",
+            "short",
+            "Job-wide training throughput (the controller's job summary).",
+        ),
+        _stat(
+            "Step",
+            "max by (megascale_job) (megascale_job_step{JOB})",
+            "none",
+            "The job's highest completed step (the controller's job summary).",
+        ),
+        _stat(
+            "Last durable checkpoint",
+            "max by (megascale_job) (megascale_job_last_checkpoint_step{JOB})",
+            "none",
+            "Step of the newest checkpoint saved completely (the controller's job summary).",
+        ),
+        _stat(
+            "Effective training time",
+            "max by (megascale_job) (megascale_effective_training_time_ratio{JOB})",
+            "percentunit",
+            "Productive time over wall time since the job started.",
+        ),
+        _stat(
+            "Restarts",
+            "sum by (megascale_job) (megascale_restarts_total{JOB})",
+            "none",
+            "Restarts after faults since the controller started.",
+        ),
+    ]
+
+
+def _throughput_series() -> list[timeseries.Panel]:
+    """MFU, tokens/s, step time and its breakdown over time."""
+    return [
+        _series(
+            "MFU over time",
+            "percentunit",
+            "MFU over time.",
+            _q("avg by (megascale_job) (megascale_mfu_ratio{JOB})", "MFU"),
+        ),
+        _series(
+            "Tokens per second over time",
+            "short",
+            "Throughput over time.",
+            _q("avg by (megascale_job) (megascale_tokens_per_second{JOB})", "tokens/s"),
+        ),
+        _series(
+            "Step time",
+            "s",
+            "Median rank and slowest rank: a gap between them is a straggler.",
+            _q("quantile by (megascale_job) (0.5, megascale_step_time_seconds{JOB})", "median"),
+            _q("max by (megascale_job) (megascale_step_time_seconds{JOB})", "slowest", ref="B"),
+        ),
+        _series(
+            "Step-time breakdown (mean over ranks)",
+            "s",
+            "Compute, communication not hidden behind compute by group, and data wait.",
+            _q("avg by (megascale_job) (megascale_compute_time_seconds{JOB})", "compute"),
+            _q(
+                "avg by (megascale_job, group) (megascale_comm_time_seconds{JOB})",
+                "comm {{group}}",
+                ref="B",
+            ),
+            _q("avg by (megascale_job) (megascale_data_wait_seconds{JOB})", "data", ref="C"),
+        ),
+    ]
+
+
+def _robustness_series() -> list[timeseries.Panel]:
+    """Checkpoint stall, faults and heartbeats over time."""
+    return [
+        _series(
+            "Checkpoint stall",
+            "s",
+            "Training time blocked by checkpoint saves (p90 over the interval, and the "
+            "last), and the last save's time until durable.",
+            _q(
+                "histogram_quantile(0.9, sum by (le, megascale_job) "
+                "(rate(megascale_checkpoint_stall_seconds_bucket{JOB}[$__rate_interval])))",
+                "p90",
+            ),
+            _q(
+                "max by (megascale_job) (megascale_checkpoint_stall_last_seconds{JOB})",
+                "last",
+                ref="B",
+            ),
+            _q(
+                "max by (megascale_job) (megascale_checkpoint_durable_seconds{JOB})",
+                "durable",
+                ref="C",
+            ),
+        ),
+        _series(
+            "Faults by kind",
+            "short",
+            "Faults the controller detected per interval.",
+            _q(
+                "sum by (megascale_job, kind) "
+                "(increase(megascale_faults_total{JOB}[$__rate_interval]))",
+                "{{kind}}",
+            ),
+        ),
+        _series(
+            "Heartbeats received per node",
+            "hertz",
+            "Heartbeats per second the controller receives from each node's agent.",
+            _q(
+                "sum by (megascale_job, node) "
+                "(rate(megascale_heartbeats_total{JOB}[$__rate_interval]))",
+                "{{node}}",
+            ),
+        ),
+    ]
+
+
 def mfu_dashboard() -> dash_b.Dashboard:
     """Throughput, MFU, step-time breakdown and robustness counters of one job."""
-    return (
-        _variables(
-            dash_b.Dashboard("megascale: MFU and throughput")
-            .uid("megascale-mfu")
-            .tags(["megascale"])
-            .time("now-1h", "now")
-            .refresh("30s")
-        )
-        .with_panel(
-            _stat(
-                "MFU",
-                "max by (megascale_job) (megascale_job_mfu_ratio{JOB})",
-                "percentunit",
-                "Model FLOPs utilisation against the peak the trainer logs (the controller's "
-                "job summary).",
-            )
-        )
-        .with_panel(
-            _stat(
-                "Tokens / s",
-                "max by (megascale_job) (megascale_job_tokens_per_second{JOB})",
-                "short",
-                "Job-wide training throughput (the controller's job summary).",
-            )
-        )
-        .with_panel(
-            _stat(
-                "Step",
-                "max by (megascale_job) (megascale_job_step{JOB})",
-                "none",
-                "The job's highest completed step (the controller's job summary).",
-            )
-        )
-        .with_panel(
-            _stat(
-                "Last durable checkpoint",
-                "max by (megascale_job) (megascale_job_last_checkpoint_step{JOB})",
-                "none",
-                "Step of the newest checkpoint saved completely (the controller's job summary).",
-            )
-        )
-        .with_panel(
-            _stat(
-                "Effective training time",
-                "max by (megascale_job) (megascale_effective_training_time_ratio{JOB})",
-                "percentunit",
-                "Productive time over wall time since the job started.",
-            )
-        )
-        .with_panel(
-            _stat(
-                "Restarts",
-                "sum by (megascale_job) (megascale_restarts_total{JOB})",
-                "none",
-                "Restarts after faults since the controller started.",
-            )
-        )
-        .with_panel(
-            _series(
-                "MFU over time",
-                "percentunit",
-                "MFU over time.",
-                _q("avg by (megascale_job) (megascale_mfu_ratio{JOB})", "MFU"),
-            )
-        )
-        .with_panel(
-            _series(
-                "Tokens per second over time",
-                "short",
-                "Throughput over time.",
-                _q("avg by (megascale_job) (megascale_tokens_per_second{JOB})", "tokens/s"),
-            )
-        )
-        .with_panel(
-            _series(
-                "Step time",
-                "s",
-                "Median rank and slowest rank: a gap between them is a straggler.",
-                _q("quantile by (megascale_job) (0.5, megascale_step_time_seconds{JOB})", "median"),
-                _q("max by (megascale_job) (megascale_step_time_seconds{JOB})", "slowest", ref="B"),
-            )
-        )
-        .with_panel(
-            _series(
-                "Step-time breakdown (mean over ranks)",
-                "s",
-                "Compute, communication not hidden behind compute by group, and data wait.",
-                _q("avg by (megascale_job) (megascale_compute_time_seconds{JOB})", "compute"),
-                _q(
-                    "avg by (megascale_job, group) (megascale_comm_time_seconds{JOB})",
-                    "comm {{group}}",
-                    ref="B",
-                ),
-                _q("avg by (megascale_job) (megascale_data_wait_seconds{JOB})", "data", ref="C"),
-            )
-        )
-        .with_panel(
-            _series(
-                "Checkpoint stall",
-                "s",
-                "Training time blocked by checkpoint saves (p90 over the interval, and the "
-                "last), and the last save's time until durable.",
-                _q(
-                    "histogram_quantile(0.9, sum by (le, megascale_job) "
-                    "(rate(megascale_checkpoint_stall_seconds_bucket{JOB}[$__rate_interval])))",
-                    "p90",
-                ),
-                _q(
-                    "max by (megascale_job) (megascale_checkpoint_stall_last_seconds{JOB})",
-                    "last",
-                    ref="B",
-                ),
-                _q(
-                    "max by (megascale_job) (megascale_checkpoint_durable_seconds{JOB})",
-                    "durable",
-                    ref="C",
-                ),
-            )
-        )
-        .with_panel(
-            _series(
-                "Faults by kind",
-                "short",
-                "Faults the controller detected per interval.",
-                _q(
-                    "sum by (megascale_job, kind) "
-                    "(increase(megascale_faults_total{JOB}[$__rate_interval]))",
-                    "{{kind}}",
-                ),
-            )
-        )
-        .with_panel(
-            _series(
-                "Heartbeats received per node",
-                "hertz",
-                "Heartbeats per second the controller receives from each node's agent.",
-                _q(
-                    "sum by (megascale_job, node) "
-                    "(rate(megascale_heartbeats_total{JOB}[$__rate_interval]))",
-                    "{{node}}",
-                ),
-            )
-        )
+    return _dashboard(
+        "megascale: MFU and throughput",
+        "megascale-mfu",
+        [*_job_stats(), *_throughput_series(), *_robustness_series()],
     )
 
 
@@ -281,9 +280,33 @@ _COMPUTE_SLOWDOWN = (
 )
 
 
-def straggler_dashboard() -> dash_b.Dashboard:
-    """Per-rank heat maps and the slowest machines of one job."""
-    slow_machines = (
+def _rank_heatmaps() -> list[heatmap.Panel]:
+    """Rank x time heat maps: step time, compute time, and compute time over the job median."""
+    return [
+        _heatmap(
+            "Step time by rank",
+            "max by (node, rank) (megascale_step_time_seconds{JOB})",
+            "s",
+            "One row per rank, one column per scrape: a row that stays hot is a straggler.",
+        ),
+        _heatmap(
+            "Compute time by rank",
+            "max by (node, rank) (megascale_compute_time_seconds{JOB})",
+            "s",
+            "Forward, backward and optimizer time per rank: slow hardware shows here.",
+        ),
+        _heatmap(
+            "Compute time over the job median",
+            _COMPUTE_SLOWDOWN,
+            "none",
+            "1.0 is the median rank; 1.1 is 10% slower than it.",
+        ),
+    ]
+
+
+def _slow_machines() -> table.Panel:
+    """The top slow nodes by straggler score, with their compute slowdown."""
+    return (
         table.Panel()
         .title("Top slow machines")
         .description(
@@ -323,7 +346,11 @@ def straggler_dashboard() -> dash_b.Dashboard:
         .height(10)
         .span(12)
     )
-    score = _series(
+
+
+def _straggler_scores() -> timeseries.Panel:
+    """Each rank's straggler score over time, red above 1.1."""
+    return _series(
         "Straggler score by rank",
         "none",
         "Each rank's time over its peers' median; above 1.1 is 10% slow.",
@@ -333,40 +360,14 @@ def straggler_dashboard() -> dash_b.Dashboard:
         .mode(dash_m.ThresholdsMode.ABSOLUTE)
         .steps([dash_m.Threshold(None, "green"), dash_m.Threshold(1.1, "red")])
     )
-    return (
-        _variables(
-            dash_b.Dashboard("megascale: stragglers")
-            .uid("megascale-stragglers")
-            .tags(["megascale"])
-            .time("now-1h", "now")
-            .refresh("30s")
-        )
-        .with_panel(
-            _heatmap(
-                "Step time by rank",
-                "max by (node, rank) (megascale_step_time_seconds{JOB})",
-                "s",
-                "One row per rank, one column per scrape: a row that stays hot is a straggler.",
-            )
-        )
-        .with_panel(
-            _heatmap(
-                "Compute time by rank",
-                "max by (node, rank) (megascale_compute_time_seconds{JOB})",
-                "s",
-                "Forward, backward and optimizer time per rank: slow hardware shows here.",
-            )
-        )
-        .with_panel(
-            _heatmap(
-                "Compute time over the job median",
-                _COMPUTE_SLOWDOWN,
-                "none",
-                "1.0 is the median rank; 1.1 is 10% slower than it.",
-            )
-        )
-        .with_panel(slow_machines)
-        .with_panel(score)
+
+
+def straggler_dashboard() -> dash_b.Dashboard:
+    """Per-rank heat maps and the slowest machines of one job."""
+    return _dashboard(
+        "megascale: stragglers",
+        "megascale-stragglers",
+        [*_rank_heatmaps(), _slow_machines(), _straggler_scores()],
     )
 
 
