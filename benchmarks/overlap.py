@@ -2,7 +2,8 @@
 off vs on, for the serial and the parallel block, measured in one run.
 
 Every collective and p2p call is priced by a cost model and run on a communication thread
-(``megascale.overlap.trace.CommTrace``), so communication is costly relative to compute on CPU:
+(``megascale.overlap.trace.CommTrace``; what each call did is read from an in-memory flight
+recorder outside it), so communication is costly relative to compute on CPU:
 
 * ``--cost bytes`` (default): alpha + bytes / beta per link class (TP in the node, DP and PP across
   nodes) of a named fabric (``--fabric``, default H100 + NVLink 4 + 8x400 Gb/s), in GPU seconds

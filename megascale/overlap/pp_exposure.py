@@ -1,14 +1,14 @@
 """Pipeline p2p exposure from both ends of each message, not from the receiver alone.
 
 A receive's wait mixes two things: the message still being on the wire (communication) and the
-sender still computing the tensor (a pipeline bubble, a slower stage). ``CommTrace.add_wait`` can
-only bound the first from the receiver's side (``min(wait, message cost)``), which counts bubble
-waits as communication. With every rank's p2p events in hand the split is exact under the model:
+sender still computing the tensor (a pipeline bubble, a slower stage). ``CommTrace``'s per-rank
+count can only bound the first from the receiver's side (``min(wait, message cost)``), which counts
+bubble waits as communication. With every rank's p2p events in hand the split is exact under the model:
 the message's modelled transfer occupies ``[transfer_start, transfer_start + cost]`` (the send's
 post, after its group's earlier calls, plus its cost), and communication is exposed only where some
 rank — the receiver waiting for it, or the sender waiting on its handle — was blocked inside that
-window. Times are ``perf_counter`` readings, CLOCK_MONOTONIC on Linux: one clock for every process
-of the machine, so windows of different ranks compare.
+window. Times are ``time.monotonic`` readings, CLOCK_MONOTONIC on Linux: one clock for every
+process of the machine, so windows of different ranks compare.
 
 Sends and receives pair in order per (source, destination): p2p messages between two ranks in one
 direction are matched in issue order (gloo and NCCL alike). Batched p2p (``batch_isend_irecv``) is

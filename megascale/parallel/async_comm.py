@@ -139,10 +139,10 @@ class CommOp:
         if self._observers:
             self._notify()
         if self.cost_s > 0:  # the modelled transfer: this stream is busy for that long
-            start = time.perf_counter()
+            start = _monotonic()
             time.sleep(self.cost_s)
             if self._on_cost is not None:
-                self._on_cost(start, time.perf_counter())
+                self._on_cost(start, _monotonic())
         try:
             work = self._run()
             for w in work if isinstance(work, list) else [work]:
@@ -249,7 +249,7 @@ class AsyncComm:
     ) -> None:
         """Price every op the host issues from now on: ``price(name, group, args, kwargs)`` is
         its modelled seconds (0: none), waited out on its group's thread just before it runs;
-        ``on_cost(group, start, end)`` is called there with each such wait (perf_counter
+        ``on_cost(group, start, end)`` is called there with each such wait (``time.monotonic``
         seconds). ``None`` removes the model."""
         self._price, self._on_cost = price, on_cost
 
