@@ -146,7 +146,9 @@ class _DelayedWork:
     """A work handle whose ``wait()`` also waits for the communication thread and for the modelled
     end of the call (``ready_at``). ``work`` is the real handle or a Future of it."""
 
-    started = None  # no observable start: the flight recorder polls ``is_completed``
+    # What the flight recorder's watcher looks for: none of them, so it polls ``is_completed``
+    # (read through ``__getattr__`` they would block on the communication thread).
+    started = observe = get_future = None
 
     def __init__(self, work, ready_at: float) -> None:
         self._work, self._ready_at = work, ready_at

@@ -1,5 +1,5 @@
-"""``step_events``: a step's comm events and exposure, joined from the flight recorder's records
-and the network model's side table (``megascale.overlap.trace_events``)."""
+"""CommTrace: a step's comm events and exposure, joined from the flight recorder's records
+and the network model's side table (``megascale.overlap.trace_events``); its delayed handles."""
 
 from megascale.overlap.trace_events import Ledger, Priced, step_events
 
@@ -59,3 +59,22 @@ def test_records_join_the_side_table_into_events_and_exposure():
     assert recv.peer == 1 and recv.exposed_s == 0.5  # at most its message's cost
     assert step.exposed_s == 2.0 + 1.0 + 0.5 + 3.0 + 1.0  # every wait, and the drain
     assert step.exposed_by_link == {"dp": 2.0 + 0.5, "pp": 1.0 + 0.5}
+
+
+def test_a_delayed_handle_offers_the_recorder_no_callback_to_block_on():
+    """The flight recorder stands outside the network model: what its watcher looks up on a
+    handle still on its communication thread is answered at once, not by waiting for the call."""
+    import threading
+    from concurrent.futures import Future
+
+    from megascale.overlap.trace import _DelayedWork
+
+    pending = Future()
+    unblock = threading.Timer(5.0, pending.set_result, (None,))  # a wrong lookup ends, and fails
+    unblock.start()
+    try:
+        work = _DelayedWork(pending, 0.0)
+        assert (work.started, work.observe, work.get_future) == (None, None, None)
+        assert not work.is_completed() and not pending.done()
+    finally:
+        unblock.cancel()
