@@ -401,7 +401,8 @@ class CommTrace:
         )
         initialized = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
-        self.recorder = FlightRecorder(None, rank, world, capacity=_RING).install()
+        self.recorder = FlightRecorder(None, rank, world, capacity=_RING, follow_device=False)
+        self.recorder.install()
         self._records = FlightComm(self.recorder)
         if self.engine is not None:
             self.engine.set_cost(

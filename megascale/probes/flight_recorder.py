@@ -173,6 +173,7 @@ class FlightRecorder:
         *,
         capacity: int = DEFAULT_CAPACITY,
         group_table_bytes: int = DEFAULT_GROUP_TABLE_BYTES,
+        follow_device: bool = True,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity={capacity}: the ring needs at least 1 slot")
@@ -205,6 +206,9 @@ class FlightRecorder:
         self._table_full_warned = False
         self._wait_mono = array("d", bytes(8 * capacity))  # per slot; see RingCopy
         self._watcher = CompletionWatcher(self.device)
+        self.follow_device = follow_device
+        """False: the host's view only (``track`` follows nothing, no watcher thread polls): for a
+        reader that needs no device state, such as the comm trace's own recorder."""
         self._cuda = False
         self._events = EventPool(lambda: torch.cuda.Event(enable_timing=True))
         self.blocked_s = 0.0
@@ -369,6 +373,10 @@ class FlightRecorder:
         key complete in issue order (a group's collectives), None: no order is known (p2p).
         ``start``: on CUDA, the event ``start_event`` recorded before the op (the op then gets
         its device start and an exactly timed duration)."""
+        if not self.follow_device:
+            if start is not None:
+                self._events.put(start)
+            return
         tracker = result if hasattr(result, "is_completed") else None
         if tracker is None and result is None:
             tracker = self._completion_of_sync(start)

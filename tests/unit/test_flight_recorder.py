@@ -358,3 +358,22 @@ def test_worker_signals_disabled_by_environment(tmp_path, monkeypatch):
         pass
     signals.close()
     assert not (tmp_path / "flight").exists() and not (tmp_path / "progress").exists()
+
+
+def test_a_recorder_of_the_hosts_view_follows_no_op_to_completion():
+    """``follow_device=False``: records keep their host times; nothing is polled."""
+    from megascale.probes.flight_format import DeviceState, OpKind
+
+    class Pending:  # a handle that never completes: a followed op would be polled for ever
+        def is_completed(self):
+            return False
+
+    followed, host = (FlightRecorder(None, 0, 1, follow_device=f) for f in (True, False))
+    for recorder in (followed, host):
+        group = recorder.add_group(7, (0,), "g")
+        recorder.track(recorder.enter(OpKind.ALL_REDUCE, group, 8, 0), Pending())
+    device_state = [next(r.copy(0, 1).records())[0][13] for r in (followed, host)]
+    assert device_state == [int(DeviceState.STARTED), 0]
+    assert followed._watcher.thread is not None and host._watcher.thread is None
+    for recorder in (followed, host):
+        recorder.close()
