@@ -22,7 +22,7 @@ from megascale.probes import inject
 if TYPE_CHECKING:
     from megascale.launcher.cluster import LocalCluster
 
-logger = logging.getLogger("megascale.launcher.cluster")
+logger = logging.getLogger("megascale.launch")  # the launcher's one log name (cluster.py's too)
 
 
 class Tail:
