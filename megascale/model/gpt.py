@@ -241,13 +241,17 @@ def _fused_parallel_spec(spec: ModuleSpec, chunks: int) -> ModuleSpec:
     )
 
 
+def _tp_chunks(job: JobConfig, use_te: bool) -> int:
+    """Sequence chunks of the chunked TP overlap (1: none). The TE spec's linears overlap inside
+    TE (config.tp_comm_overlap, megascale.overlap.tp_plan): our chunked linears replace
+    megatron-core's local ones only."""
+    return job.overlap.tp_chunks if job.overlap.tp_active(job.parallel) and not use_te else 1
+
+
 def _block_spec(
     job: JobConfig, config: TransformerConfig, use_te: bool, vp_stage: int | None
 ) -> ModuleSpec:
-    # The TE spec's linears overlap inside TE (config.tp_comm_overlap, megascale.overlap.tp_plan):
-    # our chunked linears replace megatron-core's local ones only.
-    tp_chunks = job.overlap.tp_chunks if job.overlap.tp_active(job.parallel) and not use_te else 1
-    layer = layer_spec(job.model, use_te, tp_chunks)
+    layer = layer_spec(job.model, use_te, _tp_chunks(job, use_te))
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -273,8 +277,14 @@ def build_gpt(
     vp_stage: int | None = None,
     pg_collection: object = None,
 ) -> GPTModel:
-    """Build this rank's GPTModel for one virtual pipeline stage (parameters not yet initialised)."""
-    return GPTModel(
+    """Build this rank's GPTModel for one virtual pipeline stage (parameters not yet initialised).
+
+    With the chunked TP overlap the output layer's sequence-parallel all-gather is chunked and
+    pipelined with the vocabulary GEMM like the layers' (``OverlappedColumnParallelLinear``).
+    megatron-core builds that layer itself as a ``ColumnParallelLinear``; it becomes the chunked
+    subclass in place (same parameters and state, plus its chunk count).
+    """
+    model = GPTModel(
         config=config,
         transformer_layer_spec=_block_spec(job, config, use_te, vp_stage),
         vocab_size=padded_vocab_size(job.model.vocab_size, job.parallel.tp),
@@ -286,6 +296,11 @@ def build_gpt(
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+    chunks = _tp_chunks(job, use_te)
+    if post_process and chunks > 1:
+        model.output_layer.__class__ = OverlappedColumnParallelLinear
+        model.output_layer.overlap_chunks = chunks
+    return model
 
 
 _LAYER_INDEX = re.compile(r"^decoder\.layers\.(\d+)\.")

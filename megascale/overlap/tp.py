@@ -7,10 +7,15 @@ fc2) reduce-scatters its output after it. MegaScale hides both:
 * all-gather + GEMM (``all_gather_linears``): the local input is split into ``k`` sequence chunks;
   chunk ``j+1``'s all-gather is issued (asynchronously) just before chunk ``j``'s GEMM, which runs
   as soon as chunk ``j`` has arrived, so one chunk's communication is always in flight behind the
-  current GEMM.
+  current GEMM. The rows this rank already holds need no gather: their GEMM runs first, beside
+  chunk 0's gather, and each chunk's GEMM then covers the other ranks' rows only — so the first
+  gather is hidden too.
 * GEMM + reduce-scatter (``linears_reduce_scatter``): the GEMM is split into ``k`` chunks; chunk
   ``j``'s reduce-scatter is issued as soon as its GEMM is done and runs while chunk ``j+1``'s GEMM
-  computes.
+  computes. Each chunk's GEMM covers the rows the other ranks receive; this rank's own rows enter
+  the reduce-scatter as zeros and their GEMM runs last, beside the last chunk's reduce-scatter,
+  and is added to its result — so the last reduce-scatter is hidden too. (With ``tp = 2`` the sum
+  is the same two operands in either order, so the result is bitwise the unchunked one.)
 
 The serial block uses them per linear (``OverlappedColumnParallelLinear`` for QKV and fc1,
 ``OverlappedRowParallelLinear`` for the output projection and fc2). MegaScale's parallel block
@@ -24,7 +29,7 @@ input) runs while that chunk's local input is gathered again (only the local sha
 reduce-scatter is issued at once, and the weight-gradient GEMM on the gathered chunk runs beside
 that reduce-scatter and the next chunk's gather — so neither the first gather nor the last
 reduce-scatter is left alone. Reduce-scatter side: chunked all-gather of the output gradient, one
-chunk ahead, + GEMMs. Device-agnostic: the collectives are asynchronous
+chunk ahead, + GEMMs, the local rows' GEMMs first beside the first gather. Device-agnostic: the collectives are asynchronous
 ``torch.distributed`` calls (gloo runs them on its own threads; NCCL on its own stream), so the same
 code overlaps on CPU and GPU.
 
@@ -32,12 +37,13 @@ Chunk layout. Rank ``r`` holds sequence rows ``[r*s/tp, (r+1)*s/tp)``. Chunk ``j
 the sub-block ``j`` of that rank's rows, so all-gathering chunk ``j`` yields rows ``{r*s/tp + j*c ...}``
 for every ``r`` (``c = s/(tp*k)``), and reduce-scattering chunk ``j`` hands each rank its own
 sub-block ``j``: the chunked results land exactly where the unchunked collectives put them. In a
-``[s, ...]`` tensor viewed as ``[tp, k, c, ...]``, chunk ``j`` is ``[:, j]``.
+``[s, ...]`` tensor viewed as ``[tp, k, c, ...]``, chunk ``j`` is ``[:, j]`` and this rank's own
+rows are ``[r]``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,9 +60,13 @@ def _start_gather(chunk: torch.Tensor, tp: int, group) -> tuple[torch.Tensor, ob
     return out, dist.all_gather_into_tensor(out, chunk.contiguous(), group=group, async_op=True)
 
 
-def _gathered_one_ahead(x_local: torch.Tensor, k: int, group) -> Iterator[torch.Tensor]:
+def _gathered_one_ahead(
+    x_local: torch.Tensor, k: int, group, local_work: Callable[[], None] | None = None
+) -> Iterator[torch.Tensor]:
     """Yield each of the ``k`` sequence chunks of ``x_local`` all-gathered over ``group``, as
     ``[tp, c, ...]``, keeping exactly one chunk's all-gather in flight ahead of the caller.
+    ``local_work`` (the GEMMs on the rows this rank holds) runs once chunk 0's gather is issued,
+    beside it.
 
     Ordering relied on: chunk ``j+1``'s all-gather is issued just before chunk ``j`` is yielded,
     i.e. just before the caller's GEMM on chunk ``j``. With ``CUDA_DEVICE_MAX_CONNECTIONS=1``
@@ -69,12 +79,19 @@ def _gathered_one_ahead(x_local: torch.Tensor, k: int, group) -> Iterator[torch.
     tp = dist.get_world_size(group)
     chunks = x_local.chunk(k, dim=0)
     pending = _start_gather(chunks[0], tp, group)
+    if local_work is not None:
+        local_work()
     for j in range(k):
         full, handle = pending
         if j + 1 < k:
             pending = _start_gather(chunks[j + 1], tp, group)
         handle.wait()
         yield full.view(tp, -1, *full.shape[1:])
+
+
+def _others(rank: int, tp: int) -> list[slice]:
+    """The ranks other than ``rank`` as at most two slices of ``range(tp)`` (before, after)."""
+    return [part for part in (slice(0, rank), slice(rank + 1, tp)) if part.start < part.stop]
 
 
 def _tp_chunk_view(full: torch.Tensor, tp: int, k: int) -> torch.Tensor:
@@ -115,18 +132,25 @@ class _ChunkedAllGatherLinear(torch.autograd.Function):
             )
             for wi in weights
         ]
+        rank = dist.get_rank(group)
+        widths = [wi.shape[0] for wi in weights]
         views = [_tp_chunk_view(out, tp, k) for out in outs]
+
+        def store(y: torch.Tensor, index) -> None:
+            for view, part in zip(views, y.split(widths, -1), strict=True):
+                view[index] = part.view(view[index].shape)
+
+        def local_gemm() -> None:  # this rank's own rows, beside chunk 0's gather
+            trace.mark("tp.ag.local_gemm_start")
+            store(_matmul(x_local, w), rank)
+            trace.mark("tp.ag.local_gemm_done")
+
         trace.mark("tp.ag.start")
-        for j, chunk_full in enumerate(_gathered_one_ahead(x_local, k, group)):
+        gathered = _gathered_one_ahead(x_local, k, group, local_gemm)
+        for j, chunk_full in enumerate(gathered):
             trace.mark(f"tp.ag.gemm_start.{j}")  # chunk j+1's all-gather is in flight
-            y = _matmul(chunk_full, w)
-            if len(weights) == 1:
-                views[0][:, j] = y
-            else:
-                for view, part in zip(
-                    views, y.split([wi.shape[0] for wi in weights], -1), strict=True
-                ):
-                    view[:, j] = part
+            for others in _others(rank, tp):
+                store(_matmul(chunk_full[others], w), (others, j))
             trace.mark(f"tp.ag.gemm_done.{j}")
         ctx.save_for_backward(x_local, *weights)
         ctx.k, ctx.group = k, group
@@ -174,16 +198,18 @@ class _ChunkedReduceScatterLinear(torch.autograd.Function):
     = x_1 @ w_1^T + x_2 @ w_2^T``)."""
 
     @staticmethod
-    def _x_chunk(x_views, j: int) -> torch.Tensor:
-        """Chunk ``j`` of every input side by side, as ``[rows, sum of input widths]``."""
-        parts = [v[:, j].reshape(-1, v.shape[-1]) for v in x_views]
+    def _rows(x_views, index) -> torch.Tensor:
+        """The rows ``index`` of every input (``[tp, k, c, ...]`` views) side by side, as
+        ``[rows, sum of input widths]``."""
+        parts = [v[index].reshape(-1, v.shape[-1]) for v in x_views]
         return _fused(parts, -1)
 
     @staticmethod
     def forward(ctx, k, group, *pairs):
         xs, weights = pairs[0::2], pairs[1::2]
-        tp = dist.get_world_size(group)
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
         x_views = [_tp_chunk_view(x, tp, k) for x in xs]
+        rows = _ChunkedReduceScatterLinear._rows
         w = _fused(weights, 1)
         x0 = xs[0]
         out = torch.empty(
@@ -194,18 +220,30 @@ class _ChunkedReduceScatterLinear(torch.autograd.Function):
         out_chunks = out.chunk(k, dim=0)
         handles = []
         for j in range(k):
-            partial = _matmul(_ChunkedReduceScatterLinear._x_chunk(x_views, j), w)
-            partial = partial.view(-1, *out.shape[1:])  # gloo wants matching trailing dims
+            # The other ranks' rows; this rank's own enter the sum as zeros (added below).
+            partial = torch.empty(
+                (tp, out_chunks[j].shape[0], *out.shape[1:]), dtype=out.dtype, device=out.device
+            )
+            partial[rank] = 0
+            for others in _others(rank, tp):
+                y = _matmul(rows(x_views, (others, j)), w)
+                partial[others] = y.view(partial[others].shape)
             trace.mark(f"tp.rs.gemm_done.{j}")
             # Chunk j's reduce-scatter runs while chunk j+1's GEMM computes.
             handles.append(
                 (
                     partial,
-                    dist.reduce_scatter_tensor(out_chunks[j], partial, group=group, async_op=True),
+                    dist.reduce_scatter_tensor(
+                        out_chunks[j], partial.view(-1, *out.shape[1:]), group=group, async_op=True
+                    ),
                 )
             )
+        trace.mark("tp.rs.local_gemm_start")  # beside the last chunk's reduce-scatter
+        own = _matmul(rows(x_views, rank), w).view(out.shape)
+        trace.mark("tp.rs.local_gemm_done")
         for _, handle in handles:
             handle.wait()
+        out += own
         ctx.save_for_backward(*pairs)
         ctx.k, ctx.group = k, group
         return out
@@ -222,12 +260,22 @@ class _ChunkedReduceScatterLinear(torch.autograd.Function):
         grad_x_views = [_tp_chunk_view(g, tp, k) for g in grad_xs]
         x_views = [_tp_chunk_view(x, tp, k) for x in xs]
         grad_w = torch.zeros_like(w)
-        for j, g in enumerate(_gathered_one_ahead(grad_out_local.contiguous(), k, group)):
+        rank = dist.get_rank(group)
+        rows = _ChunkedReduceScatterLinear._rows
+
+        def gemms(g: torch.Tensor, index) -> None:
+            """Input and weight gradients of the rows ``index`` from their output gradient."""
+            g = g.reshape(-1, g.shape[-1])
             gx = torch.matmul(g, w)
             for grad_x_view, part in zip(grad_x_views, gx.split(widths, -1), strict=True):
-                grad_x_view[:, j] = part
-            x = _ChunkedReduceScatterLinear._x_chunk(x_views, j)
-            grad_w += g.reshape(-1, g.shape[-1]).t().matmul(x)
+                grad_x_view[index] = part.view(grad_x_view[index].shape)
+            grad_w.add_(g.t().matmul(rows(x_views, index)))
+
+        grad_local = grad_out_local.contiguous()
+        gathered = _gathered_one_ahead(grad_local, k, group, lambda: gemms(grad_local, rank))
+        for j, g in enumerate(gathered):
+            for others in _others(rank, tp):
+                gemms(g[others], (others, j))
         grad_ws = [gw.contiguous() for gw in grad_w.split(widths, 1)]
         grads = [t for pair in zip(grad_xs, grad_ws, strict=True) for t in pair]
         return (None, None, *grads)
@@ -262,9 +310,15 @@ class OverlappedColumnParallelLinear(ColumnParallelLinear):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         k = _chunks_for(self, input_.shape[0])
-        if not (self.sequence_parallel and k > 1 and weight is None and not self.gather_output):
+        gather_output = (
+            self.gather_output if runtime_gather_output is None else runtime_gather_output
+        )
+        if not (self.sequence_parallel and k > 1 and not gather_output):
             return super().forward(input_, weight, runtime_gather_output)
-        (output,) = all_gather_linears(input_, [self.weight], k, self.tp_group)
+        # ``weight``: the output layer's, passed in when tied to the embedding.
+        (output,) = all_gather_linears(
+            input_, [self.weight if weight is None else weight], k, self.tp_group
+        )
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias
         return output, (self.bias if self.skip_bias_add else None)

@@ -140,9 +140,10 @@ def test_tp_chunk_communication_is_interleaved_one_chunk_ahead_of_the_gemms(trac
         row = result["on"][0]
         marks = {m["name"]: m["time"] for m in reversed(row["marks"])}  # first occurrence
         direct = [e for e in row["events"] if not e["coalesced"]]
-        # fc1: one chunk's all-gather in flight ahead of the GEMMs. Chunks 0 and 1 are issued
-        # before GEMM 0; chunk j+1 after GEMM j-1 and before GEMM j; none during a GEMM. (All k
-        # at once would queue GEMM 0 behind every gather on a GPU's single hardware queue.)
+        # The first chunked column-parallel linear (QKV): one chunk's all-gather in flight ahead
+        # of the GEMMs. Chunks 0 and 1 are issued before GEMM 0; chunk j+1 after GEMM j-1 and
+        # before GEMM j; none during a GEMM. (All k at once would queue GEMM 0 behind every
+        # gather on a GPU's single hardware queue.)
         gathers = [e["issued"] for e in direct if e["kind"] in ALL_GATHER]
 
         def issued(start, end, gathers=gathers):
@@ -152,16 +153,28 @@ def test_tp_chunk_communication_is_interleaved_one_chunk_ahead_of_the_gemms(trac
         starts = [marks[f"tp.ag.gemm_start.{j}"] for j in range(k)]
         dones = [marks[f"tp.ag.gemm_done.{j}"] for j in range(k)]
         assert issued(marks["tp.ag.start"], starts[0]) == 2, rank
+        # The rows this rank holds need no gather: their GEMM runs first, beside chunk 0's gather
+        # only (issued before it; chunk 1's after it).
+        local_start, local_done = marks["tp.ag.local_gemm_start"], marks["tp.ag.local_gemm_done"]
+        assert issued(marks["tp.ag.start"], local_start) == 1, rank
+        assert issued(local_start, local_done) == 0, rank
+        assert issued(local_done, starts[0]) == 1, rank
         for j in range(1, k):
             assert issued(dones[j - 1], starts[j]) == (1 if j + 1 < k else 0), (rank, j)
         assert not any(issued(starts[j], dones[j]) for j in range(k)), rank
-        # fc2: chunk j's reduce-scatter is issued after its GEMM and before chunk j+1's GEMM ends.
+        # The first row-parallel one (the output projection): chunk j's reduce-scatter is issued
+        # after its GEMM and before chunk j+1's GEMM ends.
         for j in range(3):
             start, end = marks[f"tp.rs.gemm_done.{j}"], marks[f"tp.rs.gemm_done.{j + 1}"]
             assert any(e["kind"] in REDUCE_SCATTER and start < e["issued"] < end for e in direct), (
                 rank,
                 j,
             )
+        # This rank's own rows: their GEMM after every chunk's reduce-scatter is issued, beside
+        # the last.
+        scatters = [e["issued"] for e in direct if e["kind"] in REDUCE_SCATTER]
+        own = marks["tp.rs.local_gemm_start"]
+        assert sum(marks["tp.rs.gemm_done.0"] < t < own for t in scatters) == k, rank
         assert not [m for m in result["off"][0]["marks"] if m["name"].startswith("tp.")]
 
 
