@@ -24,6 +24,7 @@ diff vs off").
     python benchmarks/overlap.py                       # bytes model, serial + parallel block
     python benchmarks/overlap.py --cost fixed --latency-ms 20
     python benchmarks/overlap.py --json                # one JSON object
+    python benchmarks/overlap.py --breakdown           # + each dimension by kind and size of call
     python benchmarks/overlap.py --shapes 175b-tp      # TP bytes per FLOP of megascale-175b
     python benchmarks/overlap.py --shapes 175b --steps 1   # + its micro-batches per stage, DP
                                                            # buckets per chunk, 8 TP chunks
@@ -50,6 +51,7 @@ from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
 from megascale.overlap.cost import FABRICS
 from megascale.overlap.measure import measure_rank, with_overlap
+from megascale.probes.flops import VOCAB_PAD_MULTIPLE, padded_vocab
 
 DEFAULT_SETS = [
     "parallel.tp=2",
@@ -102,6 +104,11 @@ def _args(argv):
         "175b-dp: megascale-175b's tokens per DP rank and step at hidden 256; --set overrides",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="after the table: each dimension's communication by kind and size of call",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return parser.parse_args(argv)
 
@@ -176,19 +183,40 @@ def _reference_microbatches(reference: JobConfig) -> float:
     return microbatches_per_stage(reference, ref_dp)
 
 
+def layers_per_chunk(job: JobConfig) -> float:
+    return job.model.num_layers / (job.parallel.pp * job.parallel.vpp)
+
+
+def output_bytes_per_flop(job: JobConfig) -> float:
+    """The output layer's TP bytes per FLOP: its sequence-parallel all-gather moves ``(tp-1)/tp``
+    of an ``[s, b, h]`` 16-bit tensor against a GEMM of ``s b h`` x the vocabulary over ``tp``."""
+    m, tp = job.model, job.parallel.tp
+    tokens = m.seq_length * job.train.micro_batch_size
+    sent = (tp - 1) / tp * tokens * m.hidden_size * 2
+    return sent / (2 * tokens * m.hidden_size * padded_vocab(m.vocab_size, tp) / tp)
+
+
 def preset_175b_sets(job: JobConfig, reference: JobConfig, dp: int) -> list[str]:
     """``--shapes 175b``: ``reference``'s TP bytes per FLOP (``matched_shape_sets``'s hidden size,
-    on 128-token one-sample micro-batches), its micro-batches per pipeline stage (32 per DP rank
-    over PP8: 4), its DP buckets per model chunk, and 8 TP chunks. Not its DP bytes per FLOP: that
-    needs its 65,536 tokens per DP rank and step (``--shapes 175b-dp``)."""
+    on 128-token one-sample micro-batches) in the layers and in the output layer (its vocabulary
+    over TP, ``(tp-1) / vocab`` held equal), its layers per model chunk (2), its micro-batches per
+    pipeline stage (32 per DP rank over PP8: 4), its DP buckets per model chunk, and 8 TP chunks.
+    Not its DP bytes per FLOP: that needs its 65,536 tokens per DP rank and step (``--shapes
+    175b-dp``)."""
     sets = matched_shape_sets(job, reference)
     hidden = int(sets[0].split("=")[1])
     per_stage = round(_reference_microbatches(reference))
+    p, ref_p = job.parallel, reference.parallel
+    layers = round(layers_per_chunk(reference)) * p.pp * p.vpp
+    multiple = VOCAB_PAD_MULTIPLE * p.tp
+    vocab = padded_vocab(reference.model.vocab_size, ref_p.tp) * (p.tp - 1) / (ref_p.tp - 1)
     changes = [
         *sets,  # later settings of the same field win
         "model.seq_length=128",
-        f"train.global_batch_size={per_stage * job.parallel.pp * dp}",
-        _bucket_sets(job, reference, {"hidden_size": hidden}),
+        f"model.num_layers={layers}",
+        f"model.vocab_size={max(1, round(vocab / multiple)) * multiple}",
+        f"train.global_batch_size={per_stage * p.pp * dp}",
+        _bucket_sets(job, reference, {"hidden_size": hidden, "num_layers": layers}),
         "overlap.tp_chunks=8",
     ]
     return [f"{k}={v}" for k, v in dict(c.split("=", 1) for c in changes).items()]
@@ -287,6 +315,23 @@ def _median_mean(per_rank, key: str, link: str, field: str, default: str = "") -
     return statistics.median(statistics.fmean(value(r, i) for r in per_rank) for i in steps)
 
 
+def _by_call(per_rank, key: str, link: str) -> dict[str, dict[str, float]]:
+    """Per kind and size of call on ``link``: calls, modelled and exposed seconds per step, each
+    the mean over ranks and steps (a rank without such calls counts 0), most exposed first."""
+    rows = [row for result in per_rank for row in result[key]]
+    totals: dict[str, list[float]] = {}
+    for row in rows:
+        for name, values in row["by_call"].get(link, {}).items():
+            totals.setdefault(name, [0.0, 0.0, 0.0])
+            for i, v in enumerate(values):
+                totals[name][i] += v / len(rows)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][2])
+    return {
+        name: {"calls": n, "comm_s": comm, "exposed_comm_s": exposed}
+        for name, (n, comm, exposed) in ranked
+    }
+
+
 def summarize(per_rank: list[dict]) -> dict:
     """Per block and variant: step time (median over steps of the slowest rank), and per
     dimension the modelled communication and the exposed part (medians over steps of the mean over
@@ -312,6 +357,7 @@ def summarize(per_rank: list[dict]) -> dict:
                 row[link]["hidden_bound"] = 1 - exposed / comm if comm > 0 else None
             hidden = 1 - row[link]["exposed_comm_s"] / comm if comm > 0 else None
             row[link]["hidden"] = hidden
+            row[link]["by_call"] = _by_call(per_rank, key, link)
         ref = per_rank[0].get(f"{block}/off", per_rank[0][key])
         row["max_loss_diff_vs_off"] = max(
             abs(a["loss"] - b["loss"]) / abs(b["loss"])
@@ -367,7 +413,29 @@ def report(args, base, summary: dict) -> str:
                     cells.append("-" if d["hidden_bound"] is None else f"{d['hidden_bound']:.0%}")
             cells.append(f"{row['max_loss_diff_vs_off']:.1e}")
             lines.append("| " + " | ".join(cells) + " |")
+    if args.breakdown:
+        lines += _breakdown(summary)
     return "\n".join(lines)
+
+
+def _breakdown(summary: dict) -> list[str]:
+    """Per block, variant and dimension, where its communication and exposure come from."""
+    lines = [
+        "",
+        "By kind and size of call (per step, mean over ranks; most exposed first):",
+        "",
+        "| block | variant | dim | call | calls | comm (s) | exposed (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for block, rows in summary["blocks"].items():
+        for name, row in rows.items():
+            for link in LINKS:
+                for call, d in row[link]["by_call"].items():
+                    lines.append(
+                        f"| {block} | {name} | {link} | {call} | {d['calls']:.1f} "
+                        f"| {d['comm_s']:.3f} | {d['exposed_comm_s']:.3f} |"
+                    )
+    return lines
 
 
 if __name__ == "__main__":

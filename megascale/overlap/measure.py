@@ -3,8 +3,9 @@
 ``measure_rank`` runs on each rank (started by ``megascale.launcher.local.run_local``): for each
 round and each variant it rebuilds the trainer with that variant's ``overlap`` settings, runs
 ``warmup`` untimed and ``steps`` timed steps, and returns per-step wall time, exposed communication,
-modelled and exposed communication per link class (tp, dp, pp), loss, grad norm, and (optionally)
-the comm events and marks of the step — so benchmarks and ordering tests share one code path.
+modelled and exposed communication per link class (tp, dp, pp) and per kind and size of call, loss,
+grad norm, and (optionally) the comm events and marks of the step — so benchmarks and ordering
+tests share one code path.
 Communication is priced by a fixed latency, or (``fabric``) by the byte-proportional model of
 ``megascale.overlap.cost`` calibrated on every rank at once against this CPU's GEMM rate. With
 ``parallel.async_collectives`` (the NCCL-like CPU mode) the costs are waited out on that mode's
@@ -117,6 +118,19 @@ def _add_paired_pp(rows: list[dict], p2p_by_step: list[list[dict]]) -> None:
         pp["exposed_paired_s"] = max(0.0, pp["exposed_s"] - own) + paired
 
 
+def _by_call(events) -> dict[str, dict[str, list]]:
+    """Per link class, per kind of call and size: [calls, modelled cost, exposed] of one step
+    (where a dimension's exposure comes from: e.g. TP's layer chunks vs the embedding's
+    unchunked reduce-scatter)."""
+    out: dict[str, dict[str, list]] = {}
+    for e in events:
+        entry = out.setdefault(e.link, {}).setdefault(f"{e.kind} {e.nbytes}B", [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += e.cost_s
+        entry[2] += e.exposed_s
+    return out
+
+
 def calibrated_cost(fabric: str, elem_scale: float, alpha_scale: float) -> CostModel:
     """The fabric's cost model scaled by the GEMM rate every rank gets while all run at once
     (mean over ranks). Collective."""
@@ -189,6 +203,7 @@ def measure_rank(
                     },
                     "cost_model": cost.describe(),
                 }
+                row["by_call"] = _by_call(events)
                 p2p_by_step.append(
                     [dataclasses.asdict(e) for e in events if e.kind in _P2P and not e.coalesced]
                 )

@@ -24,7 +24,7 @@ def _sets(changes: list[str]) -> dict[str, str]:
     return dict(c.split("=", 1) for c in changes)
 
 
-def test_175b_preset_keeps_tp_ratio_microbatches_per_stage_and_buckets_per_chunk(bench):
+def test_175b_preset_keeps_tp_ratios_layers_microbatches_per_stage_and_buckets(bench):
     reference, small = load("megascale-175b"), load("tiny", bench.DEFAULT_SETS)
     assert bench.chunk_params(reference) == pytest.approx(453e6, rel=1e-3)
     sets = _sets(bench.preset_175b_sets(small, reference, dp=2))
@@ -32,6 +32,10 @@ def test_175b_preset_keeps_tp_ratio_microbatches_per_stage_and_buckets_per_chunk
     assert bench.tp_bytes_per_flop(job) == pytest.approx(
         bench.tp_bytes_per_flop(reference), rel=0.05
     )
+    assert bench.output_bytes_per_flop(job) == pytest.approx(
+        bench.output_bytes_per_flop(reference), rel=0.05
+    )
+    assert bench.layers_per_chunk(job) == bench.layers_per_chunk(reference) == 2
     assert bench.microbatches_per_stage(job, 2) == 4  # 32 per DP rank over PP8 at 175B
     buckets = bench.chunk_params(job) / job.overlap.bucket_size
     assert buckets == pytest.approx(453e6 / 192e6, rel=1e-3)  # megatron's bucket at DP192
