@@ -15,7 +15,9 @@ them alike.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import time
 from pathlib import Path
 
@@ -73,14 +75,20 @@ def _instrument(trainer: Trainer, trace: CommTrace) -> None:
 
 
 def _link_classifier(groups):
-    """``link_of(group)``: "tp", "dp" or "pp" by the group's ranks (the embedding group, first and
-    last stage, counts as pp), "other" for the rest (grad-norm all-reduce, world)."""
+    """``link_of(group)``: "tp", "dp" or "pp" by the group's ranks, "other" for the rest (grad-norm
+    all-reduce, world). The tied embedding's gradient all-reduce between the first and the last
+    stage (megatron-core's embedding group) counts as "dp": like the DP buckets it synchronises a
+    weight's gradient once per step, its bytes are the weight's (not the activations' that PP's
+    p2p carries), and at PP2 its ranks are the pipeline group's, so it is told by identity."""
     classes = [
         (frozenset(dist.get_process_group_ranks(g)), link)
         for g, link in ((groups.tp, "tp"), (groups.dp, "dp"), (groups.pp, "pp"))
         if g is not None and g.size() > 1
     ]
     cache: dict[int, str] = {}
+    for group in (getattr(groups.pg_collection, name, None) for name in ("embd", "pos_embd")):
+        if group is not None:
+            cache[id(group)] = "dp"
 
     def link_of(group) -> str:
         if group is None:
@@ -116,6 +124,17 @@ def _add_paired_pp(rows: list[dict], p2p_by_step: list[list[dict]]) -> None:
         pp = row["by_link"].setdefault("pp", {"comm_s": 0.0, "exposed_s": 0.0})
         own = pp_exposure.receiver_side_exposure(step[me])
         pp["exposed_paired_s"] = max(0.0, pp["exposed_s"] - own) + paired
+
+
+def _release_memory() -> None:
+    """Free the last variant's trainer before the next is built: its reference cycles (modules,
+    hooks, the schedule's closures) and the heap pages the allocator keeps (glibc's
+    ``malloc_trim``), so eight ranks of a large preset hold one trainer each, not two."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
+        pass
 
 
 def _by_call(events) -> dict[str, dict[str, list]]:
@@ -213,6 +232,7 @@ def measure_rank(
                 results[name].append(row)
             _add_paired_pp(results[name][len(results[name]) - len(p2p_by_step) :], p2p_by_step)
             del trainer
+            _release_memory()
     trace.uninstall()
     if engine is not None:
         engine.drain()
