@@ -193,10 +193,12 @@ def measure_rank(
         for name in order[r % len(order) :] + order[: r % len(order)]:
             job = variants[name]
             groups = build_groups(job.parallel)
+            # Before the trainer: its set-up already calls some groups (a group's link is read
+            # when its first call is priced).
+            trace.link_of = _link_classifier(groups)
             seed_everything(job.train.seed, groups.tp_rank, device)
             trainer = Trainer(job, groups, device, data_cache_dir=data_dir)
             _instrument(trainer, trace)
-            trace.link_of = _link_classifier(groups)
             p2p_by_step = []
             for i in range(warmup + steps):
                 trainer.reset_first_forward()

@@ -362,9 +362,12 @@ class CommTrace:
             self.ledger.side[recorder.written - 1 - back] = call
 
     def lane(self, group, link: str | None = None) -> _Lane:
-        key = id(group) if group is not None else None
+        """The thread that runs ``group``'s calls, booking its busy time to ``link`` (keyed by
+        both: a group's link may be classified again, e.g. once the caller knows its groups)."""
+        link = link or self.link_of(group)
+        key = (id(group) if group is not None else None, link)
         if key not in self._lanes:
-            self._lanes[key] = _Lane(self._busy(link or self.link_of(group)))
+            self._lanes[key] = _Lane(self._busy(link))
         return self._lanes[key]
 
     def run_on_lane(self, wrapper: _Wrapped, args, kwargs, call: Priced) -> Future:
