@@ -69,15 +69,28 @@ def _measure(world, parallel, variants, *, steps, keep_events=False, parallel_bl
 def test_every_overlap_keeps_loss_and_grad_norm(layout, block, data_dir):
     world, parallel = LAYOUTS[layout]
     fn, jobs = _measure(world, parallel, VARIANTS, steps=3, parallel_block=block == "parallel")
-    results = run_local(fn, world, (jobs, data_dir), timeout_s=600)[0]
+    _assert_same_as_off(run_local(fn, world, (jobs, data_dir), timeout_s=600)[0], layout)
+
+
+def _assert_same_as_off(results: dict, layout: str) -> None:
     off = results["off"]
-    for name in VARIANTS:
-        for step, (got, want) in enumerate(zip(results[name], off, strict=True), 1):
+    for name, rows in results.items():
+        for step, (got, want) in enumerate(zip(rows, off, strict=True), 1):
             for key in ("loss", "grad_norm"):
                 assert math.isclose(got[key], want[key], rel_tol=1e-6), (
                     f"{layout}: overlap {name} step {step} {key} {got[key]} != off {want[key]}"
                 )
     assert off[0]["loss"] != off[-1]["loss"]  # it trained
+
+
+@pytest.mark.parametrize("block", ["serial", "parallel"])
+def test_tp_overlap_keeps_the_numbers_with_the_output_layer_tied_on_the_same_rank(block, data_dir):
+    """PP1: the output layer multiplies by the embedding's own weight (passed in at forward), and
+    its sequence gather is chunked too; the tied weight's two gradients still add up."""
+    parallel = {"tp": 2, "sequence_parallel": True}
+    variants = {"off": VARIANTS["off"], "tp": VARIANTS["tp"]}
+    fn, jobs = _measure(2, parallel, variants, steps=3, parallel_block=block == "parallel")
+    _assert_same_as_off(run_local(fn, 2, (jobs, data_dir), timeout_s=600)[0], f"tp2-sp {block}")
 
 
 def _traced(layout, data_dir):
