@@ -4,21 +4,16 @@ for real (pass, fail, time-out)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from script_loader import REPO, load_script
 
 from megascale import gpus
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up
-_spec.loader.exec_module(gpu_check)
+gpu_check = load_script("scripts/gpu_check.py", "gpu_check")
 
 
 @pytest.mark.skipif(gpus.visible_gpu_count() > 0, reason="a GPU is visible: it would run the kit")

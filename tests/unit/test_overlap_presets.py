@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from script_loader import load_script
 
 from megascale.config import load
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "overlap.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("overlap_benchmark", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/overlap.py", "overlap_benchmark")
 
 
 def _sets(changes: list[str]) -> dict[str, str]:

@@ -3,20 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "pp_schedule_bound.py"
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def bound():
-    spec = importlib.util.spec_from_file_location("pp_schedule_bound", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/pp_schedule_bound.py", "pp_schedule_bound")
 
 
 @pytest.mark.parametrize("stages,chunks,microbatches", [(2, 1, 8), (4, 1, 4), (2, 2, 8), (4, 3, 8)])
