@@ -1,4 +1,4 @@
-"""Scale benchmark (issue 7): rendezvous + communication-group setup store traffic, and the
+"""Scale benchmark: rendezvous + communication-group setup store traffic, and the
 control plane (controller + N simulated agents against a real etcd).
 
     python benchmarks/scale.py rendezvous [--sizes 256,1024,2048,4096,10240]
