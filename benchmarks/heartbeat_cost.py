@@ -61,7 +61,7 @@ def measure(path: str, rounds: int) -> list[float]:
     exporter, FSM, step-time learning, straggler tracker, flight records, exits, errors)."""
     import tempfile
 
-    from megascale.controller.controller import ControllerFSM, ControllerPolicy, SendCommand
+    from megascale.controller.fsm import ControllerFSM, ControllerPolicy, SendCommand
     from megascale.controller.service import ControllerService, ServiceOptions
     from megascale.etcd.store import WatchEvent
 

@@ -53,7 +53,7 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
-    from megascale.controller import controller_command
+    from megascale.controller import command as controller_command
 
     try:
         return controller_command.main(args)
@@ -192,7 +192,7 @@ def _add_process_commands(sub: Any) -> None:
     controller_p = sub.add_parser(
         "controller", help="robust-training controller (leader-elected; run 2 for a standby)"
     )
-    from megascale.controller import controller_command
+    from megascale.controller import command as controller_command
 
     controller_command.add_arguments(controller_p)
     controller_p.set_defaults(func=_controller)

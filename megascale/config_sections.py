@@ -261,7 +261,7 @@ class MetricsConfig:
 @dataclass
 class FaultToleranceConfig:
     """The fault-tolerance settings and their only defaults: lost nodes, restarts, stragglers,
-    self-check. ``controller.controller_policy.policy_for`` builds the controller's policy from it
+    self-check. ``controller.policy.policy_for`` builds the controller's policy from it
     for ``megascale launch`` (its flags win), ``megascale controller`` (its flags override it)
     and the operator (``k8s.launch.fault_tolerance_settings`` maps the CRD onto it)."""
 

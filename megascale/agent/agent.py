@@ -47,7 +47,7 @@ from megascale.agent.agent_commands import (  # noqa: F401  (ack_message: re-exp
 from megascale.agent.logscan import DEVICE_ERRORS, error_kind
 from megascale.agent.nodeinfo import gpu_status, hardware_info, network_counters
 from megascale.agent.workers import WorkerPool, Zygote
-from megascale.controller.controller_policy import lease_ttl
+from megascale.controller.policy import lease_ttl
 from megascale.etcd.keys import JobKeys
 from megascale.etcd.store import (
     KeepAlive,

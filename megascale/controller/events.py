@@ -6,7 +6,7 @@ An event (``messages.Event``)::
     {"schema": "1.0", "seq": 7, "time": 1764000000.1, "generation": 2, "kind": "fault",
      "node": "node-1", "rank": 5, "detail": {...}}
 
-``kind`` is one of the names the controller uses (``EVENT_KINDS`` in ``controller.py``: ``fault``,
+``kind`` is one of the names the controller uses (``EVENT_KINDS`` in ``controller/fsm.py``: ``fault``,
 ``evict``, ``generation_started``, ...); ``node``/``rank`` are null when the decision is about the
 job as a whole. Reports and tests read the file with ``read_events`` (typed events).
 

@@ -32,8 +32,8 @@ from megascale.messages import DurableCheckpoint, JobSummaryRecord
 from megascale.messages_job import EffectiveFigures
 
 if TYPE_CHECKING:
-    from megascale.controller.controller import ControllerFSM
     from megascale.controller.effective import EffectiveTime
+    from megascale.controller.fsm import ControllerFSM
     from megascale.messages import Heartbeat
 
 

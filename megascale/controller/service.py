@@ -52,7 +52,10 @@ from typing import Any
 
 from megascale.config import FaultToleranceConfig
 from megascale.config_validate import STRAGGLER_ACTIONS
-from megascale.controller.controller import (
+from megascale.controller.effective import EffectiveTime
+from megascale.controller.election import Election
+from megascale.controller.events import EventLog
+from megascale.controller.fsm import (
     Action,
     ControllerFSM,
     Evict,
@@ -61,15 +64,12 @@ from megascale.controller.controller import (
     StartGeneration,
     State,
 )
-from megascale.controller.controller_policy import (  # noqa: F401  (policy_for: re-exported)
+from megascale.controller.job_summary import JobSummary
+from megascale.controller.policy import (  # noqa: F401  (policy_for: re-exported)
     ControllerPolicy,
     lease_ttl,
     policy_for,
 )
-from megascale.controller.effective import EffectiveTime
-from megascale.controller.election import Election
-from megascale.controller.events import EventLog
-from megascale.controller.job_summary import JobSummary
 from megascale.controller.service_heartbeats import Evidence, HeartbeatIntake  # noqa: F401
 from megascale.controller.stragglers import StragglerTracker
 from megascale.etcd.keys import JobKeys

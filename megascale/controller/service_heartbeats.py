@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from megascale.controller.controller import State
+from megascale.controller.fsm import State
 from megascale.messages import Heartbeat, Reported
 from megascale.probes.flight_culprits import stall_culprits
 from megascale.probes.flight_format import RankState

@@ -252,7 +252,7 @@ def agent_args(job: Job, index: int) -> list[str]:
 def controller_args(
     job: Job, tp: int = 1, pp: int = 1, train: Mapping[str, Any] | None = None, vpp: int = 1
 ) -> list[str]:
-    """The controller's command line (``controller.controller_command.add_arguments``). ``train``: the
+    """The controller's command line (``controller.command.add_arguments``). ``train``: the
     resolved training config's ``[train]`` table, whose batch sizes a shrink keeps."""
     ft, train = job.spec["faultTolerance"], train or {}
     settings = fault_tolerance_settings(ft)

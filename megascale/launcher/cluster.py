@@ -212,7 +212,7 @@ def _agent_process(agent_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
 
 def _controller_process(service_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
-    from megascale.controller import controller_command
+    from megascale.controller import command as controller_command
 
     sys.exit(controller_command.serve(service_opts, store_cfg))
 
@@ -283,7 +283,7 @@ class LocalCluster:
             time.sleep(0.02)
 
     def start_controllers(self) -> None:
-        from megascale.controller.controller_policy import policy_for
+        from megascale.controller.policy import policy_for
 
         o, p, ft, t = self.opts, self.job.parallel, self.job.fault_tolerance, self.job.train
         policy = policy_for(
@@ -310,7 +310,7 @@ class LocalCluster:
 
     def spawn_controller(self, name: str) -> None:
         """Fork controller ``name``; it leads once elected, resuming from the state in etcd."""
-        from megascale.controller.controller_policy import straggler_options
+        from megascale.controller.policy import straggler_options
         from megascale.controller.service import ServiceOptions
 
         o = self.opts

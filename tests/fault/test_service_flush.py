@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from megascale.controller import service as service_mod
-from megascale.controller.controller import ControllerFSM, ControllerPolicy
 from megascale.controller.events import EventLog, read_events
+from megascale.controller.fsm import ControllerFSM, ControllerPolicy
 from megascale.controller.service import ControllerService, LostLeadership, ServiceOptions
 from megascale.etcd.keys import make_command
 from megascale.messages import ControllerState, ControllerStatus, Event, GenerationRecord

@@ -314,7 +314,7 @@ def test_agents_and_controller_are_scrapeable_on_the_pod_address():
     """A fixed, named /metrics port on the pod's IP, declared on the container, with the common
     prometheus.io annotations on the pod; the agent and controller CLIs accept those flags."""
     from megascale.agent.agent import add_arguments as agent_arguments
-    from megascale.controller.controller_command import add_arguments as controller_arguments
+    from megascale.controller.command import add_arguments as controller_arguments
 
     job = job_of("gpu-volcano")
     worker = builders.worker_pod(job, 0)

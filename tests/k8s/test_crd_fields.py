@@ -13,7 +13,7 @@ from k8s_support import example_jobs
 
 from megascale import config
 from megascale.controller import fault_tolerance_flags
-from megascale.controller.controller_policy import policy_for
+from megascale.controller.policy import policy_for
 from megascale.k8s import crd, launch
 from megascale.k8s.job import Job
 

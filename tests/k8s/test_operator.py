@@ -16,7 +16,9 @@ import pytest
 import yaml
 from k8s_support import EXAMPLES, FakeKube, example_jobs, load_docs
 
-from megascale.controller.controller import (
+from megascale.controller.effective import EffectiveTime
+from megascale.controller.events import EventLog
+from megascale.controller.fsm import (
     ControllerFSM,
     ControllerPolicy,
     Evict,
@@ -24,8 +26,6 @@ from megascale.controller.controller import (
     SendCommand,
     StartGeneration,
 )
-from megascale.controller.effective import EffectiveTime
-from megascale.controller.events import EventLog
 from megascale.controller.job_summary import JobSummary
 from megascale.etcd.keys import JobKeys
 from megascale.etcd.store import Store, StoreConfig

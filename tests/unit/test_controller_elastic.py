@@ -10,14 +10,14 @@ from test_controller_fsm import Clock, ack_all, commands, policy, records
 
 from megascale import config
 from megascale.config import ConfigError
-from megascale.controller.controller import (
+from megascale.controller.elastic import RestartBudget, dp_of, shrink_nodes
+from megascale.controller.fsm import (
     ControllerFSM,
     ControllerPolicy,
     Evict,
     StartGeneration,
     State,
 )
-from megascale.controller.controller_elastic import RestartBudget, dp_of, shrink_nodes
 from megascale.probes.fatal import EXIT_JOB_FATAL, read_fatal, write_fatal
 
 NODES = ("n0", "n1", "n2", "n3")

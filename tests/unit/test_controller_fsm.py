@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megascale.controller.controller import (
+from megascale.controller.fsm import (
     TRANSITIONS,
     ControllerFSM,
     ControllerPolicy,

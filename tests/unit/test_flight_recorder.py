@@ -203,7 +203,7 @@ def test_rank_state_json_round_trip_and_controller_summary(tmp_path):
     payload = json.loads(json.dumps(state.to_json()))
     assert RankState.from_json(payload) == state
     assert payload["groups"]["fedcba9876543210"]["runs"] == [[0, 8, 8]]
-    # the keys megascale.controller.controller.FlightRecord.from_json reads
+    # the keys megascale.controller.fsm.FlightRecord.from_json reads
     assert (payload["seq"], payload["kind"], payload["left"]) == (1, "all_reduce", False)
     assert payload["group"] == list(range(0, 64, 8))
 

@@ -11,7 +11,7 @@ import pytest
 from megascale import config
 from megascale.cli import build_parser
 from megascale.controller import fault_tolerance_flags
-from megascale.controller.controller_policy import policy_for
+from megascale.controller.policy import policy_for
 
 CONTROLLER = ["controller", "--job", "j", "--run-dir", "r", "--nodes", "2", "--nproc-per-node", "1"]
 CONTROLLER += ["--endpoints", "127.0.0.1:2379"]

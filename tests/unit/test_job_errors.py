@@ -10,8 +10,8 @@ import os
 from test_controller_elastic import four_nodes
 from test_controller_fsm import ack_all, commands, records
 
-from megascale.controller.controller import ControllerFSM, Evict, State
 from megascale.controller.events import read_events
+from megascale.controller.fsm import ControllerFSM, Evict, State
 from megascale.probes.fatal import error_signature, read_exit_error, write_exit_error
 
 NODES_AND_SPARE = ("n0", "n1", "n2", "n3", "n4")

@@ -8,7 +8,7 @@ import pytest
 from test_controller_fsm import ack_all, commands, records, running
 
 from megascale.agent.neighbour_check import TopologyError, load_topology, resolve
-from megascale.controller.controller import ControllerFSM, SendCommand
+from megascale.controller.fsm import ControllerFSM, SendCommand
 from megascale.controller.neighbours import (
     NeighbourResult,
     NeighbourTest,

@@ -239,8 +239,8 @@ def decision_bytes(nodes: int, nproc_per_node: int = 8) -> dict[str, int]:
     """What the controller writes when generation 1 starts on ``nodes`` nodes, in JSON bytes
     (before the gateway's base64): the FSM ``state`` snapshot, the ``status`` agents watch, one
     ``start`` command, and all of them."""
-    from megascale.controller.controller import ControllerFSM, SendCommand
-    from megascale.controller.controller_policy import policy_for
+    from megascale.controller.fsm import ControllerFSM, SendCommand
+    from megascale.controller.policy import policy_for
 
     fsm = ControllerFSM(policy_for(nodes, nproc_per_node, tp=nproc_per_node), 0.0)
     fsm.on_start(0.0)

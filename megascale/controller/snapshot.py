@@ -13,12 +13,12 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from megascale.controller.controller_actions import Fault
-from megascale.controller.controller_states import State
+from megascale.controller.actions import Fault
+from megascale.controller.states import State
 from megascale.messages_job import ControllerState, FaultRecord
 
 if TYPE_CHECKING:
-    from megascale.controller.controller import ControllerFSM
+    from megascale.controller.fsm import ControllerFSM
 
 
 def snapshot(fsm: ControllerFSM) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from megascale.config_validate import batch_split_problem
-from megascale.controller.controller_policy import ControllerPolicy
+from megascale.controller.policy import ControllerPolicy
 
 
 def dp_of(policy: ControllerPolicy, nodes: int) -> int | None:

@@ -9,8 +9,8 @@ one ``on_*`` method per event with the current time, and executes the returned a
                                    # StartGeneration -> generation, RecordEvent -> EventLog
 
 Lifecycle (``TRANSITIONS`` is the table of every allowed (state, event) -> states; it lives in
-``controller_states.py``; the actions in ``controller_actions.py``, the policy in
-``controller_policy.py``, the stall analysis in ``stall_analysis.py``)::
+``controller/states.py``; the actions in ``controller/actions.py``, the policy in
+``controller/policy.py``, the stall analysis in ``stall_analysis.py``)::
 
     INIT -start-> WAITING_FOR_NODES -enough nodes-> STARTING -all started-> RUNNING
     RUNNING -fault-> STOPPING -all stopped-> DIAGNOSING -all checked-> STARTING (generation G+1)
@@ -63,8 +63,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from megascale.controller import controller_snapshot
-from megascale.controller.controller_actions import (  # noqa: F401  (every name re-exported)
+from megascale.controller import snapshot as controller_snapshot
+from megascale.controller.actions import (  # noqa: F401  (every name re-exported)
     Action,
     Evict,
     Fault,
@@ -72,22 +72,22 @@ from megascale.controller.controller_actions import (  # noqa: F401  (every name
     SendCommand,
     StartGeneration,
 )
-from megascale.controller.controller_elastic import RestartBudget
-from megascale.controller.controller_policy import ControllerPolicy
-from megascale.controller.controller_recovery import RecoveryProtocol
-from megascale.controller.controller_states import (
-    OBSERVATIONS,  # noqa: F401  (re-exported: controller.py offers every controller name)
-    TRANSITIONS,
-    Event,
-    IllegalTransition,
-    State,
-)
+from megascale.controller.elastic import RestartBudget
 from megascale.controller.neighbours import NeighbourTest, plan_neighbour_tests
+from megascale.controller.policy import ControllerPolicy
+from megascale.controller.recovery import RecoveryProtocol
 from megascale.controller.stall_analysis import (
     FlightRecord,
     SectionTimeouts,
     mismatch_signature,
     stall_suspects,
+)
+from megascale.controller.states import (
+    OBSERVATIONS,  # noqa: F401  (re-exported: controller/fsm.py offers every controller name)
+    TRANSITIONS,
+    Event,
+    IllegalTransition,
+    State,
 )
 from megascale.messages import Heartbeat
 from megascale.parallel.layout import Layout

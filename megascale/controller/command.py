@@ -15,13 +15,13 @@ import signal
 import socket
 from pathlib import Path
 
-from megascale.controller.controller_policy import policy_for, straggler_options
 from megascale.controller.fault_tolerance_flags import (
     add_controller_fault_tolerance_arguments,
     add_fault_tolerance_arguments,
     fault_tolerance_of,
     job_spec_fault_tolerance,
 )
+from megascale.controller.policy import policy_for, straggler_options
 from megascale.controller.service import ControllerService, ServiceOptions
 from megascale.etcd.store import Store, StoreConfig
 from megascale.process import (

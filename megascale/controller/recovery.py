@@ -4,7 +4,7 @@ evict those that fail, do not answer, or were named culprit too often; plan the 
 (each slot keeps its healthy node, else a spare; a shrink or a wait when too few are healthy,
 by ``node_loss_policy``); start it, and mark it running once every node has acked.
 
-``RecoveryProtocol`` is a part of ``ControllerFSM`` (in ``controller.py``), holding no state of its
+``RecoveryProtocol`` is a part of ``ControllerFSM`` (in ``controller/fsm.py``), holding no state of its
 own: the FSM's fields and its ``_begin``/``_enter``/``_record``/``_send``/``_fail`` helpers are
 what it reads and uses. Pure: no I/O, no clock.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from megascale.controller.controller_actions import Action, Evict, Fault, StartGeneration
-from megascale.controller.controller_elastic import resize_detail, shrink_nodes
-from megascale.controller.controller_states import Event, State
+from megascale.controller.actions import Action, Evict, Fault, StartGeneration
+from megascale.controller.elastic import resize_detail, shrink_nodes
+from megascale.controller.states import Event, State
 
 S, E = State, Event
 
