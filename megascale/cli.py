@@ -43,7 +43,7 @@ def _dashboards(args: argparse.Namespace) -> int:
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from megascale.agent import agent
+    from megascale.agent import service as agent
 
     try:
         return agent.run_from_args(args)
@@ -185,7 +185,7 @@ def _add_process_commands(sub: Any) -> None:
     launch_p.set_defaults(func=_launch)
     agent_p = sub.add_parser("agent", help="node agent: heartbeats, runs this node's workers")
     add_config_arguments(agent_p)
-    from megascale.agent import agent
+    from megascale.agent import service as agent
 
     agent.add_arguments(agent_p)
     agent_p.set_defaults(func=_agent)

@@ -205,7 +205,7 @@ def _die_with_launcher(launcher_pid: int) -> None:
 
 def _agent_process(agent_opts: Any, store_cfg: Any, launcher_pid: int) -> None:
     _die_with_launcher(launcher_pid)
-    from megascale.agent import agent
+    from megascale.agent import service as agent
 
     sys.exit(agent.main(agent_opts, store_cfg))
 
@@ -243,7 +243,7 @@ class LocalCluster:
         self.controllers: dict[str, Any] = {}
 
     def agent_options(self, node: str) -> Any:
-        from megascale.agent.agent import AgentOptions
+        from megascale.agent.service import AgentOptions
 
         return AgentOptions(
             job_id=self.opts.job_id,

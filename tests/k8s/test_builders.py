@@ -313,7 +313,7 @@ def test_worker_pod_runs_the_agent_with_a_stable_identity():
 def test_agents_and_controller_are_scrapeable_on_the_pod_address():
     """A fixed, named /metrics port on the pod's IP, declared on the container, with the common
     prometheus.io annotations on the pod; the agent and controller CLIs accept those flags."""
-    from megascale.agent.agent import add_arguments as agent_arguments
+    from megascale.agent.service import add_arguments as agent_arguments
     from megascale.controller.command import add_arguments as controller_arguments
 
     job = job_of("gpu-volcano")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megascale.agent.agent import Agent, AgentOptions
+from megascale.agent.service import Agent, AgentOptions
 from megascale.etcd.store import Store, StoreConfig
 
 logger = logging.getLogger(__name__)

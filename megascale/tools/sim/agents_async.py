@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from megascale.agent.agent import TERMINAL_STATES, AgentOptions
+from megascale.agent.service import TERMINAL_STATES, AgentOptions
 from megascale.etcd.store import (
     _RETRYABLE_CODES,
     KeyValue,

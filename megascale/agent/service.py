@@ -5,7 +5,7 @@ What it does, in its threads:
 * main loop: registers the node (``nodes/<node>`` under a lease of ``lease_ttl`` s), then every
   ``heartbeat_interval`` -- and at once when a worker exits -- writes ``heartbeats/<node>``
   (``heartbeat()``: a ``messages.Heartbeat``);
-* command thread (``agent_commands``): runs what the controller writes to ``commands/<node>`` -- ``stop`` (stop the
+* command thread (``agent.commands``): runs what the controller writes to ``commands/<node>`` -- ``stop`` (stop the
   workers), ``selfcheck`` (the node self-check; its result is the ack), ``start`` (generation G
   with rank assignment R) -- and acks each under ``acks/<node>``. A command is run only if
   ``keys.is_current`` (this job, not an older generation), at most once (by its id), and not
@@ -39,7 +39,7 @@ from queue import Queue
 from typing import Any
 
 from megascale.agent import neighbour_check
-from megascale.agent.agent_commands import (  # noqa: F401  (ack_message: re-exported)
+from megascale.agent.commands import (  # noqa: F401  (ack_message: re-exported)
     CommandRunner,
     _Reported,
     ack_message,

@@ -25,7 +25,7 @@ from megascale.messages import Ack, Command, GenerationRecord
 from megascale.probes import inject
 from megascale.probes.fatal import RUN_DIR_ENV
 
-logger = logging.getLogger("megascale.agent.agent")
+logger = logging.getLogger("megascale.agent.service")
 
 
 @dataclass
