@@ -48,9 +48,10 @@ from megascale.launcher.local import run_local
 from megascale.logs import quiet_expected_noise
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.train import checkpoint, checkpoint_load
-from megascale.train.checkpoint_io import Storage
-from megascale.train.checkpoint_shards import to_dcp, training_entries
+from megascale.train.checkpoint import load as checkpoint_load
+from megascale.train.checkpoint import save as checkpoint
+from megascale.train.checkpoint.shards import to_dcp, training_entries
+from megascale.train.checkpoint.storage import Storage
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 

@@ -56,7 +56,7 @@ def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
         raise ConfigError(
             f"invalid config for world_size={world_size}, backend={backend}:\n{lines}"
         )
-    from megascale.train.checkpoint_io import check_config  # names checkpoint.* fields itself
+    from megascale.train.checkpoint.storage import check_config  # names checkpoint.* fields itself
 
     # Machine-independent rules only: a config may be validated away from where it runs.
     check_config(cfg.checkpoint, world_size, check_installed=False)

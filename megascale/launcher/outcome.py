@@ -64,9 +64,9 @@ def current_step(metrics: Path) -> int:
 
 def parameter_digest(run_dir: Path, job: Any) -> tuple[str | None, int | None]:
     """sha256 over the model weights in the newest complete checkpoint, and that checkpoint's step
-    (``checkpoint_load.model_digest``): equal for equal weights whatever layout saved them."""
-    from megascale.train.checkpoint_io import location
-    from megascale.train.checkpoint_load import model_digest
+    (``checkpoint.load.model_digest``): equal for equal weights whatever layout saved them."""
+    from megascale.train.checkpoint.load import model_digest
+    from megascale.train.checkpoint.storage import location
 
     return model_digest(location(job.checkpoint, run_dir))
 

@@ -351,7 +351,7 @@ def _fill_disk_from(first_step: int) -> None:
     """Make every checkpoint write of step ``first_step`` or later fail as a full disk does."""
     import errno
 
-    from megascale.train import checkpoint
+    from megascale.train.checkpoint import save as checkpoint
 
     def hook(point: str, rank: int, step: int) -> None:
         if point == "stage2_start" and step >= first_step:
@@ -377,8 +377,8 @@ def corrupt_latest_checkpoint(
     complete checkpoint (rank ``spec.rank``'s file, default rank 0), keeping its size, so that only
     its checksum gives it away. Once per run; None when there is no checkpoint yet."""
     from megascale.config import load
-    from megascale.train.checkpoint_io import MANIFEST, Storage, location, step_name
-    from megascale.train.checkpoint_paths import CheckpointPathError, resolve_file
+    from megascale.train.checkpoint.paths import CheckpointPathError, resolve_file
+    from megascale.train.checkpoint.storage import MANIFEST, Storage, location, step_name
 
     job = load(config, list(overrides))
     storage = Storage(location(job.checkpoint, run_dir))

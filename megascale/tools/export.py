@@ -1,7 +1,7 @@
 """``megascale export``: a trained run to a Hugging Face ``transformers`` model directory.
 
 ``export(run_dir, output, step=None)`` reads the run's ``config.toml``, builds a 1-process CPU
-trainer the way training does, loads the checkpoint through ``checkpoint_load.load_latest`` (the only
+trainer the way training does, loads the checkpoint through ``checkpoint.load.load_latest`` (the only
 reader of checkpoint files), maps the model's ``state_dict()`` onto a ``transformers`` architecture
 that computes the same function, and writes ``config.json`` + ``model.safetensors`` (+ the files
 of ``RUN_DIR/tokenizer/``) for ``AutoModelForCausalLM.from_pretrained`` (no custom code).
@@ -278,7 +278,7 @@ def _probe(trainer) -> tuple[torch.Tensor, torch.Tensor]:
 
 def load_model(job: JobConfig, run_dir: Path, step: int | None) -> LoadedModel:
     """Build a 1-rank CPU trainer and load checkpoint ``step`` (None: the newest) through
-    ``checkpoint_load.load_latest``.
+    ``checkpoint.load.load_latest``.
 
     ``parallel.tp = pp = dp = 1``, in this process's own world-size-1 gloo group (a FileStore, no
     listening store; gloo bound to the loopback interface), torn down after; refused if a process
@@ -290,7 +290,7 @@ def load_model(job: JobConfig, run_dir: Path, step: int | None) -> LoadedModel:
 
     from megascale.parallel import cpu_backend
     from megascale.parallel.groups import build_groups, destroy_groups
-    from megascale.train.checkpoint_io import location
+    from megascale.train.checkpoint.storage import location
     from megascale.train.run import seed_everything
     from megascale.train.trainer import Trainer
 
@@ -322,9 +322,9 @@ def load_model(job: JobConfig, run_dir: Path, step: int | None) -> LoadedModel:
 
 
 def _load(trainer, where: str, step: int | None) -> int:
-    """``checkpoint_load.load_latest`` into ``trainer``; the step loaded, or ExportError saying
+    """``checkpoint.load.load_latest`` into ``trainer``; the step loaded, or ExportError saying
     why not."""
-    from megascale.train import checkpoint_load
+    from megascale.train.checkpoint import load as checkpoint_load
 
     try:
         loaded = checkpoint_load.load_latest(trainer, where, step=step)
@@ -354,7 +354,7 @@ def _check_output(output: Path) -> None:
 
 
 def _check_step(job: JobConfig, run_dir: Path, step: int | None) -> None:
-    from megascale.train.checkpoint_io import Storage, check_config, location
+    from megascale.train.checkpoint.storage import Storage, check_config, location
 
     check_config(job.checkpoint, 1)  # ConfigError naming checkpoint.url if it cannot be read here
     where = location(job.checkpoint, run_dir)

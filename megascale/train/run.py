@@ -32,7 +32,8 @@ from megascale.probes.peak import Peak, peak_label, run_peak
 from megascale.probes.progress import WorkerSignals
 from megascale.probes.sinks import Sinks, open_sinks
 from megascale.probes.timers import build_timeline
-from megascale.train import checkpoint, checkpoint_load
+from megascale.train.checkpoint import load as checkpoint_load
+from megascale.train.checkpoint import save as checkpoint
 from megascale.train.trainer import Trainer
 
 logger = logging.getLogger("megascale")

@@ -18,9 +18,10 @@ from megascale.launcher.local import RankFailed, run_local
 from megascale.overlap.dp import sync_params
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.train import checkpoint, checkpoint_load
-from megascale.train.checkpoint_io import MANIFEST, Storage, check_config, step_name
-from megascale.train.checkpoint_shards import optimizer_step_count, training_entries
+from megascale.train.checkpoint import load as checkpoint_load
+from megascale.train.checkpoint import save as checkpoint
+from megascale.train.checkpoint.shards import optimizer_step_count, training_entries
+from megascale.train.checkpoint.storage import MANIFEST, Storage, check_config, step_name
 from megascale.train.run import run_rank
 from megascale.train.trainer import Trainer
 

@@ -16,8 +16,8 @@ from harness import with_changes
 
 from megascale.config import load, validate
 from megascale.launcher.local import run_local
-from megascale.train import checkpoint_load
-from megascale.train.checkpoint_io import Storage
+from megascale.train.checkpoint import load as checkpoint_load
+from megascale.train.checkpoint.storage import Storage
 from megascale.train.run import run_rank
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,8 @@ from harness import with_changes
 
 from megascale.config import load, validate
 from megascale.launcher.local import run_local
-from megascale.train import checkpoint, checkpoint_load
+from megascale.train.checkpoint import load as checkpoint_load
+from megascale.train.checkpoint import save as checkpoint
 from megascale.train.run import run_rank
 
 pytestmark = pytest.mark.slow

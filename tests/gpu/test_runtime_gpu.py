@@ -12,7 +12,7 @@ import pytest
 from gpu_jobs import in_child, small_job
 
 from megascale.probes.progress import progress_path, read_progress
-from megascale.train.checkpoint_io import step_name
+from megascale.train.checkpoint.storage import step_name
 from megascale.train.run import run_rank
 
 pytestmark = pytest.mark.gpu

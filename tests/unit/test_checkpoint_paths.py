@@ -1,4 +1,4 @@
-"""checkpoint_paths.resolve_file: a manifest's file name never leads outside its step directory."""
+"""checkpoint.paths.resolve_file: a manifest's file name never leads outside its step directory."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from megascale.train.checkpoint_paths import CheckpointPathError, check_name, resolve_file
+from megascale.train.checkpoint.paths import CheckpointPathError, check_name, resolve_file
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from megascale.train.checkpoint_io import Storage, os_cause
+from megascale.train.checkpoint.storage import Storage, os_cause
 
 
 def test_os_cause_finds_the_errno_deep_in_the_chain(tmp_path):

@@ -13,7 +13,7 @@ import torch
 from megascale.config import load
 from megascale.launcher.outcome import parameter_digest
 from megascale.probes import inject
-from megascale.train import checkpoint_format as fmt
+from megascale.train.checkpoint import format as fmt
 
 DATA = "rank_00000/__0_0.distcp"
 

@@ -12,7 +12,7 @@ Layout, under ``checkpoint.url`` (default ``RUN_DIR/checkpoints``; a directory o
                                        size, and this run's save token. Removed after the manifest.
     step_00000020/manifest.json        written LAST, by rank 0: step, layout, every file's sha256
 
-What is saved (``checkpoint_shards``): every model parameter under its megatron-core checkpoint key
+What is saved (``checkpoint.shards``): every model parameter under its megatron-core checkpoint key
 with its global shape, and the optimizer state (fp32 main params, Adam or LAMB moments) with the
 same keys and shapes, each rank writing the boxes of them it holds (main replicas only). So a
 checkpoint written at TP2 x PP2 x DP2 with the distributed optimizer loads at one rank, at DP4, at
@@ -29,13 +29,13 @@ metadata into the step's ``.metadata``, writes the manifest (temporary name, the
 the markers, and prunes to the last ``keep``. A crash anywhere before the manifest leaves a
 directory that is never loaded.
 
-Restart (``checkpoint_load.load_latest``, collective): rank 0 lists the complete checkpoints and broadcasts the
+Restart (``checkpoint.load.load_latest``, collective): rank 0 lists the complete checkpoints and broadcasts the
 list and the newest manifest. The ranks verify every file of it (size, sha256; each rank a share,
 agreed with one all-reduce), so one bad file makes every rank fall back to the previous checkpoint
 together. A checkpoint that verifies but cannot be loaded here (another layout with
 ``checkpoint.reshard = false``, or the layout-bound format of older versions at another layout) is
 never skipped, retired or pruned: the run refuses to start (``CheckpointUnusable``), naming both
-layouts and the way forward. Loading never executes code (see ``checkpoint_format``).
+layouts and the way forward. Loading never executes code (see ``checkpoint.format``).
 """
 
 from __future__ import annotations
@@ -51,9 +51,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+import megascale.train.checkpoint.format as fmt
 from megascale.config import CheckpointConfig
-from megascale.train import checkpoint_format as fmt
-from megascale.train.checkpoint_io import (
+from megascale.train.checkpoint.shards import (
+    Entry,
+    optimizer_step_count,
+    set_optimizer_step_count,
+    to_dcp,
+    training_entries,
+)
+from megascale.train.checkpoint.storage import (
     DONE_DIR,
     MANIFEST,
     HostCopier,
@@ -64,13 +71,6 @@ from megascale.train.checkpoint_io import (
     rng_state,
     sha256_hex,
     step_name,
-)
-from megascale.train.checkpoint_shards import (
-    Entry,
-    optimizer_step_count,
-    set_optimizer_step_count,
-    to_dcp,
-    training_entries,
 )
 
 if TYPE_CHECKING:

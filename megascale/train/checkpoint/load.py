@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+import megascale.train.checkpoint.format as fmt
+import megascale.train.checkpoint.legacy as legacy
 from megascale.config import CheckpointConfig
-from megascale.train import checkpoint_format as fmt
-from megascale.train import checkpoint_legacy as legacy
-from megascale.train.checkpoint import (
+from megascale.train.checkpoint.paths import CheckpointPathError, resolve_file
+from megascale.train.checkpoint.save import (
     COMMON,
     FORMAT_VERSION,
     CheckpointUnusable,
@@ -29,7 +30,12 @@ from megascale.train.checkpoint import (
     rank_dir,
     step_dir,
 )
-from megascale.train.checkpoint_io import (
+from megascale.train.checkpoint.shards import (
+    ensure_optimizer_state,
+    to_dcp,
+    training_entries,
+)
+from megascale.train.checkpoint.storage import (
     MANIFEST,
     Storage,
     check_config,
@@ -38,12 +44,6 @@ from megascale.train.checkpoint_io import (
     set_rng_state,
     sha256_hex,
     step_name,
-)
-from megascale.train.checkpoint_paths import CheckpointPathError, resolve_file
-from megascale.train.checkpoint_shards import (
-    ensure_optimizer_state,
-    to_dcp,
-    training_entries,
 )
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ def _check_loadable(
 
 def _read_file(storage: Storage, sdir: str, name: str) -> bytes | None:
     """A file a manifest names, only if it is a regular file inside the step directory
-    (``checkpoint_paths.resolve_file``); None when it is missing or refused."""
+    (``checkpoint.paths.resolve_file``); None when it is missing or refused."""
     try:
         path = resolve_file(storage.path(sdir), name, local=storage.local)
         return storage.fs.cat_file(path)

@@ -1,7 +1,7 @@
 """Loading the checkpoints of the older, layout-bound format (format versions 1 and 2).
 
 They hold per-(pp, tp) model files and per-rank files (optimizer shard, scheduler, data, RNG) and
-load only at the layout that wrote them (``checkpoint_load.load_latest`` refuses another layout before
+load only at the layout that wrote them (``checkpoint.load.load_latest`` refuses another layout before
 calling here). Reading is as it was: every rank verifies and loads its files, dp_rank 0 of each DP
 group reads its group's shared file and broadcasts it (``broadcast``), and all ranks agree with one
 all-reduce. New checkpoints are written in the layout-independent format of ``checkpoint``.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megascale.train.checkpoint_io import (
+from megascale.train.checkpoint.storage import (
     MANIFEST,
     Storage,
     broadcast_tree,
