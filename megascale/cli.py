@@ -31,7 +31,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
-    from megascale.agent import selfcheck
+    from megascale.agent.selfcheck import suite as selfcheck
 
     return selfcheck.run(args)
 
@@ -127,7 +127,7 @@ def _add_tool_commands(sub: Any) -> None:
     selfcheck_p = sub.add_parser(
         "selfcheck", help="node self-check: GPU, host, network; exit code 0 iff the node is fit"
     )
-    from megascale.agent import selfcheck
+    from megascale.agent.selfcheck import suite as selfcheck
 
     selfcheck.add_arguments(selfcheck_p)
     selfcheck_p.set_defaults(func=_selfcheck)

@@ -212,7 +212,7 @@ def straggler_problems(ft: FaultToleranceConfig, prefix: str) -> list[str]:
             problems.append(f"{prefix}{name} = {value!r}: must be an integer >= 1")
     if not ft.selfcheck_timeout_s > 0:
         problems.append(f"{prefix}selfcheck_timeout_s = {ft.selfcheck_timeout_s}: must be > 0 s")
-    from megascale.agent.selfcheck_names import CHECK_NAMES, selected_checks
+    from megascale.agent.selfcheck.names import CHECK_NAMES, selected_checks
 
     names = [n for group in CHECK_NAMES for n in group]
     for test in ft.selfcheck_tests:

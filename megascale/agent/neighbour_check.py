@@ -129,7 +129,7 @@ def run_selfcheck_neighbours(
 def _one_test(
     host: str, port: int, test: dict[str, Any], timeout_s: float, down: str | None
 ) -> NeighbourResult:
-    from megascale.agent.selfcheck_net import NetCheckError, neighbour_allreduce
+    from megascale.agent.selfcheck.net import NetCheckError, neighbour_allreduce
 
     peer, channel = str(test["node"]), int(test["channel"])
     if down:

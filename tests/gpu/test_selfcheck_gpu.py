@@ -14,8 +14,8 @@ from megascale.agent.selfcheck import (
     SelfCheckOptions,
     run_selfcheck,
 )
-from megascale.agent.selfcheck_calibration import calibration_toml, measured_figures
-from megascale.agent.selfcheck_thresholds import load_thresholds
+from megascale.agent.selfcheck.calibration import calibration_toml, measured_figures
+from megascale.agent.selfcheck.thresholds import load_thresholds
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from k8s_support import FakeKube
 
-from megascale.agent import selfcheck
+from megascale.agent.selfcheck import suite as selfcheck
 from megascale.k8s import node_selfcheck
 from megascale.k8s.node_selfcheck import WORKER_LABELS, selfcheck_command, workers_on_node
 from megascale.k8s.operator import selfcheck_daemon

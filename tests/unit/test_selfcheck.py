@@ -20,8 +20,8 @@ from megascale.agent.selfcheck import (
     judged,
     run_selfcheck,
 )
-from megascale.agent.selfcheck_gpu import GpuFacts, judge_facts
-from megascale.agent.selfcheck_thresholds import (
+from megascale.agent.selfcheck.gpu import GpuFacts, judge_facts
+from megascale.agent.selfcheck.thresholds import (
     PROFILES,
     GpuThresholds,
     load_thresholds,
@@ -314,7 +314,7 @@ class _FakeNvml:
 def test_read_nvml_turns_driver_answers_into_facts(monkeypatch):
     import sys
 
-    from megascale.agent.selfcheck_gpu import read_nvml
+    from megascale.agent.selfcheck.gpu import read_nvml
 
     fake = _FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", fake)
@@ -340,7 +340,8 @@ def test_the_stand_in_uses_real_nvml_names():
 
 
 def test_the_check_names_the_configuration_accepts_are_the_checks_that_run():
-    from megascale.agent import selfcheck, selfcheck_names
+    from megascale.agent.selfcheck import names as selfcheck_names
+    from megascale.agent.selfcheck import suite as selfcheck
 
     assert tuple(names for names, _ in selfcheck.CHECKS) == selfcheck_names.CHECK_NAMES
     assert selfcheck_names.selected_checks(["net"]) == [

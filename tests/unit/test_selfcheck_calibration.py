@@ -10,13 +10,14 @@ import math
 import pytest
 import torch
 
-from megascale.agent import selfcheck, selfcheck_gpu
 from megascale.agent.selfcheck import FAIL, PASS, SKIPPED, CheckResult
-from megascale.agent.selfcheck_calibration import (
+from megascale.agent.selfcheck import gpu as selfcheck_gpu
+from megascale.agent.selfcheck import suite as selfcheck
+from megascale.agent.selfcheck.calibration import (
     calibration_toml,
     measured_figures,
 )
-from megascale.agent.selfcheck_thresholds import GpuThresholds, load_thresholds
+from megascale.agent.selfcheck.thresholds import GpuThresholds, load_thresholds
 
 CHECKS = [
     CheckResult("gpu.matmul", PASS, 700.0, "TFLOP/s"),

@@ -30,7 +30,7 @@ from typing import Any
 
 DEFAULT_SAFETY_FACTOR = 0.8
 """Thresholds at 80% of the calibrated figure: the GPU checks' repeat-to-repeat spread is a few
-percent once they run >= 1 s (``selfcheck_gpu``), host and network figures vary more."""
+percent once they run >= 1 s (``selfcheck.gpu``), host and network figures vary more."""
 
 CALIBRATED: dict[str, tuple[str, str, str]] = {
     # check name: (threshold section, threshold key, unit)

@@ -12,7 +12,7 @@ what was waited for, instead of hanging.
 Bus bandwidth follows nccl-tests: all-to-all ``bytes / t * (n - 1) / n``, all-reduce
 ``bytes / t * 2 * (n - 1) / n``, where ``bytes`` is one rank's buffer.
 
-This module is also the all-to-all worker: ``python -m megascale.agent.selfcheck_net
+This module is also the all-to-all worker: ``python -m megascale.agent.selfcheck.net
 alltoall --rank R --world K --port P --bytes B --backend gloo|nccl --timeout S`` (started by
 ``intranode_alltoall``; rank 0 prints the result as one JSON line).
 """
@@ -336,7 +336,7 @@ def _allreduce_in_group(
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the worker processes (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m megascale.agent.selfcheck_net")
+    parser = argparse.ArgumentParser(prog="python -m megascale.agent.selfcheck.net")
     sub = parser.add_subparsers(dest="command", required=True)
     a2a = sub.add_parser("alltoall")
     for name in ("--rank", "--world", "--port", "--bytes", "--iters"):

@@ -17,7 +17,7 @@ for an 8 x H100 node: ``configs/selfcheck/h100-8gpu.toml``)::
     count = 8               # the node must show 8 GPUs
     matmul = 0.7            # of the dense bf16 peak
 
-Calibration (``megascale selfcheck --calibrate --output FILE``, ``selfcheck_calibration``): a
+Calibration (``megascale selfcheck --calibrate --output FILE``, ``selfcheck.calibration``): a
 file whose ``[calibration]`` section holds the figures measured on a healthy node of the same kind;
 each calibrated threshold is then ``measured x safety_factor``. Precedence: ``--set`` > the file's
 explicit sections > its calibration > the profile.
@@ -245,7 +245,7 @@ def load_thresholds(
         raise ValueError(f"selfcheck profile {profile!r} unknown; accepted: {', '.join(PROFILES)}")
     thresholds = dataclasses.replace(PROFILES[profile], profile=profile)
     if file is not None:
-        from megascale.agent.selfcheck_calibration import calibrated_updates
+        from megascale.agent.selfcheck.calibration import calibrated_updates
 
         with open(file, "rb") as f:
             content = tomllib.load(f)

@@ -26,7 +26,7 @@ group's ranks follow the sorted endpoints; the first endpoint's node hosts the r
 port, so each node's ``PORT`` must be free there. A peer that never comes fails the check after
 about ``net_timeout_s`` with a detail naming it.
 
-Checks (``CheckResult.name``; thresholds in ``selfcheck_thresholds``, one per name):
+Checks (``CheckResult.name``; thresholds in ``selfcheck.thresholds``, one per name):
 
 - ``gpu.*`` (CUDA only, else ``skipped`` "no CUDA device"): ``count``, ``model``, ``ecc_errors``,
   ``retired_pages``, ``temperature``, ``clocks``, ``pcie_width``, ``pcie_gen``, ``nvlink`` from
@@ -41,7 +41,7 @@ Checks (``CheckResult.name``; thresholds in ``selfcheck_thresholds``, one per na
 Command line: ``megascale selfcheck [--json] [--quick] [--thresholds FILE] [--set K=V] ...``;
 exit code 0 iff no check failed, 2 for bad arguments. ``--json`` prints ``to_dict()``.
 ``megascale selfcheck --calibrate --output FILE [--safety-factor 0.8]`` measures and writes the
-figures as a thresholds file (``selfcheck_calibration``); it exits 0 once the file is written.
+figures as a thresholds file (``selfcheck.calibration``); it exits 0 once the file is written.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from megascale.agent.check_result import (  # noqa: F401  (re-exported)
     judged,
     skipped,
 )
-from megascale.agent.selfcheck_names import (  # noqa: F401 (re-exported)
+from megascale.agent.selfcheck.names import (  # noqa: F401 (re-exported)
     CHECK_GROUPS,
     CHECK_NAMES,
     GPU_BENCH_CHECKS,
@@ -78,7 +78,7 @@ from megascale.agent.selfcheck_names import (  # noqa: F401 (re-exported)
     selected,
     selected_checks,
 )
-from megascale.agent.selfcheck_thresholds import Thresholds, load_thresholds, profile_for_gpu
+from megascale.agent.selfcheck.thresholds import Thresholds, load_thresholds, profile_for_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ def _host_disk_free(ctx: _Context) -> list[CheckResult]:
 
 
 def _net_loopback(ctx: _Context) -> list[CheckResult]:
-    from megascale.agent import selfcheck_net
+    import megascale.agent.selfcheck.net as selfcheck_net
 
     results = []
     nbytes = (32 if ctx.options.quick else 128) << 20
@@ -324,7 +324,7 @@ def _net_loopback(ctx: _Context) -> list[CheckResult]:
 
 def _bandwidth_check(name: str, threshold: float, measure: Callable[[], Any]) -> CheckResult:
     """Time ``measure()`` (a ``selfcheck_net.Bandwidth``); its NetCheckError is a failed check."""
-    from megascale.agent.selfcheck_net import NetCheckError
+    from megascale.agent.selfcheck.net import NetCheckError
 
     start = time.perf_counter()
     try:
@@ -335,7 +335,7 @@ def _bandwidth_check(name: str, threshold: float, measure: Callable[[], Any]) ->
 
 
 def _net_alltoall(ctx: _Context) -> list[CheckResult]:
-    from megascale.agent import selfcheck_net
+    import megascale.agent.selfcheck.net as selfcheck_net
 
     name = "net.intranode_alltoall"
     gpus = ctx.gpu_count
@@ -356,7 +356,7 @@ def _net_alltoall(ctx: _Context) -> list[CheckResult]:
 
 
 def _net_neighbours(ctx: _Context) -> list[CheckResult]:
-    from megascale.agent import selfcheck_net
+    import megascale.agent.selfcheck.net as selfcheck_net
 
     name = "net.neighbour_allreduce"
     o = ctx.options
@@ -382,7 +382,7 @@ def _net_neighbours(ctx: _Context) -> list[CheckResult]:
 def _gpu_nvml(ctx: _Context) -> list[CheckResult]:
     if ctx.gpu_name is None:
         return [skipped(n, NO_CUDA) for n in GPU_NVML_CHECKS]
-    from megascale.agent import selfcheck_gpu
+    import megascale.agent.selfcheck.gpu as selfcheck_gpu
 
     start = time.perf_counter()
     try:
@@ -395,7 +395,7 @@ def _gpu_nvml(ctx: _Context) -> list[CheckResult]:
 def _gpu_bench(ctx: _Context) -> list[CheckResult]:
     if ctx.gpu_name is None:
         return [skipped(n, NO_CUDA) for n in GPU_BENCH_CHECKS]
-    from megascale.agent import selfcheck_gpu
+    import megascale.agent.selfcheck.gpu as selfcheck_gpu
 
     return selfcheck_gpu.benchmark_checks(ctx.thresholds.gpu, ctx.gpu_name, ctx.options.quick)
 
@@ -524,7 +524,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _write_calibration(report: SelfCheckReport, args: argparse.Namespace) -> None:
     """``megascale selfcheck --calibrate``: the report's figures as a thresholds file."""
-    from megascale.agent import selfcheck_calibration as cal
+    import megascale.agent.selfcheck.calibration as cal
 
     factor = cal.DEFAULT_SAFETY_FACTOR if args.safety_factor is None else args.safety_factor
     cal.check_factor(factor, "--safety-factor")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megascale.agent.check_result import CheckResult, judged, skipped
-from megascale.agent.selfcheck_thresholds import GpuThresholds
+from megascale.agent.selfcheck.thresholds import GpuThresholds
 
 
 @dataclass(frozen=True)
