@@ -28,7 +28,7 @@ from pathlib import Path
 
 def measure(steps: int) -> float:
     """Seconds per step of the step boundary + progress write (child process)."""
-    from megascale.probes.flight_recorder import FlightRecorder
+    from megascale.probes.flight.recorder import FlightRecorder
     from megascale.probes.progress import ProgressFile, WorkerSignals
 
     try:
@@ -54,7 +54,7 @@ def measure(steps: int) -> float:
 
 def per_op_add() -> float:
     """Seconds of the per-op addition (``channel.blocked_s += dt``)."""
-    from megascale.probes.flight_recorder import Channel
+    from megascale.probes.flight.recorder import Channel
 
     channel = Channel(1, 0)
     return timeit.timeit("c.blocked_s += 1e-6", globals={"c": channel}, number=200_000) / 2e5

@@ -47,10 +47,10 @@ from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
 from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
-from megascale.probes.flight_format import DeviceState, OpKind, flight_path
-from megascale.probes.flight_hooks import _OpWrapper
-from megascale.probes.flight_recorder import FlightRecorder
-from megascale.probes.flight_watcher import MAX_INTERVAL_S, MIN_INTERVAL_S, Backoff
+from megascale.probes.flight.format import DeviceState, OpKind, flight_path
+from megascale.probes.flight.hooks import _OpWrapper
+from megascale.probes.flight.recorder import FlightRecorder
+from megascale.probes.flight.watcher import MAX_INTERVAL_S, MIN_INTERVAL_S, Backoff
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 

@@ -66,8 +66,8 @@ from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.probes import timers
 from megascale.probes.comm_timer import timeline_comm
-from megascale.probes.flight_format import flight_path
-from megascale.probes.flight_recorder import FlightRecorder, NullFlightRecorder
+from megascale.probes.flight.format import flight_path
+from megascale.probes.flight.recorder import FlightRecorder, NullFlightRecorder
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 

@@ -357,7 +357,7 @@ class Heartbeat(Message):
     rank 0's figure, on rank 0's node only (None elsewhere), ``mfu_peak`` with them;
     ``checkpoint``: its ranks' latest save (largest stall); ``durable``: the newest checkpoint
     its ranks saved completely (rank 0's node);
-    ``flight``: rank -> the flight recorder's last record (``flight_format.RankState``);
+    ``flight``: rank -> the flight recorder's last record (``flight.format.RankState``);
     ``errors``: human-readable forms of ``error_events``; static: host, addr, pid, hardware;
     live: gpus (NVML; None without), network counters, selfchecks (how many ran).
     """

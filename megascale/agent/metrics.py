@@ -429,7 +429,7 @@ class ControllerMetrics(_Exporter):
         self._metric("megascale_faults_total", kind=kind).inc()
 
     def record_stall_culprit(self, rank: int, reason: str) -> None:
-        """The stall analysis named ``rank`` for ``reason`` (``flight_culprits.Culprit.reason``)."""
+        """The stall analysis named ``rank`` for ``reason`` (``flight.culprits.Culprit.reason``)."""
         self._metric("megascale_stall_culprit_total", rank=rank, reason=reason).inc()
 
     def record_restart(self, generation: int | None = None) -> None:

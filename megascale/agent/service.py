@@ -464,7 +464,7 @@ class Agent(CommandRunner):
 
     def _flight(self) -> dict[str, Any]:
         try:
-            from megascale.probes.flight_format import FlightFileError, flight_path, last_state
+            from megascale.probes.flight.format import FlightFileError, flight_path, last_state
         except ImportError:
             return {}
         states = {}

@@ -82,7 +82,7 @@ from megascale.messages import (
     Heartbeat,
     MessageError,
 )
-from megascale.probes.flight_format import RankState
+from megascale.probes.flight.format import RankState
 from megascale.process import write_metrics_url
 
 logger = logging.getLogger(__name__)

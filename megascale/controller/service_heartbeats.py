@@ -17,8 +17,8 @@ from typing import Any
 
 from megascale.controller.fsm import State
 from megascale.messages import Heartbeat, Reported
-from megascale.probes.flight_culprits import stall_culprits
-from megascale.probes.flight_format import RankState
+from megascale.probes.flight.culprits import stall_culprits
+from megascale.probes.flight.format import RankState
 
 logger = logging.getLogger("megascale.controller.service")
 
@@ -205,7 +205,7 @@ class HeartbeatIntake:
 
     def _stall(self, now: float) -> bool:
         """Declare a stall the FSM's ``on_tick`` would declare now, with the suspects of the
-        flight recorders' wait-for graph (``flight_culprits.stall_culprits``: follows waits across
+        flight recorders' wait-for graph (``flight.culprits.stall_culprits``: follows waits across
         groups, knows stopped processes); each culprit's reason, group and op go into the event's
         ``culprits`` and the ``megascale_stall_culprit_total`` metric. False: no stall yet, or no
         flight data to analyse."""

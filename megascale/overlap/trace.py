@@ -4,7 +4,7 @@ what each call did is read back from the flight recorder's records.
 
 ``CommTrace.install()`` wraps ``torch.distributed``'s collective and p2p functions (and the aliases
 megatron-core binds at import time) in this process with the network model, and installs an
-in-memory flight recorder (``megascale.probes.flight_recorder``, ``path=None``) outside it, so
+in-memory flight recorder (``megascale.probes.flight.recorder``, ``path=None``) outside it, so
 the recorder's times — issue, when the caller started and stopped waiting — include the modelled
 cost. The cost of a call is ``CostModel.delay(op, bytes, group size, link)``
 (``megascale.overlap.cost``): a fixed latency per call, or alpha + bytes / beta of a named fabric.
@@ -65,7 +65,7 @@ from megascale.parallel.comm_hooks import (
     comm_thread_flag,
 )
 from megascale.probes.comm_timer import FlightComm
-from megascale.probes.flight_recorder import FlightRecorder
+from megascale.probes.flight.recorder import FlightRecorder
 
 __all__ = ["CommEvent", "CommTrace", "Mark", "mark"]
 

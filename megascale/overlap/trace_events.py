@@ -1,6 +1,6 @@
 """A step's ``CommEvent``s and exposure, read from the flight recorder's records.
 
-The flight recorder (``megascale.probes.flight_recorder``) stands outside the network model of
+The flight recorder (``megascale.probes.flight.recorder``) stands outside the network model of
 ``megascale.overlap.trace``, so its record of a call has the caller's view of it with the modelled
 cost included: when it was issued, and when the caller started and stopped waiting on it. The
 network model adds what only it knows, in a side table keyed by record index (``Ledger``): each
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megascale.overlap.pp_exposure import covered
-from megascale.probes.flight_hooks import _KIND_OF
+from megascale.probes.flight.hooks import _KIND_OF
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Stand wrappers in front of torch.distributed's communication functions, and take them away again.
 
 Shared by the comm trace (``megascale.overlap.trace``) and the flight recorder
-(``megascale.probes.flight_recorder``). The traps, solved once here:
+(``megascale.probes.flight.recorder``). The traps, solved once here:
 
 * megatron-core binds some functions to its own module names at import time
   (``dist_all_gather_func``, ``dist_reduce_scatter_func``, ``_coalescing_manager``): patching

@@ -3,7 +3,7 @@ timeline, read from the flight recorder's records: one recorder wraps torch.dist
 timeline, the stall analysis and the straggler compute time all read what it wrote.
 
 ``timeline_comm()`` gives the timeline a ``FlightComm`` over the flight recorder installed in this
-process (``megascale.probes.flight_recorder``; training runs install one before the trainer is
+process (``megascale.probes.flight.recorder``; training runs install one before the trainer is
 built), or, where none is (tests, ``benchmarks/timers.py``, a process without a run directory),
 over a recorder of the timeline's own installed now, whose ring lives in anonymous memory (same
 records, same completion watcher, no file; ``benchmarks/timers.py`` measures its cost per call).
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megascale.probes.flight_format import ASYNC, COALESCED, DeviceState, OpKind
-from megascale.probes.flight_recorder import FlightRecorder, RingCopy, installed_recorder
+from megascale.probes.flight.format import ASYNC, COALESCED, DeviceState, OpKind
+from megascale.probes.flight.recorder import FlightRecorder, RingCopy, installed_recorder
 
 _FLIGHT_KINDS = {int(kind): kind.name.lower() for kind in OpKind}
 _COMPLETED = int(DeviceState.COMPLETED)

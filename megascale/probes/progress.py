@@ -28,7 +28,7 @@ a hung worker's heartbeat stops (a long section may call ``beat()`` to say it is
 Monotonic times are CLOCK_MONOTONIC, comparable with ``time.monotonic()`` on the same host.
 
 ``WorkerSignals`` bundles this file with the flight recorder
-(``megascale.probes.flight_recorder``) for the trainer's run loop: the two things the agent
+(``megascale.probes.flight.recorder``) for the trainer's run loop: the two things the agent
 reads without the worker's cooperation.
 ``read_progress`` is the agent's reader (no torch).
 """
@@ -195,7 +195,7 @@ class WorkerSignals:
 
     @classmethod
     def open(cls, run_dir: Path | str, rank: int, world_size: int) -> WorkerSignals:
-        from megascale.probes.flight_recorder import open_recorder
+        from megascale.probes.flight.recorder import open_recorder
 
         recorder = open_recorder(
             run_dir, rank, world_size, enabled=_enabled("MEGASCALE_FLIGHT_RECORDER")

@@ -38,7 +38,7 @@ of a step are therefore shifted early by that lag, while their durations are exa
 (data loading, the step itself, checkpoint, the blocked intervals of comm calls) use the host clock
 everywhere. On a GPU a NCCL call returns to the host at once, so host-side timing of comm calls says
 nothing: a collective's segment there is its run on the device, from the flight recorder's timing
-events recorded on the stream before and after it (``flight_watcher.DeviceSpan``), placed on the
+events recorded on the stream before and after it (``flight.watcher.DeviceSpan``), placed on the
 host clock at the time the recorder's watcher first saw its start event complete, with the
 duration the events measured (exact; the placement is late by at most the watcher's polling
 interval). So TP collectives inside a layer show as segments of their own within forward/backward;

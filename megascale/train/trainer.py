@@ -210,7 +210,7 @@ class Trainer:
 def _blocked_seconds():
     """How long this process has been blocked in communication so far, as a callable: the flight
     recorder's count when one is installed (training installs it), else None."""
-    from megascale.probes.flight_recorder import installed_recorder
+    from megascale.probes.flight.recorder import installed_recorder
 
     recorder = installed_recorder()
     return None if recorder is None else (lambda: recorder.blocked_s)

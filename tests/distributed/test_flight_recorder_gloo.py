@@ -26,8 +26,8 @@ from megascale.config import load, validate
 from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
 from megascale.probes import inject
-from megascale.probes.flight_culprits import stall_culprits, stall_suspects
-from megascale.probes.flight_format import (
+from megascale.probes.flight.culprits import stall_culprits, stall_suspects
+from megascale.probes.flight.format import (
     DeviceState,
     OpKind,
     OpState,
@@ -36,7 +36,7 @@ from megascale.probes.flight_format import (
     last_state,
     read_flight,
 )
-from megascale.probes.flight_recorder import open_recorder
+from megascale.probes.flight.recorder import open_recorder
 from megascale.probes.progress import progress_path, read_progress
 from megascale.train.run import run_rank
 

@@ -20,8 +20,8 @@ from megascale.launcher.local import run_local
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.probes.comm_timer import FlightComm
-from megascale.probes.flight_format import flight_path, read_records
-from megascale.probes.flight_recorder import FlightRecorder
+from megascale.probes.flight.format import flight_path, read_records
+from megascale.probes.flight.recorder import FlightRecorder
 from megascale.probes.inject import ENV
 from megascale.probes.timeline_segments import comm_segments
 from megascale.probes.timers import build_timeline, rank_file

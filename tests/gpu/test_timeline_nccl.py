@@ -10,7 +10,7 @@ import pytest
 from gpu_jobs import small_job
 
 from megascale.launcher.local import run_local
-from megascale.probes.flight_format import flight_path, read_records
+from megascale.probes.flight.format import flight_path, read_records
 from megascale.probes.timers import rank_file
 from megascale.train.run import run_rank
 

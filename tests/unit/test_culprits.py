@@ -5,8 +5,8 @@ Layout used: TP {0,1},{2,3}; DP {0,2},{1,3} (dp, pp, tp) = (rank // 2 ... ) as i
 
 from __future__ import annotations
 
-from megascale.probes.flight_culprits import stall_culprits, stall_suspects
-from megascale.probes.flight_format import (
+from megascale.probes.flight.culprits import stall_culprits, stall_suspects
+from megascale.probes.flight.format import (
     DeviceState,
     GroupInfo,
     OpKind,

@@ -12,8 +12,8 @@ import struct
 
 import pytest
 
-from megascale.probes.flight_culprits import stall_suspects
-from megascale.probes.flight_format import (
+from megascale.probes.flight.culprits import stall_suspects
+from megascale.probes.flight.format import (
     ASYNC,
     HEADER,
     FlightFileError,
@@ -28,7 +28,7 @@ from megascale.probes.flight_format import (
     read_records,
     runs_of,
 )
-from megascale.probes.flight_recorder import FlightRecorder, NullFlightRecorder
+from megascale.probes.flight.recorder import FlightRecorder, NullFlightRecorder
 from megascale.probes.progress import (
     NullProgressFile,
     ProgressFile,
@@ -362,7 +362,7 @@ def test_worker_signals_disabled_by_environment(tmp_path, monkeypatch):
 
 def test_a_recorder_of_the_hosts_view_follows_no_op_to_completion():
     """``follow_device=False``: records keep their host times; nothing is polled."""
-    from megascale.probes.flight_format import DeviceState, OpKind
+    from megascale.probes.flight.format import DeviceState, OpKind
 
     class Pending:  # a handle that never completes: a followed op would be polled for ever
         def is_completed(self):

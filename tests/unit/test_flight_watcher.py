@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megascale.parallel.async_comm import CommOp
-from megascale.probes.flight_format import DeviceState, OpKind, flight_path, read_records
-from megascale.probes.flight_recorder import FlightRecorder
-from megascale.probes.flight_watcher import (
+from megascale.probes.flight.format import DeviceState, OpKind, flight_path, read_records
+from megascale.probes.flight.recorder import FlightRecorder
+from megascale.probes.flight.watcher import (
     MAX_INTERVAL_S,
     MIN_INTERVAL_S,
     Backoff,
@@ -212,7 +212,7 @@ class FakeEvent:
 def test_device_span_is_polled_into_start_and_exact_duration_and_its_events_reused(monkeypatch):
     from types import SimpleNamespace
 
-    from megascale.probes import flight_watcher
+    from megascale.probes.flight import watcher as flight_watcher
 
     now = [100.0]  # the watcher's clock, moved by the test
     monkeypatch.setattr(flight_watcher, "time", SimpleNamespace(monotonic=lambda: now[0]))
@@ -238,7 +238,7 @@ def test_device_span_is_polled_into_start_and_exact_duration_and_its_events_reus
 def test_device_span_seen_started_and_done_in_one_poll_is_placed_back(monkeypatch):
     from types import SimpleNamespace
 
-    from megascale.probes import flight_watcher
+    from megascale.probes.flight import watcher as flight_watcher
 
     monkeypatch.setattr(flight_watcher, "time", SimpleNamespace(monotonic=lambda: 7.0))
     writes: list[tuple] = []

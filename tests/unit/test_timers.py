@@ -11,7 +11,7 @@ import pytest
 from megascale.messages import Event
 from megascale.probes import timers
 from megascale.probes.comm_timer import FlightComm
-from megascale.probes.flight_format import OpKind
+from megascale.probes.flight.format import OpKind
 from megascale.probes.timeline_segments import (
     CATEGORIES,
     MEGATRON_SEGMENTS,
@@ -300,7 +300,7 @@ def test_chrome_trace_names_ranks_and_threads(tmp_path):
 
 
 def _memory_recorder(capacity: int = 64):
-    from megascale.probes.flight_recorder import FlightRecorder
+    from megascale.probes.flight.recorder import FlightRecorder
 
     return FlightRecorder(None, rank=0, world_size=2, capacity=capacity)
 
@@ -312,7 +312,7 @@ def test_flight_recorder_wrappers_give_sync_async_coalesced_and_batched_records(
 
     import torch.distributed as dist
 
-    from megascale.probes.flight_hooks import _OpWrapper
+    from megascale.probes.flight.hooks import _OpWrapper
 
     recorder = _memory_recorder()
     channel = recorder.add_group(7, (0, 1), "g")
@@ -381,7 +381,7 @@ def test_timeline_installs_an_in_memory_recorder_only_where_none_is(tmp_path):
     import torch.distributed as dist
 
     from megascale.probes.comm_timer import timeline_comm
-    from megascale.probes.flight_recorder import installed_recorder
+    from megascale.probes.flight.recorder import installed_recorder
 
     original = dist.all_reduce
     own = timeline_comm()  # no recorder installed: its own, in memory
@@ -398,8 +398,8 @@ def test_timeline_installs_an_in_memory_recorder_only_where_none_is(tmp_path):
 
 
 def test_flight_records_decode_to_timeline_records(tmp_path):
-    from megascale.probes.flight_format import ASYNC, COALESCED, P2P, OpKind, OpState
-    from megascale.probes.flight_recorder import FlightRecorder
+    from megascale.probes.flight.format import ASYNC, COALESCED, P2P, OpKind, OpState
+    from megascale.probes.flight.recorder import FlightRecorder
 
     recorder = FlightRecorder(tmp_path / "f.bin", rank=0, world_size=2, capacity=4)
     assert recorder.path.exists()  # the same records in a file as in memory

@@ -1,6 +1,6 @@
 """The stall analysis over the ranks' flight files: which ranks hold up a stall, and why.
 
-``stall_culprits`` builds a wait-for graph from each rank's ``RankState`` (``flight_format``'s
+``stall_culprits`` builds a wait-for graph from each rank's ``RankState`` (``flight.format``'s
 reader, or its JSON as the agents' heartbeats carry it) and names the ranks it ends in;
 ``stall_suspects`` is the set of their ranks. No torch: the controller runs it.
 """
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from megascale.probes.flight_format import P2P, OpRecord, RankState
+from megascale.probes.flight.format import P2P, OpRecord, RankState
 
 
 @dataclass(frozen=True)

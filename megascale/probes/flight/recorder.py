@@ -2,7 +2,7 @@
 ring in a memory-mapped file that the node agent reads without the worker's cooperation.
 
 The file's byte layout, the reader (``last_state``, ``read_records``) and the stall analysis
-(``stall_suspects``) are in ``megascale.probes.flight_format`` and ``flight_culprits``, which do
+(``stall_suspects``) are in ``megascale.probes.flight.format`` and ``flight.culprits``, which do
 not import torch.
 
 ``FlightRecorder(path, rank, world).install()`` wraps torch.distributed's collective and p2p
@@ -12,7 +12,7 @@ megatron-core's import-time aliases (``megascale.parallel.comm_hooks``). Per op 
 record when the op is entered, and updates its state in place when the op returns (synchronous
 ops) or when its handle's ``wait()`` is called and returns (asynchronous ones): a few
 ``struct.pack_into`` calls into the mmap, no syscall, no fsync. The wrappers themselves are in
-``megascale.probes.flight_hooks``. An op re-entered through ``handle_torch_function`` (the CPU
+``megascale.probes.flight.hooks``. An op re-entered through ``handle_torch_function`` (the CPU
 backend's TorchFunctionMode) or called by another c10d function is counted once, by the outermost
 call. Ops issued inside megatron-core's ``_coalescing_manager``
 (a DP bucket group) are one record of ``count`` ops; each op of a ``batch_isend_irecv`` is its own
@@ -25,7 +25,7 @@ running it and a hang shows up at the next host synchronisation. The device's vi
 timing events taken from a pool (``start_event``): one recorded on the current stream before the
 op and one after a synchronous op (an asynchronous op's NCCL ``Work`` stands for the one after);
 the watcher polls them, so the record gets the op's device start and completion, with the duration
-the events measured (``flight_watcher.DeviceSpan``). Ops inside a coalescing block and the ops of a
+the events measured (``flight.watcher.DeviceSpan``). Ops inside a coalescing block and the ops of a
 ``batch_isend_irecv`` get no start event (their completion only, as before).
 
 The timeline (``megascale.probes.timers``) reads its communication segments from these
@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megascale.parallel.comm_hooks import CommWrapper, Patches
-from megascale.probes.flight_format import (
+from megascale.probes.flight.format import (
     GROUP_HEAD,
     HEADER,
     MAGIC,
@@ -76,14 +76,14 @@ from megascale.probes.flight_format import (
     proc_stat,
     runs_of,
 )
-from megascale.probes.flight_hooks import (
+from megascale.probes.flight.hooks import (
     CallState,
     _OpWrapper,
     batch_wrapper,
     coalescing_wrapper,
     op_wrappers,
 )
-from megascale.probes.flight_watcher import CompletionWatcher, DeviceSpan, EventPool
+from megascale.probes.flight.watcher import CompletionWatcher, DeviceSpan, EventPool
 
 logger = logging.getLogger(__name__)
 
@@ -500,7 +500,7 @@ class FlightRecorder:
             _U64.pack_into(self._mm, OFF_GROUPS_USED, self._groups_used)
         return Channel(gid, offset)
 
-    # -- batch and coalescing wrappers (``flight_hooks``) ----------------------------------------
+    # -- batch and coalescing wrappers (``flight.hooks``) ----------------------------------------
 
     def _batch(self, original: Callable) -> Callable:
         return batch_wrapper(self, original)

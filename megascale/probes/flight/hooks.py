@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from megascale.parallel.comm_hooks import CommWrapper, Reentry, comm_thread_flag
-from megascale.probes.flight_format import ASYNC, BATCH, COALESCED, NO_PEER, P2P, OpKind, OpState
+from megascale.probes.flight.format import ASYNC, BATCH, COALESCED, NO_PEER, P2P, OpKind, OpState
 
 if TYPE_CHECKING:
-    from megascale.probes.flight_recorder import Channel, FlightRecorder
+    from megascale.probes.flight.recorder import Channel, FlightRecorder
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 # Hot-path constants bound once (an enum member or module attribute read costs as much as the

@@ -1,8 +1,8 @@
 """The flight-recorder file: its byte layout and the reader.
 
 No torch here: the node agent and the controller import this module; only the worker imports the
-writer (``megascale.probes.flight_recorder``). The stall analysis over what it reads is in
-``megascale.probes.flight_culprits``.
+writer (``megascale.probes.flight.recorder``). The stall analysis over what it reads is in
+``megascale.probes.flight.culprits``.
 
 Each rank keeps ``RUN_DIR/flight/rank_NNNNN.bin`` (``flight_path``), a memory-mapped file of fixed
 layout, so an outside process reads it with no cooperation from the worker: while it runs, while it

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from megascale.probes.flight_format import DeviceState
+from megascale.probes.flight.format import DeviceState
 
 MIN_INTERVAL_S = 0.001  # polling interval after a change or a new op
 MAX_INTERVAL_S = 0.02  # polling interval once nothing has changed for a while (worst-case lag)
