@@ -39,7 +39,6 @@ from typing import Any
 
 from megascale.agent.service import TERMINAL_STATES, AgentOptions
 from megascale.etcd.store import (
-    _RETRYABLE_CODES,
     KeyValue,
     Lease,
     LeaseNotFound,
@@ -49,11 +48,11 @@ from megascale.etcd.store import (
     StoreError,
     StoreUnavailable,
     WatchEvent,
-    _b64,
-    _prefix_end,
-    _split_endpoint,
     encode,
 )
+from megascale.etcd.store.client import _RETRYABLE_CODES
+from megascale.etcd.store.config import _split_endpoint
+from megascale.etcd.store.values import _b64, _prefix_end
 from megascale.messages import Command, ControllerStatus, GenerationRecord, decoded
 from megascale.tools.sim.agents import SimAgent
 

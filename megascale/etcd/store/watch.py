@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 from queue import Empty, Queue
 from typing import TYPE_CHECKING, Any
 
-from megascale.etcd.store_config import LeaseNotFound, StoreError, _is_auth_error
-from megascale.etcd.store_values import KeyValue, Lease, WatchEvent, _b64
+from megascale.etcd.store.config import LeaseNotFound, StoreError, _is_auth_error
+from megascale.etcd.store.values import KeyValue, Lease, WatchEvent, _b64
 
 if TYPE_CHECKING:
     from megascale.etcd.store import Store

@@ -10,8 +10,8 @@ Agents, the controller and the event log talk to etcd only through ``Store``::
         for event in watch:                           # WatchEvent(kind, key, value, revision)
             ...
 
-Its configuration and errors are in ``store_config``, the values it takes and returns (KeyValue,
-txn ops, Lease) in ``store_values``, its watch and keep-alive threads in ``store_watch``.
+Its configuration and errors are in ``store.config``, the values it takes and returns (KeyValue,
+txn ops, Lease) in ``store.values``, its watch and keep-alive threads in ``store.watch``.
 
 Why the JSON gateway over HTTP (``/v3/kv/*``, ``/v3/lease/*``, ``/v3/watch``) and not ``aetcd``
 (gRPC, asyncio): it is at least as fast here -- 2,000 leased puts, the two clients alternating on
@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megascale.etcd.store_config import (
+from megascale.etcd.store.config import (
     LeaseNotFound,
     StoreConfig,
     StoreError,
@@ -65,8 +65,8 @@ from megascale.etcd.store_config import (
     _is_auth_error,
     _split_endpoint,
 )
-from megascale.etcd.store_values import TXN_MAX_OPS as TXN_MAX_OPS  # re-exported
-from megascale.etcd.store_values import (
+from megascale.etcd.store.values import TXN_MAX_OPS as TXN_MAX_OPS  # re-exported
+from megascale.etcd.store.values import (
     Compare,
     Delete,
     Get,
@@ -85,8 +85,8 @@ from megascale.etcd.store_values import (
     missing,
     value_is,
 )
-from megascale.etcd.store_values import created_at as created_at  # re-exported
-from megascale.etcd.store_watch import KeepAlive, Watch
+from megascale.etcd.store.values import created_at as created_at  # re-exported
+from megascale.etcd.store.watch import KeepAlive, Watch
 
 logger = logging.getLogger(__name__)
 
