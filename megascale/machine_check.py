@@ -7,7 +7,7 @@ package that is not installed; a model that does not fit in memory (``estimate_r
 compared with ``/proc/meminfo`` on CPU and with the GPU's memory from NVML on CUDA: the parent
 never initialises CUDA, since the ranks it forks could not use it).
 
-``config_validate.validate`` holds the machine-independent rules (a config can be validated away
+``config.rules.validate`` holds the machine-independent rules (a config can be validated away
 from where it runs, e.g. in the Kubernetes operator); these run where the job starts.
 """
 

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from megascale.config_validate import batch_split_problem
+from megascale.config.rules import batch_split_problem
 from megascale.controller.policy import ControllerPolicy
 
 

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from megascale.config import FaultToleranceConfig
-from megascale.config_validate import NODE_LOSS_POLICIES, STRAGGLER_ACTIONS, straggler_problems
+from megascale.config.rules import NODE_LOSS_POLICIES, STRAGGLER_ACTIONS, straggler_problems
 
 _FT = FaultToleranceConfig()  # the defaults, shown in --help
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megascale.config import FaultToleranceConfig
-from megascale.config_validate import fault_tolerance_problems
+from megascale.config.rules import fault_tolerance_problems
 from megascale.parallel.layout import Layout
 
 

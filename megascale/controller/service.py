@@ -51,7 +51,7 @@ from queue import Empty, Queue
 from typing import Any
 
 from megascale.config import FaultToleranceConfig
-from megascale.config_validate import STRAGGLER_ACTIONS
+from megascale.config.rules import STRAGGLER_ACTIONS
 from megascale.controller.effective import EffectiveTime
 from megascale.controller.election import Election
 from megascale.controller.events import EventLog

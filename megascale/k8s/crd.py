@@ -37,7 +37,7 @@ from typing import Any
 import yaml
 
 from megascale.config import FaultToleranceConfig
-from megascale.config_validate import NODE_LOSS_POLICIES, STRAGGLER_ACTIONS
+from megascale.config.rules import NODE_LOSS_POLICIES, STRAGGLER_ACTIONS
 from megascale.k8s.crd_status import (  # noqa: F401  (status_schema, PRINTER_COLUMNS re-exported)
     PHASES,
     PRINTER_COLUMNS,

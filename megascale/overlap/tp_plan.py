@@ -82,7 +82,7 @@ def plan_tp_overlap(
     ``te_version``: the installed Transformer Engine's version (TE spec only; None: unknown, refused
     when TE's overlap would be needed). ``gpus_per_node``: ranks per node (None: not checked).
     Raises ConfigError for a TE combination that cannot work; never on the local spec (its rules
-    are ``config_validate``'s).
+    are ``config.rules``'s).
     """
     p, m, o = job.parallel, job.model, job.overlap
     if not o.tp:

@@ -435,7 +435,7 @@ def _check_recorded(results: list[dict]) -> None:
 
 
 def _train_job(nprocs: int, *overrides: str):
-    from megascale import config
+    from megascale.config import loader as config
 
     job = config.load(
         "tiny", ["train.steps=2", "optim.warmup_steps=1", "train.log_interval=100", *overrides]

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from fsspec.implementations.local import LocalFileSystem
 
-from megascale.config_error import ConfigError
+from megascale.config.error import ConfigError
 
 if TYPE_CHECKING:
     from megascale.config import CheckpointConfig

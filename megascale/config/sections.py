@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megascale.config_compat import mirror_deprecated
+from megascale.config.compat import mirror_deprecated
 
 
 @dataclass

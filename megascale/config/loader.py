@@ -1,7 +1,7 @@
 """JobConfig: one small dataclass per subsystem, TOML presets, ``--set`` overrides.
 
 Precedence, highest first: ``--set section.key=value`` overrides > the TOML file > the defaults (the
-section dataclasses, ``megascale.config_sections``; every one of them is importable from here too).
+section dataclasses, ``megascale.config.sections``; every one of them is importable from here too).
 
 ``load`` reads and type-checks (every value against its field's annotation; unknown sections and keys
 are refused with a "did you mean"); ``validate`` checks the cross-field rules that need the world
@@ -29,16 +29,16 @@ from typing import Any
 
 import tomli_w
 
-from megascale.config_compat import (
+from megascale.config.compat import (
     DEPRECATED_KEYS,
     mirror_deprecated,  # noqa: F401 (kept importable from here)
     move_deprecated,
 )
-from megascale.config_error import ConfigError
+from megascale.config.error import ConfigError
 
 # ``megascale.config`` is the import path users script against: every name it has held stays
 # importable from it, the section classes included.
-from megascale.config_sections import (  # noqa: F401
+from megascale.config.sections import (  # noqa: F401
     CheckpointConfig,
     DataConfig,
     DiagnosticsConfig,
@@ -54,7 +54,7 @@ from megascale.config_sections import (  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The TOML presets: ``configs/`` at the repository root, next to the package directory."""
 
 DEFAULT_PRESET = "tiny"
@@ -177,9 +177,9 @@ def to_toml(cfg: JobConfig) -> str:
 def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
     """Check the rules that need the world size and backend; return a copy with parallel.dp set.
 
-    The rules live in ``megascale/config_validate.py``; see ``config_validate.validate``.
+    The rules live in ``megascale/config/rules.py``; see ``config.rules.validate``.
     """
-    from megascale.config_validate import validate as _validate  # torch, fsspec: loaded on use
+    from megascale.config.rules import validate as _validate  # torch, fsspec: loaded on use
 
     check_types(cfg)
     return _validate(cfg, world_size, backend)

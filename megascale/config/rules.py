@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megascale.config_error import ConfigError
+from megascale.config.error import ConfigError
 
 if TYPE_CHECKING:
     from megascale.config import FaultToleranceConfig, JobConfig
