@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale.controller.neighbours import NeighbourResult, NeighbourTest, judge
-from megascale.messages_job import NeighbourEntry
+from megascale.messages.job import NeighbourEntry
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from megascale.controller.neighbours import NeighbourTest
 from megascale.etcd.keys import make_command
 
 if TYPE_CHECKING:
-    from megascale.messages_job import Command
+    from megascale.messages.job import Command
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from megascale.messages import DurableCheckpoint, JobSummaryRecord
-from megascale.messages_job import EffectiveFigures
+from megascale.messages.job import EffectiveFigures
 
 if TYPE_CHECKING:
     from megascale.controller.effective import EffectiveTime

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from megascale.controller.actions import Fault
 from megascale.controller.states import State
-from megascale.messages_job import ControllerState, FaultRecord
+from megascale.messages.job import ControllerState, FaultRecord
 
 if TYPE_CHECKING:
     from megascale.controller.fsm import ControllerFSM

@@ -56,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megascale.messages_job import COMMAND_KINDS, Command, NeighbourEntry, RankAssignment
+from megascale.messages.job import COMMAND_KINDS, Command, NeighbourEntry, RankAssignment
 
 ROOT = "/megascale"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -26,7 +26,7 @@ from typing import Any
 
 from megascale.controller.events import Event, read_events
 from megascale.messages import FinalOutcome, read_metrics
-from megascale.messages_job import FatalError, FaultTiming
+from megascale.messages.job import FatalError, FaultTiming
 from megascale.probes import inject
 
 logger = logging.getLogger(__name__)

@@ -104,7 +104,7 @@ def test_a_metrics_line_names_val_loss_and_a_stall_only_on_their_steps():
 
 
 def _job_messages() -> list:
-    from megascale.messages_job import EffectiveFigures, FatalError, FaultRecord, FaultTiming
+    from megascale.messages.job import EffectiveFigures, FatalError, FaultRecord, FaultTiming
 
     return [
         make_command(

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any, ClassVar
 
-from megascale.messages_node import DurableCheckpoint, Message, declare
+from megascale.messages.node import DurableCheckpoint, Message, declare
 
 COMMAND_KINDS = ("stop", "selfcheck", "start")
 

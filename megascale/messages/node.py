@@ -1,6 +1,6 @@
 """The message rules (``Message``, ``declare``, ``decoded``) and what a node writes: its ranks'
 progress, the agent's heartbeat and acks, rank 0's metrics line. ``megascale.messages`` re-exports
-them with the job-level messages (``messages_job``); producers and consumers import them from there.
+them with the job-level messages (``messages.job``); producers and consumers import them from there.
 
 ==================  ===========================================  =================================
 message             producer -> consumers                        where it travels
@@ -12,7 +12,7 @@ message             producer -> consumers                        where it travel
 ==================  ===========================================  =================================
 
 The job-level messages (commands, the controller's ``state``/``status``/``summary``/``generation``
-/``blocklist`` values, events, ``final.json``) are in ``megascale.messages_job``.
+/``blocklist`` values, events, ``final.json``) are in ``megascale.messages.job``.
 
 Each is a slotted dataclass: producing a field it does not declare is a ``TypeError`` and reading
 one an ``AttributeError``, wherever it happens. ``encode()`` gives the JSON-ready dict, headed by

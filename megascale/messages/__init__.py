@@ -1,17 +1,17 @@
 """Every message that crosses a process boundary, defined once: producer and consumers import it
 from here.
 
-* ``messages_node``: the rules every message follows (``Message``: declared fields, a ``schema``
+* ``node``: the rules every message follows (``Message``: declared fields, a ``schema``
   version, one decoder) and what a node writes: ``RankProgress``, ``Heartbeat``, ``Ack``,
   ``StepMetrics``.
-* ``messages_job``: the job-level messages: ``Command``, the controller's ``ControllerStatus``,
+* ``job``: the job-level messages: ``Command``, the controller's ``ControllerStatus``,
   ``GenerationRecord``, ``BlockedNode``, ``ControllerState``, ``JobSummaryRecord``, ``Event`` and
   the launcher's ``FinalOutcome``.
 """
 
 from __future__ import annotations
 
-from megascale.messages_job import (
+from megascale.messages.job import (
     BlockedNode,
     Command,
     ControllerState,
@@ -21,7 +21,7 @@ from megascale.messages_job import (
     GenerationRecord,
     JobSummaryRecord,
 )
-from megascale.messages_node import (
+from megascale.messages.node import (
     COMM_GROUPS,
     SCHEMA,
     SCHEMA_KEY,
