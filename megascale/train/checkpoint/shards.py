@@ -114,19 +114,33 @@ def complement(shape: tuple[int, ...], boxes: list[tuple[tuple, tuple]]) -> Iter
 def to_dcp(entries: list[Entry], rank: int, world: int) -> dict[str, ShardedTensor]:
     """Entries as torch ShardedTensors (this rank's pieces as its local shards); built without
     communication. The rest of each tensor is described as held elsewhere, as torch requires a
-    covering metadata; DCP writes and reads only the local shards."""
-    other = f"rank:{(rank + 1) % world}/cpu"
+    covering metadata; DCP writes and reads only the local shards.
+
+    Each local shard is described as torch will find its tensor, or torch refuses it: placed on
+    the piece's own device (``rank:{rank}/cuda:0`` for live GPU tensors, a synchronous save or a
+    load; ``rank:{rank}/cpu`` for host copies), and pinned where the pieces are (the asynchronous
+    save's host snapshot of GPU state). Raises ``LayoutError`` for an entry whose pieces differ in
+    pinning (one ``TensorProperties`` describes them all)."""
+    other = f"rank:{(rank + 1) % world}/cpu"  # metadata only: DCP never reads remote placements
     out = {}
     for entry in entries:
         shards, metas = [], []
         for offset, tensor in entry.pieces:
-            meta = ShardMetadata(list(offset), list(tensor.shape), f"rank:{rank}/cpu")
+            meta = ShardMetadata(list(offset), list(tensor.shape), f"rank:{rank}/{tensor.device}")
             shards.append(Shard(tensor, meta))
             metas.append(meta)
+        pinned = {tensor.is_pinned() for _, tensor in entry.pieces}
+        if len(pinned) > 1:
+            raise LayoutError(
+                f"checkpoint entry {entry.key!r}: some of its pieces are in pinned memory and "
+                "some are not; all or none must be"
+            )
         boxes = [(tuple(m.shard_offsets), tuple(m.shard_sizes)) for m in metas]
         for off, size in complement(entry.global_shape, boxes):
             metas.append(ShardMetadata(list(off), list(size), other))
-        properties = TensorProperties(dtype=entry.dtype, layout=torch.strided)
+        properties = TensorProperties(
+            dtype=entry.dtype, layout=torch.strided, pin_memory=pinned == {True}
+        )
         metadata = ShardedTensorMetadata(metas, torch.Size(entry.global_shape), properties)
         out[entry.key] = ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, sharded_tensor_metadata=metadata
@@ -266,11 +280,25 @@ def _main_param_pairs(inner) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield from ((p, p) for p in group["params"])
 
 
+def _inner_optimizers(trainer: Trainer) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers under megatron-core's wrapper (one per chained optimizer)."""
+    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        yield inner.optimizer
+
+
+# Where the step count lives depends on the optimizer: torch's Adam/AdamW and megascale's LAMB keep
+# it per parameter (``state[p]["step"]``, a tensor); Transformer Engine's FusedAdam (what
+# megatron-core builds when TE imports) and apex's keep it per group only (``group["step"]``, an
+# int, created by the first step and never written per parameter). Each reads its own place and
+# ignores the other, so the functions below write both and read the larger: the place the
+# optimizer advances is ahead of the one it never touches.
+
+
 def ensure_optimizer_state(trainer: Trainer) -> None:
     """Allocate the optimizer's state where no step has made it yet, as the first step would
-    (zero moments, step 0), so that a save or load has tensors to copy from or into."""
-    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
-        opt = inner.optimizer
+    (zero moments, step 0), so that a save or load has tensors to copy from or into. The group's
+    count is left as it is: an optimizer that counts per group creates it at its first step."""
+    for opt in _inner_optimizers(trainer):
         for group in opt.param_groups:
             for p in group["params"]:
                 state = opt.state[p]
@@ -282,20 +310,26 @@ def ensure_optimizer_state(trainer: Trainer) -> None:
 
 
 def optimizer_step_count(trainer: Trainer) -> float:
-    """The optimizer's step count (every parameter has taken the same steps); 0 before any."""
-    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
-        for state in inner.optimizer.state.values():
-            if "step" in state:
-                return float(state["step"])
-    return 0.0
+    """The optimizer's step count (every parameter has taken the same steps); 0 before any. The
+    larger of the per-parameter and the per-group counts (see above), so an optimizer that counts
+    per group is read right although ``ensure_optimizer_state`` planted per-parameter zeros."""
+    count = 0.0
+    for opt in _inner_optimizers(trainer):
+        for group in opt.param_groups:
+            if group["params"] and "step" in group:  # TE does not count for an empty group
+                count = max(count, float(group["step"]))
+            for p in group["params"]:
+                if "step" in opt.state.get(p, {}):
+                    count = max(count, float(opt.state[p]["step"]))
+    return count
 
 
 def set_optimizer_step_count(trainer: Trainer, step: float) -> None:
-    """Every parameter's step count, as separate tensors (torch's AdamW increments in place)."""
-    for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
-        opt = inner.optimizer
+    """Set the step count in both places (see above), a fresh group's included: every group's
+    ``step`` (an int), and every parameter's as separate tensors (torch's AdamW increments in
+    place). Call after ``ensure_optimizer_state``, before the next step."""
+    for opt in _inner_optimizers(trainer):
         for group in opt.param_groups:
-            if "step" in group:
-                group["step"] = int(step)
+            group["step"] = int(step)
             for p in group["params"]:
                 opt.state[p]["step"] = torch.tensor(step, dtype=torch.float32)
