@@ -18,6 +18,7 @@ from megascale.probes.flight.watcher import (
     MAX_INTERVAL_S,
     MIN_INTERVAL_S,
     Backoff,
+    CompletionWatcher,
     DeviceSpan,
     EventPool,
     Poller,
@@ -295,3 +296,54 @@ def test_on_cuda_a_synchronous_op_is_followed_from_its_start_event_to_its_done_e
     recorder.close()
     recorder._watcher.thread.join(timeout=60)
     assert not recorder._watcher.thread.is_alive()  # closing the recorder ends its watcher
+
+
+class _DeviceLog:
+    """Stands in for ``torch.cuda.set_device``: which thread made which device current, and when
+    relative to the trackers' queries (a new thread starts on GPU 0, whatever its process uses)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def set_device(self, device) -> None:
+        self.calls.append((threading.current_thread().name, device))
+
+
+class _LoggedTracker(Tracker):
+    def __init__(self, log: _DeviceLog) -> None:
+        super().__init__()
+        self.log = log
+
+    def is_completed(self) -> bool:
+        self.log.calls.append((threading.current_thread().name, "query"))
+        return super().is_completed()
+
+
+@pytest.mark.parametrize("device", [3, None], ids=["cuda:3", "no device"])
+def test_the_polling_thread_makes_its_device_current_before_its_first_query(monkeypatch, device):
+    log = _DeviceLog()
+    monkeypatch.setattr(torch.cuda, "set_device", log.set_device)
+    watcher = CompletionWatcher(lambda *args, **kwargs: None, notify=False, device=device)
+    tracker = _LoggedTracker(log)
+    tracker.completed = 1.0
+    watcher.add(0, tracker, queued=False)
+    while watcher._poller.in_flight():
+        threading.Event().wait(0.001)
+    watcher.stop()
+    watcher.thread.join(timeout=60)
+    first_query = log.calls.index(("flight-watcher", "query"))
+    expected = [] if device is None else [("flight-watcher", device)]
+    assert log.calls[:first_query] == expected  # on the watcher's own thread, before it queries
+
+
+def test_on_cuda_the_recorder_gives_its_watcher_this_ranks_gpu(tmp_path, monkeypatch):
+    """``install`` runs before ``init_distributed`` makes LOCAL_RANK's GPU current, so the
+    recorder names that GPU to its watcher rather than reading the current one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    recorder, _channel = _recorder(tmp_path)
+    recorder.install()
+    try:
+        assert recorder._watcher.device == 5 and recorder._watcher.notify is False
+    finally:
+        recorder.close()

@@ -232,13 +232,17 @@ class FlightRecorder:
     # -- what the trainer calls ----------------------------------------------------------------
 
     def install(self) -> FlightRecorder:
-        """Start recording this process's communication (patches torch.distributed)."""
+        """Start recording this process's communication (patches torch.distributed); once."""
         wrappers = op_wrappers(self)
         self.active = True
         from megascale.parallel import cpu_backend
 
         self._cuda = torch.cuda.is_available() and not cpu_backend.is_active()
-        self._watcher.notify = not self._cuda  # a NCCL Work's future completes before the kernel
+        if self._cuda:  # nothing is followed yet: the wrappers are installed below
+            # Not notified: a NCCL Work's future completes before the kernel. Polled on this rank's
+            # GPU, the one init_distributed makes current (LOCAL_RANK), which may not be yet.
+            device = int(os.environ.get("LOCAL_RANK", "0"))
+            self._watcher = CompletionWatcher(self.device, notify=False, device=device)
         self._patches.install(
             wrappers,
             in_c10d=[n for n in wrappers if getattr(distributed_c10d, n, None) is dist.__dict__[n]],

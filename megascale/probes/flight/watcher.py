@@ -222,12 +222,15 @@ class CompletionWatcher:
     """Follows tracked ops until they complete or fail, writing their state with ``write``.
 
     ``notify``: use completion callbacks where the tracker offers them (set it False on CUDA, where
-    a ``Work``'s future does not tell the device's completion). ``thread``: the polling thread,
-    once a polled op was added (None before); ``stop`` ends it (ops still followed then are left
-    in their last state)."""
+    a ``Work``'s future does not tell the device's completion). ``device``: the CUDA device
+    whose work is followed (this rank's GPU), made current on the polling thread before its
+    first query; None where no CUDA work is followed. A new thread starts on GPU 0, and querying an
+    event or a NCCL ``Work`` from there would create a CUDA context on GPU 0 for every rank of the
+    node (~500 MiB each on an H100). ``thread``: the polling thread, once a polled op was added
+    (None before); ``stop`` ends it (ops still followed then are left in their last state)."""
 
-    def __init__(self, write: Write, notify: bool = True) -> None:
-        self._write, self.notify = write, notify
+    def __init__(self, write: Write, notify: bool = True, device: int | None = None) -> None:
+        self._write, self.notify, self.device = write, notify, device
         self._poller = Poller(write)
         self._cv = threading.Condition(self._poller.lock)
         self.thread: threading.Thread | None = None
@@ -285,6 +288,10 @@ class CompletionWatcher:
         self._write(index, state, done=now)
 
     def _run(self) -> None:
+        if self.device is not None:  # before any CUDA call of this thread (see the class)
+            import torch
+
+            torch.cuda.set_device(self.device)
         poller = self._poller
         while True:
             with self._cv:
