@@ -176,7 +176,15 @@ class CommandRunner:
             thresholds=thresholds,
             neighbours=neighbours,
             tests=job.fault_tolerance.selfcheck_tests if job is not None else None,
+            env=self._device_env(),  # the GPUs the node's workers train on
         )
+
+    def _device_env(self) -> dict[str, str]:
+        """The node's GPUs as every process it starts sees them (its workers, its self-check):
+        ``CUDA_VISIBLE_DEVICES`` when ``visible_devices`` names them, else nothing (the agent's
+        own environment, the machine's GPUs)."""
+        devices = self.opts.visible_devices
+        return {"CUDA_VISIBLE_DEVICES": devices} if devices else {}
 
     def _job_config(self) -> Any:
         """The job's config (its ``diagnostics.selfcheck_thresholds`` file, relative to the run
@@ -203,11 +211,7 @@ class CommandRunner:
             "MEGASCALE_GENERATION": str(generation),
             RUN_DIR_ENV: str(self.opts.run_dir),
             inject.ENV: inject.to_env(self.opts.faults),
-            **(
-                {"CUDA_VISIBLE_DEVICES": self.opts.visible_devices}
-                if self.opts.visible_devices
-                else {}
-            ),
+            **self._device_env(),
         }
         ranks = list(assignment.ranks)
         self.pool.start(generation, ranks, env, self.opts.train_argv(), self.opts.worker_nice)

@@ -489,11 +489,15 @@ class WorkerPool:
         thresholds: str | None = None,
         neighbours: dict[str, Any] | None = None,
         tests: list[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> tuple[bool, str]:
         """Run the node self-check: the built-in one (``selfcheck_rank``) as ``nproc`` processes,
         with ``full`` the diagnostics one (``run_selfcheck_full``, held to the ``thresholds``
-        file when given, of the checks ``tests`` selects), and with ``neighbours`` (``run_selfcheck_neighbours``'s arguments but
-        ``out``) the neighbour all-reduces, all beside each other; (ok, detail)."""
+        file when given, of the checks ``tests`` selects), and with ``neighbours``
+        (``run_selfcheck_neighbours``'s arguments but ``out``) the neighbour all-reduces, all
+        beside each other; (ok, detail). ``env``: set in every check process on top of the
+        agent's environment; the node's ``CUDA_VISIBLE_DEVICES``, so that the check runs on the
+        GPUs the node's workers get (without it, on every GPU of the machine)."""
         port, out_dir = free_port(), self.run_dir / "selfcheck"
         out_dir.mkdir(parents=True, exist_ok=True)
         log = self.run_dir / "logs" / self.node / "selfcheck.out"
@@ -508,7 +512,7 @@ class WorkerPool:
         for i, (target, kwargs) in enumerate(jobs):
             out = out_dir / f"{self.node}_{i}.json"
             out.unlink(missing_ok=True)
-            pid = self._spawn(target, {**kwargs, "out": str(out)}, {}, log)
+            pid = self._spawn(target, {**kwargs, "out": str(out)}, dict(env or {}), log)
             with self._lock:
                 self._checks[pid] = self._unclaimed.pop(pid, None)
             outs[pid] = out
