@@ -52,7 +52,7 @@ from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.probes.flops import flops_per_token
 from megascale.probes.peak import run_peak
-from megascale.train.run import resolve_device, seed_everything
+from megascale.train.run import fp32_gemms_as_tf32, resolve_device, seed_everything
 from megascale.train.trainer import Trainer
 
 logger = logging.getLogger("megascale.benchmarks.model_blocks")
@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             results = measure(args, job, device, Path(tmp) / "data")
     finally:
         destroy_groups()
-    peak = run_peak(device, job.model.params_dtype, None) if device == "cuda" else None
+    tf32 = fp32_gemms_as_tf32(job, device)
+    peak = run_peak(device, job.model.params_dtype, None, tf32=tf32) if device == "cuda" else None
     print(report(args, job, device, results, peak.tflops if peak else None, notes))
     return 0
 

@@ -61,6 +61,17 @@ PEAK_TFLOPS: dict[str, float] = {
 sheets (the sparse figures are twice these). Never TF32 or sparse numbers. H100/H200 NVL parts
 (lower clocks) are deliberately absent: pass an explicit peak for them."""
 
+FP32_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 SXM": {"tf32": 494.7, "fp32": 67.0},
+    "H100 PCIe": {"tf32": 378.0, "fp32": 51.0},
+    "H200": {"tf32": 494.7, "fp32": 67.0},
+    "A100": {"tf32": 156.0, "fp32": 19.5},
+}
+"""Dense peaks in TFLOP/s of an fp32 model per GPU (keys of ``PEAK_TFLOPS``), from NVIDIA's data
+sheets: ``tf32`` where its GEMMs run on the tensor cores as TF32 (the sheets' sparse TF32 figure
+halved), ``fp32`` where they run as true FP32 on the CUDA cores. GPUs absent here have no fp32
+figure (pass an explicit peak)."""
+
 
 @dataclass(frozen=True)
 class FlopBreakdown:

@@ -1,10 +1,15 @@
 """The peak a run's MFU is measured against, and where it came from.
 
-``run_peak(device, dtype, override)`` is called once per rank at start, before the first step:
+``run_peak(device, dtype, override, tf32=...)`` is called once per rank at start, before the first
+step:
 
 * ``train.peak_tflops`` set: that value, on any device (``source = "train.peak_tflops"``).
-* CUDA: the dense bf16 peak of the GPU by its name (``flops.lookup_peak``); an unknown name gives
-  no peak (MFU is then not reported, with one warning).
+* CUDA: the GPU's dense peak for the model's dtype, by the GPU's name (``flops.lookup_peak``):
+  the bf16 tensor-core figure for bf16 and fp16 (equal on every GPU of the table); for fp32 the
+  TF32 tensor-core figure where fp32 GEMMs run as TF32 (``tf32``: Transformer Engine's always do,
+  torch's when ``torch.backends.cuda.matmul.allow_tf32`` is set), else the FP32 CUDA-core one
+  (``flops.FP32_PEAK_TFLOPS``). The source names which (``"gpu:H100 SXM dense tf32"``). An unknown
+  name, or no fp32 figure for the GPU, gives no peak (MFU is then not reported, with one warning).
 * CPU: a peak *measured* by a short square matmul benchmark in the model's dtype, on the threads
   this rank trains with (``measure_cpu_peak``: ~0.25 s). The result is cached per machine in
   ``$XDG_CACHE_HOME/megascale/cpu_peak.json`` (default ``~/.cache``), keyed by CPU model, torch
@@ -124,11 +129,12 @@ def cpu_peak(dtype: str, threads: int) -> float:
     return value
 
 
-def run_peak(device: str, dtype: str, override: float | None) -> Peak | None:
-    """The peak for this rank's MFU (rules in the module docstring); None when none is known."""
+def run_peak(device: str, dtype: str, override: float | None, *, tf32: bool = False) -> Peak | None:
+    """The peak for this rank's MFU (rules in the module docstring); None when none is known.
+    ``dtype``: the model's ``params_dtype``; ``tf32``: its fp32 GEMMs run as TF32 (CUDA only)."""
     import torch
 
-    from megascale.probes.flops import PEAK_TFLOPS, lookup_peak
+    from megascale.probes.flops import FP32_PEAK_TFLOPS, PEAK_TFLOPS, lookup_peak
 
     if override is not None:
         return Peak(float(override), "train.peak_tflops")
@@ -139,9 +145,21 @@ def run_peak(device: str, dtype: str, override: float | None) -> Peak | None:
         key, value = lookup_peak(name)
     except ValueError:
         logger.warning(
-            "no dense bf16 peak known for %r (known: %s); set train.peak_tflops for MFU",
+            "no dense %s peak known for %r (known: %s); set train.peak_tflops for MFU",
+            dtype,
             name,
             ", ".join(PEAK_TFLOPS),
         )
         return None
-    return Peak(value, f"gpu:{key} dense bf16")
+    if dtype != "fp32":
+        return Peak(value, f"gpu:{key} dense {dtype}")
+    kind = "tf32" if tf32 else "fp32"
+    if key not in FP32_PEAK_TFLOPS:
+        logger.warning(
+            "no dense %s peak known for %r (known for: %s); set train.peak_tflops for MFU",
+            kind,
+            name,
+            ", ".join(FP32_PEAK_TFLOPS),
+        )
+        return None
+    return Peak(FP32_PEAK_TFLOPS[key][kind], f"gpu:{key} dense {kind}")

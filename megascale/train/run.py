@@ -24,6 +24,7 @@ from megascale.data.indexed import bin_path, idx_path, tokenizer_copy_path
 from megascale.logs import setup_logging
 from megascale.machine_check import resolve_device
 from megascale.messages import CheckpointFigures, StepMetrics
+from megascale.model.gpt import use_te_spec
 from megascale.parallel import async_comm, cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.probes import inject
@@ -66,13 +67,27 @@ class Progress:
             self.stream.flush()
 
 
+def fp32_gemms_as_tf32(job: JobConfig, device: str) -> bool:
+    """Whether the job's fp32 GEMMs run as TF32 on the tensor cores, which sets its MFU peak:
+    Transformer Engine's always do (its spec on CUDA), torch's when
+    ``torch.backends.cuda.matmul.allow_tf32`` is set (off by default). False on CPU."""
+    if device != "cuda":
+        return False
+    try:
+        te = use_te_spec(job.model, device)
+    except ValueError:  # the TE spec without TE: the trainer refuses the job, on every rank
+        te = False
+    return te or torch.backends.cuda.matmul.allow_tf32
+
+
 def agreed_peak(job: JobConfig, device: str) -> Peak | None:
     """The MFU peak every rank uses: rank 0's (``probes.peak.run_peak``: measured once on
     CPU, cached per machine), broadcast so that all ranks report one MFU. Collective; before the
     first step, never on the step path."""
     found = [None]
     if torch.distributed.get_rank() == 0:
-        found[0] = run_peak(device, job.model.params_dtype, job.train.peak_tflops)
+        tf32 = fp32_gemms_as_tf32(job, device)
+        found[0] = run_peak(device, job.model.params_dtype, job.train.peak_tflops, tf32=tf32)
     torch.distributed.broadcast_object_list(found, src=0)
     return found[0]
 

@@ -73,3 +73,56 @@ def test_report_uses_the_cpu_peak_the_run_recorded(tmp_path):
     assert (value, note) == (0.2, "") and "measured:cpu fp32 (recorded by the run)" in name
     assert straggler._peak("cpu", 3.0, (0.2, "x"))[0] == 3.0  # an explicit peak still wins
     assert straggler._peak("NVIDIA A100", None, (0.2, "x"))[0] == flops.PEAK_TFLOPS["A100"]
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tf32", "expected"),
+    [
+        ("bf16", {}, peak.Peak(989.0, "gpu:H100 SXM dense bf16")),
+        ("fp16", {}, peak.Peak(989.0, "gpu:H100 SXM dense fp16")),
+        ("fp32", {}, peak.Peak(67.0, "gpu:H100 SXM dense fp32")),  # torch's default: no TF32
+        ("fp32", {"tf32": True}, peak.Peak(494.7, "gpu:H100 SXM dense tf32")),
+        ("fp32", {"tf32": False}, peak.Peak(67.0, "gpu:H100 SXM dense fp32")),
+        ("bf16", {"tf32": True}, peak.Peak(989.0, "gpu:H100 SXM dense bf16")),  # no fp32 GEMMs
+    ],
+    ids=["bf16", "fp16", "fp32", "fp32-tf32", "fp32-no-tf32", "bf16-tf32"],
+)
+def test_a_gpu_run_is_measured_against_the_peak_of_its_dtype(monkeypatch, dtype, tf32, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: H100)
+    assert peak.run_peak("cuda", dtype, None, **tf32) == expected
+
+
+def test_an_fp32_run_on_a_gpu_without_an_fp32_figure_reports_no_peak(monkeypatch, caplog):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA L40S")
+    assert peak.run_peak("cuda", "bf16", None) == peak.Peak(362.0, "gpu:L40S dense bf16")
+    assert peak.run_peak("cuda", "fp32", None) is None
+    assert "no dense fp32 peak known for 'NVIDIA L40S'" in caplog.text
+    assert "train.peak_tflops" in caplog.text
+
+
+def test_fp32_gemms_run_as_tf32_under_transformer_engine_or_when_torch_allows_it(monkeypatch):
+    import torch
+
+    from megascale.model import gpt
+    from megascale.train.run import fp32_gemms_as_tf32
+
+    local, te, auto = (load("tiny", [f"model.spec={spec}"]) for spec in ("local", "te", "auto"))
+    assert not fp32_gemms_as_tf32(local, "cpu")
+    assert not fp32_gemms_as_tf32(local, "cuda")  # torch's default: true fp32
+    assert not fp32_gemms_as_tf32(te, "cuda")  # no TE here: the trainer refuses the job
+    monkeypatch.setattr(gpt, "te_available", lambda: True)
+    assert fp32_gemms_as_tf32(te, "cuda") and fp32_gemms_as_tf32(auto, "cuda")
+    assert not fp32_gemms_as_tf32(auto, "cpu")
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # a property: monkeypatch cannot restore it
+    try:
+        assert fp32_gemms_as_tf32(local, "cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
