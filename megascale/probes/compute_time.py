@@ -21,7 +21,11 @@ Only spans between ``begin(step)`` and ``end()`` count (an evaluation's forward 
 clock reads (or two event records) and two counter reads per span.
 
 ``stretch`` (fault injection, ``slow-rank``/``slow-node``): each span's compute is made ``factor``
-times as long by sleeping inside it, as a slow machine's would be (host clock only).
+times as long by sleeping inside it, as a slow machine's would be: ``factor - 1`` times the span's
+compute so far, timed on the span's own clock (``elapsed_to_now_s``). On a GPU that waits for its
+work to finish (a synchronisation, in a stretched span only); the stream idles while the host
+sleeps, and the span's end event is recorded after the sleep, so the device's time of the span
+holds the slowdown as the host clock's does on CPU.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ class _HostEvents:
     def elapsed_s(self, start: Any, end: Any) -> float:
         return (end - start) / 1e9
 
+    def elapsed_to_now_s(self, start: Any) -> float:
+        return (time.monotonic_ns() - start) / 1e9
+
 
 class _CudaEvents:
     """Compute spans as CUDA events on the current stream; read without waiting."""
@@ -65,6 +72,12 @@ class _CudaEvents:
 
     def elapsed_s(self, start: Any, end: Any) -> float:
         return start.elapsed_time(end) / 1e3
+
+    def elapsed_to_now_s(self, start: Any) -> float:
+        """Device seconds from ``start`` to the work issued so far: waits for that work."""
+        now = self.now()
+        now.synchronize()
+        return self.elapsed_s(start, now)
 
 
 class _Timer:
@@ -171,7 +184,7 @@ class ComputeMeter:
         start, blocked_before = self._open
         self._open = None
         if self._factor > 1.0:  # injected slowness: sleep (factor - 1) x this span's compute
-            spent = (time.monotonic_ns() - start) / 1e9 if isinstance(start, int) else 0.0
+            spent = self._events.elapsed_to_now_s(start)
             time.sleep((self._factor - 1.0) * max(0.0, spent - self._blocked() + blocked_before))
         self._spans.append((start, self._events.now(), self._blocked() - blocked_before))
 

@@ -102,3 +102,73 @@ def test_stretch_makes_compute_factor_times_as_long(clock, monkeypatch):
     _span(config, clock, "forward-compute", 0.1)
     meter.end()
     assert slept == [pytest.approx(0.2)] and meter.latest == (1, pytest.approx(0.3))
+
+
+class _DeviceClock:
+    """A GPU's timeline for stand-in CUDA events (no GPU here): an event recorded now is stamped
+    with the device's time, which the test moves as the device computes."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self.synchronized = 0
+
+    def event_class(self):
+        device = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.ms: float | None = None
+
+            def record(self) -> None:
+                self.ms = device.ms
+
+            def query(self) -> bool:
+                return self.ms is not None
+
+            def synchronize(self) -> None:
+                device.synchronized += 1
+
+            def elapsed_time(self, end) -> float:
+                return end.ms - self.ms
+
+        return Event
+
+
+def test_on_a_gpu_stretch_sleeps_for_the_compute_the_device_timed(monkeypatch):
+    import torch
+
+    device = _DeviceClock()
+    monkeypatch.setattr(torch.cuda, "Event", device.event_class())
+    slept = []
+
+    def sleep(seconds):  # the host sleeps after the span's work, the device idles meanwhile
+        slept.append(seconds)
+        device.ms += seconds * 1e3
+
+    monkeypatch.setattr(compute_time, "time", SimpleNamespace(sleep=sleep))
+    config = SimpleNamespace(timers=None)
+    meter = compute_time.ComputeMeter("cuda").install(config)
+    meter.stretch(3.0)
+    meter.begin(1)
+    config.timers("forward-compute").start()
+    device.ms += 40.0  # the device runs the forward's kernels for 40 ms
+    config.timers("forward-compute").stop()
+    meter.end()
+    assert slept == [pytest.approx(0.08)]  # (3 - 1) x 40 ms
+    assert device.synchronized == 1  # only to know how long to sleep: a stretched span
+    assert meter.latest == (1, pytest.approx(0.12))  # the device's span holds the slowdown
+
+
+def test_on_a_gpu_an_unstretched_span_never_waits_for_the_device(monkeypatch):
+    import torch
+
+    device = _DeviceClock()
+    monkeypatch.setattr(torch.cuda, "Event", device.event_class())
+    config = SimpleNamespace(timers=None)
+    meter = compute_time.ComputeMeter("cuda").install(config)
+    meter.begin(1)
+    config.timers("backward-compute").start()
+    device.ms += 25.0
+    config.timers("backward-compute").stop()
+    meter.end()
+    assert device.synchronized == 0 and meter.latest == (1, pytest.approx(0.025))
