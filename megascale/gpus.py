@@ -26,9 +26,37 @@ logger = logging.getLogger(__name__)
 def prefer_nvml_checks() -> None:
     """Make ``torch.cuda.is_available()`` ask NVML instead of initialising CUDA in this process and
     its children (``PYTORCH_NVML_BASED_CUDA_CHECK=1``; a value already set is kept). Libraries that
-    probe ``is_available()`` at import time (megatron-core, Transformer Engine) then stay fork-safe.
+    probe ``is_available()`` at import time (megatron-core through ``torch.utils.cpp_extension``,
+    Transformer Engine) then stay fork-safe. On a machine without a driver, CUDA is hidden too
+    (``hide_cuda_without_a_driver``): there NVML cannot answer, and torch falls back to
+    ``cudaGetDeviceCount``.
     """
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    hide_cuda_without_a_driver()
+
+
+def hide_cuda_without_a_driver() -> bool:
+    """With a CUDA build of torch on a machine without a usable GPU (NVML cannot be loaded and
+    ``nvidia-smi -L`` lists none), set ``CUDA_VISIBLE_DEVICES=""`` for this process and its
+    children; True when it did. A value already set is kept.
+
+    Why: torch's ``device_count()`` asks NVML first and, when NVML cannot be loaded (no driver:
+    ``_device_count_nvml() == -1``), falls back to ``cudaGetDeviceCount``, which marks the
+    process as having touched CUDA: every child it forks then fails at its first CUDA question
+    ("Cannot re-initialize CUDA in forked subprocess"), and ``import megatron.core`` asks at import
+    time. With the empty list torch answers 0 from the environment alone, so a CPU run never
+    thinks CUDA is there, in the parent or in a rank. On a machine with a driver this does
+    nothing (NVML answers).
+    """
+    import torch
+
+    if not torch.cuda._is_compiled() or "CUDA_VISIBLE_DEVICES" in os.environ:
+        return False
+    if getattr(torch.cuda, "_device_count_nvml", lambda: -1)() >= 0 or _nvidia_smi_count():
+        return False
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    logger.debug("no NVIDIA driver (NVML cannot be loaded, nvidia-smi lists no GPU): CUDA hidden")
+    return True
 
 
 def _visible_subset(physical: int) -> int:

@@ -1,11 +1,12 @@
 """Rules that depend on the machine a job starts on, checked before anything starts.
 
 ``check_machine`` raises ``ConfigError`` (one line: the field or variable, its value, the rule)
-when the job cannot run here: ``TMPDIR`` missing, not a directory, not writable or nearly full; a
-``data.path`` whose token files are not there; a ``checkpoint.url`` whose fsspec protocol needs a
-package that is not installed; a model that does not fit in memory (``estimate_rank_bytes``,
-compared with ``/proc/meminfo`` on CPU and with the GPU's memory from NVML on CUDA: the parent
-never initialises CUDA, since the ranks it forks could not use it).
+when the job cannot run here: a megatron-core release outside the supported range
+(``versions.MEGATRON_CORE_RANGE``); ``TMPDIR`` missing, not a directory, not writable or nearly
+full; a ``data.path`` whose token files are not there; a ``checkpoint.url`` whose fsspec protocol
+needs a package that is not installed; a model that does not fit in memory
+(``estimate_rank_bytes``, compared with ``/proc/meminfo`` on CPU and with the GPU's memory from
+NVML on CUDA: the parent never initialises CUDA, since the ranks it forks could not use it).
 
 ``config.rules.validate`` holds the machine-independent rules (a config can be validated away
 from where it runs, e.g. in the Kubernetes operator); these run where the job starts.
@@ -97,10 +98,21 @@ def check_machine(cfg: JobConfig, device: str, ranks_here: int, started: bool = 
     ``ranks_here`` ranks of it sharing the machine (see the module docstring). ``started``: the
     ranks may be allocating already (each rank under torchrun checks for itself), so memory is
     compared with the machine's total, not with what is available at this moment."""
+    _check_megatron_core()
     check_tmpdir()
     _check_data(cfg)
     _check_checkpoint_url(cfg.checkpoint.url)
     check_memory(cfg, device, ranks_here, started)
+
+
+def _check_megatron_core() -> None:
+    """The installed megatron-core must be a supported release (``versions.MEGATRON_CORE_RANGE``)."""
+    from megascale.versions import UnsupportedVersion, check_megatron_core
+
+    try:
+        check_megatron_core()
+    except UnsupportedVersion as e:
+        raise ConfigError(str(e)) from e
 
 
 def check_tmpdir(environ: dict[str, str] | None = None) -> None:

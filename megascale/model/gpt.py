@@ -14,10 +14,12 @@ parallel slice of the full tensor. So every parallel layout starts from exactly 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import re
 import zlib
+from typing import Any
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -173,14 +175,13 @@ def layer_spec(model: ModelConfig, use_te: bool, tp_overlap_chunks: int = 1) -> 
             attention = dataclasses.replace(
                 sub.self_attention.submodules, linear_qkv=TEColumnParallelLinear
             )
-            mlp = dataclasses.replace(sub.mlp.submodules, linear_fc1=TEColumnParallelLinear)
             spec = ModuleSpec(
                 module=ParallelTransformerLayer,
                 submodules=dataclasses.replace(
                     sub,
                     input_layernorm=TENorm,
                     self_attention=dataclasses.replace(sub.self_attention, submodules=attention),
-                    mlp=dataclasses.replace(sub.mlp, submodules=mlp),
+                    mlp=with_mlp_linears(sub.mlp, linear_fc1=TEColumnParallelLinear),
                     pre_mlp_layernorm=IdentityOp,
                 ),
             )
@@ -193,10 +194,7 @@ def layer_spec(model: ModelConfig, use_te: bool, tp_overlap_chunks: int = 1) -> 
         chunks = {"overlap_chunks": tp_overlap_chunks}
         column = ModuleSpec(module=OverlappedColumnParallelLinear, params=chunks)
         row = ModuleSpec(module=OverlappedRowParallelLinear, params=chunks)
-        mlp = dataclasses.replace(
-            mlp,
-            submodules=dataclasses.replace(mlp.submodules, linear_fc1=column, linear_fc2=row),
-        )
+        mlp = with_mlp_linears(mlp, linear_fc1=column, linear_fc2=row)
         attention = dataclasses.replace(
             attention,
             submodules=dataclasses.replace(
@@ -214,6 +212,17 @@ def layer_spec(model: ModelConfig, use_te: bool, tp_overlap_chunks: int = 1) -> 
     return ModuleSpec(module=module, submodules=sub)
 
 
+def with_mlp_linears(mlp: Any, **linears: Any) -> Any:
+    """The layer spec's MLP slot with ``linears`` (``linear_fc1``, ``linear_fc2``) replaced, in
+    the form the installed megatron-core uses: up to 0.16 a ``ModuleSpec(module=MLP,
+    submodules=MLPSubmodules(...))``; from 0.17 on a ``functools.partial(MLP.as_mlp_submodule,
+    submodules=MLPSubmodules(...))``."""
+    if isinstance(mlp, functools.partial):
+        submodules = dataclasses.replace(mlp.keywords["submodules"], **linears)
+        return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, **linears))
+
+
 def _fused_parallel_spec(spec: ModuleSpec, chunks: int) -> ModuleSpec:
     """Parallel block with shared TP communication: branch linears neither gather nor reduce;
     the block gathers and reduce-scatters once, chunked ``chunks`` ways."""
@@ -223,8 +232,8 @@ def _fused_parallel_spec(spec: ModuleSpec, chunks: int) -> ModuleSpec:
         linear_qkv=GatheredInputColumnParallelLinear,
         linear_proj=PartialRowParallelLinear,
     )
-    mlp = dataclasses.replace(
-        sub.mlp.submodules,
+    mlp = with_mlp_linears(
+        sub.mlp,
         linear_fc1=GatheredInputColumnParallelLinear,
         linear_fc2=PartialRowParallelLinear,
     )
@@ -236,7 +245,7 @@ def _fused_parallel_spec(spec: ModuleSpec, chunks: int) -> ModuleSpec:
             input_layernorm=LocalNorm,
             pre_mlp_layernorm=IdentityOp,
             self_attention=dataclasses.replace(sub.self_attention, submodules=attention),
-            mlp=dataclasses.replace(sub.mlp, submodules=mlp),
+            mlp=mlp,
         ),
     )
 

@@ -10,13 +10,18 @@ This module redirects exactly those to the CPU, and nothing else:
   ``torch.device("cuda")``, or the integer that ``torch.cuda.current_device()`` returns) to CPU,
   turns ``Tensor.cuda()`` into a no-op, and answers ``Tensor.type()`` with the CUDA type name;
 * a handful of ``torch.cuda`` functions replaced by CPU equivalents (each its own function object:
-  two attributes sharing one function object crash ``torch._dynamo``);
+  two attributes sharing one function object crash ``torch._dynamo``), ``is_available`` answering
+  False among them: with a CUDA build of torch, code that asks whether CUDA is there before it
+  touches it (torch's own ``Optimizer.step`` health check, ``torch.accelerator``) must hear no,
+  or it initialises CUDA (no driver: "Found no NVIDIA driver"; a forked rank: "Cannot
+  re-initialize CUDA in forked subprocess");
 * an RNG tracker that forks the CPU default generator instead of a CUDA one.
 
 It is activated only when training on CPU (``activate()``; the trainer decides), is idempotent, and
-is checked against the pinned megatron-core series: ``megascale.parallel.mcore_cuda_sites`` records
-the CUDA call sites on our paths, and ``tests/unit/test_cpu_backend.py`` fails loudly when a megatron-core upgrade
-adds or moves one.
+is checked against each supported megatron-core series: ``megascale.parallel.mcore_cuda_sites``
+records the CUDA call sites on our paths per series (``mcore_sites/<series>.json``), ``activate``
+refuses a series without one, and ``tests/unit/test_cpu_backend.py`` fails loudly when a
+megatron-core release adds or moves one.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megascale.parallel import mcore_cuda_sites
+from megascale.versions import MEGATRON_CORE_RANGE, series
+
 logger = logging.getLogger(__name__)
 
-# The megatron-core series this module was checked against (see the module docstring).
-CHECKED_MCORE_SERIES = "0.16."
 
 _CUDA_TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -99,6 +105,10 @@ def _device_count() -> int:
     return 1
 
 
+def _is_available() -> bool:
+    return False
+
+
 def _synchronize(device: object = None) -> None:
     if _device_sync is not None:
         _device_sync()
@@ -152,6 +162,7 @@ def _stream(stream: object) -> Iterator[None]:
 _TORCH_CUDA_REPLACEMENTS = {
     "current_device": _current_device,
     "device_count": _device_count,
+    "is_available": _is_available,
     "synchronize": _synchronize,
     "set_device": _set_device,
     "manual_seed": _manual_seed,
@@ -211,12 +222,14 @@ class CpuBackend:
         from megatron.core.tensor_parallel import random as mcore_random
 
         version = megatron.core.__version__
-        if not version.startswith(CHECKED_MCORE_SERIES):
+        checked = mcore_cuda_sites.snapshot_series()
+        if series(version) not in checked:
             raise RuntimeError(
                 f"megatron-core {version} is installed; the CPU backend was checked against "
-                f"{CHECKED_MCORE_SERIES}x. Re-run tests/unit/test_cpu_backend.py and update "
-                "the snapshot (python -m megascale.parallel.mcore_cuda_sites --write) before "
-                "training on CPU with it."
+                f"megatron-core {', '.join(checked)} (megascale supports {MEGATRON_CORE_RANGE}). "
+                "Re-run tests/unit/test_cpu_backend.py and record its CUDA call sites "
+                "(python -m megascale.parallel.mcore_cuda_sites --write) before training on CPU "
+                "with it."
             )
         for name, replacement in _TORCH_CUDA_REPLACEMENTS.items():
             self._saved[name] = getattr(torch.cuda, name)

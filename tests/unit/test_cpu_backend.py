@@ -1,5 +1,5 @@
 """The CPU backend (megascale/parallel/cpu_backend.py) and the guard against new megatron-core CUDA
-call sites (megascale/parallel/mcore_cuda_sites.py).
+call sites (megascale/parallel/mcore_cuda_sites.py, one snapshot per series in mcore_sites/).
 
 Three kinds of check:
 
@@ -22,7 +22,9 @@ from __future__ import annotations
 import ast
 import collections
 import functools
+import json
 import multiprocessing as mp
+import re
 import sys
 import threading
 import traceback
@@ -37,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from megascale.parallel import cpu_backend, mcore_cuda_sites
 from megascale.parallel.mcore_cuda_sites import MODULES, SNAPSHOT, Site
+from megascale.versions import megatron_core_problem, series
 
 MCORE_ROOT = Path(megatron.core.__file__).resolve().parent
 TORCH_ROOT = Path(torch.__file__).resolve().parent
@@ -77,9 +80,19 @@ def run_forked(fn, *args, timeout_s: float = 120.0):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_snapshot_covers_exactly_the_modules_and_the_checked_series():
-    assert set(SNAPSHOT) == set(MODULES)
-    assert mcore_cuda_sites.MCORE_VERSION.startswith(cpu_backend.CHECKED_MCORE_SERIES)
+def test_the_installed_series_has_a_snapshot_taken_from_it():
+    assert series(VERSION) in mcore_cuda_sites.snapshot_series(), (
+        f"megatron-core {VERSION}: no snapshot in megascale/parallel/mcore_sites/"
+    )
+    assert series(mcore_cuda_sites.MCORE_VERSION) == series(VERSION)
+    assert set(SNAPSHOT) == set(MODULES) and MODULES
+
+
+def test_every_snapshot_names_its_series_and_lies_in_the_supported_range():
+    for name in mcore_cuda_sites.snapshot_series():
+        version, sites = mcore_cuda_sites.load_snapshot(name)
+        assert series(version) == name and megatron_core_problem(version) is None, version
+        assert sites and all(isinstance(lines, dict) for lines in sites.values())
 
 
 def test_every_module_on_the_path_still_exists():
@@ -88,8 +101,9 @@ def test_every_module_on_the_path_still_exists():
         pytest.fail(
             f"megatron-core {VERSION} no longer has {', '.join(missing)} (under {MCORE_ROOT}); "
             "the code on our path moved. Re-measure which files run during CPU training (see "
-            "the docstring of megascale/parallel/mcore_cuda_sites.py), update MODULES, review "
-            "megascale/parallel/cpu_backend.py and regenerate the snapshot."
+            "the docstring of megascale/parallel/mcore_cuda_sites.py), review "
+            "megascale/parallel/cpu_backend.py and regenerate the snapshot (its --write drops "
+            "files that are gone)."
         )
 
 
@@ -102,7 +116,7 @@ def test_installed_megatron_core_has_no_new_cuda_call_sites():
         listing = "; ".join(f"{m}: {sorted(lines)}" for m, lines in gone.items())
         warnings.warn(
             f"megatron-core {VERSION} dropped CUDA call sites recorded in the snapshot ({listing}); "
-            "harmless, but regenerate megascale/parallel/mcore_cuda_sites.py",
+            f"harmless, but regenerate megascale/parallel/mcore_sites/{series(VERSION)}.json",
             stacklevel=1,
         )
 
@@ -130,7 +144,7 @@ def test_guard_reports_a_new_site_with_file_line_and_text(tmp_path):
     assert message.startswith(
         "megatron-core 0.99.0 has CUDA call sites the CPU backend was not checked against; "
         "review megascale/parallel/cpu_backend.py and regenerate "
-        "megascale/parallel/mcore_cuda_sites.py"
+        "megascale/parallel/mcore_sites/0.99.json"
     )
     assert f'megatron/core/{module}:{lineno}: return torch.empty(4, device="cuda")' in message
 
@@ -166,9 +180,8 @@ def test_scan_patterns():
 
 
 def test_render_round_trips():
-    namespace: dict = {}
-    exec(mcore_cuda_sites.render("0.16.1", SNAPSHOT), namespace)
-    assert namespace["SNAPSHOT"] == SNAPSHOT and namespace["MCORE_VERSION"] == "0.16.1"
+    data = json.loads(mcore_cuda_sites.render(VERSION, SNAPSHOT))
+    assert data == {"version": VERSION, "sites": SNAPSHOT}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,11 +189,16 @@ def test_render_round_trips():
 # --------------------------------------------------------------------------------------------------
 
 
-def test_activate_refuses_an_unchecked_megatron_core_series(monkeypatch):
-    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+def test_activate_refuses_a_megatron_core_series_without_a_snapshot(monkeypatch):
+    monkeypatch.setattr(megatron.core, "__version__", "0.15.3")
     before = torch.cuda.current_device
     backend = cpu_backend.CpuBackend()
-    with pytest.raises(RuntimeError, match=r"megatron-core 0\.17\.0 is installed.*0\.16\.x"):
+    checked = ", ".join(mcore_cuda_sites.snapshot_series())
+    with pytest.raises(
+        RuntimeError,
+        match=rf"megatron-core 0\.15\.3 is installed; the CPU backend was checked against "
+        rf"megatron-core {re.escape(checked)} \(megascale supports >=0\.16\.1,<0\.20\)",
+    ):
         backend.activate()
     assert not backend.active and torch.cuda.current_device is before
 
@@ -194,6 +212,10 @@ def _device_redirects() -> None:
         assert torch.tensor([1.0], device=device).device == cpu, device
     assert torch.cuda.current_device() == cpu
     assert torch.zeros(2, device=torch.cuda.current_device()).device == cpu
+    # A CUDA build of torch asks is_available() before touching CUDA (Optimizer.step's graph
+    # capture check, torch.accelerator): it must hear no, whatever device_count says.
+    assert torch.cuda.is_available() is False and torch.cuda.device_count() == 1
+    assert torch.accelerator.current_accelerator(check_available=True) is None
     t = torch.ones(3)
     assert t.cuda() is t
     assert t.to("cuda").device == cpu and t.to(device="cuda:0").device == cpu
@@ -426,7 +448,8 @@ def _check_recorded(results: list[dict]) -> None:
         pytest.fail(
             f"megatron-core {VERSION} has CUDA call sites the CPU backend was not checked against; "
             "review megascale/parallel/cpu_backend.py and regenerate "
-            "megascale/parallel/mcore_cuda_sites.py (measured while training on CPU):\n"
+            f"megascale/parallel/mcore_sites/{series(VERSION)}.json (measured while training on "
+            "CPU; python -m megascale.parallel.mcore_cuda_sites --write --add-module FILE):\n"
             + "\n".join(problems),
             pytrace=False,
         )
