@@ -1,6 +1,6 @@
 """MegaScale's model changes side by side: serial vs parallel block, full vs sliding-window attention.
 
-Trains the same job (default: the 1-GPU preset ``configs/h100-1b.toml``) in four variants, in one
+Trains the same job (default: the 1-GPU preset ``h100-1b``) in four variants, in one
 process and one run, with the real ``Trainer``:
 
     baseline          serial block (x + Attn(LN(x)), then + MLP(LN(.)))   full causal attention

@@ -9,7 +9,7 @@ own process with its own time limit, and keeps going when one fails:
    CUDA-event timers, per-collective timeline segments from the flight recorder's CUDA events
    (TP2 + SP over NCCL, ``tests/gpu/test_timeline_nccl.py``), the two-stage checkpoint from GPU
    memory, the self-check on the GPU.
-2. ``benchmarks/model_blocks.py`` on ``configs/h100-1b.toml``: serial vs parallel block, full vs
+2. ``benchmarks/model_blocks.py`` on the ``h100-1b`` preset: serial vs parallel block, full vs
    sliding-window attention (tokens/s, MFU).
 3. ``benchmarks/overlap.py --device cuda``: each overlap off vs on over NCCL (2+ GPUs), and TP
    overlap off vs on with the TE spec (Transformer Engine's userbuffers, TP2 + SP, bf16).
@@ -137,7 +137,7 @@ def plan(gpus: int, python: str, out_dir: Path) -> list[Step]:
             "GPU test tier", [python, "-m", "pytest", "-q", "-rs", "-m", "gpu", "tests/gpu"], 3600
         ),
         Step(
-            "model blocks: serial vs parallel block, full vs window (configs/h100-1b.toml)",
+            "model blocks: serial vs parallel block, full vs window (the h100-1b preset)",
             [python, "benchmarks/model_blocks.py", "--config", "h100-1b"],
             3600,
             table=True,

@@ -54,8 +54,9 @@ from megascale.config.sections import (  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
-"""The TOML presets: ``configs/`` at the repository root, next to the package directory."""
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+"""The TOML presets: ``megascale/config/presets/``, shipped inside the package (package data), so an
+installed wheel has them too; any other file is loaded by its path."""
 
 DEFAULT_PRESET = "tiny"
 """The preset ``load(None)`` reads: CPU, one process, finishes 50 steps in seconds."""
@@ -73,7 +74,7 @@ _NONE_WORDS = ("none", "null")
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
     """Build a JobConfig from the defaults, a TOML file, and ``section.key=value`` overrides.
 
-    ``path`` is a TOML file, or the name of a preset in ``configs/`` (``"tiny"``, ``"h100-1b"``,
+    ``path`` is a TOML file, or the name of a preset in ``megascale/config/presets/`` (``"tiny"``, ``"h100-1b"``,
     with or without ``.toml``), or None for the default preset (``tiny``). An existing file wins
     over a preset of the same name.
 
@@ -131,7 +132,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> JobCo
 
 
 def presets() -> list[str]:
-    """Names of the presets in ``configs/`` (what ``load`` accepts as a bare name)."""
+    """Names of the presets in ``megascale/config/presets/`` (what ``load`` accepts as a bare name)."""
     return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
 
 

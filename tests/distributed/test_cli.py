@@ -260,7 +260,7 @@ def test_bad_config_exits_2_before_any_rank_starts(tmp_path, args, expected):
 def test_mfu_of_the_megascale_175b_run():
     proc, _ = megascale(
         "mfu",
-        "configs/megascale-175b.toml",
+        "megascale/config/presets/megascale-175b.toml",
         "--tokens-per-s",
         "1984000",
         "--gpus",

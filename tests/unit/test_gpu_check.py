@@ -55,7 +55,7 @@ def test_overlap_layout_fits_the_gpus(count, ranks, extra, tmp_path):
         for arg in step.argv:
             if arg.endswith(".py") or arg.startswith("tests/"):
                 assert (REPO / arg).exists(), arg
-    assert (REPO / "configs" / "h100-1b.toml").exists()
+    assert (REPO / "megascale" / "config" / "presets" / "h100-1b.toml").exists()
 
 
 def test_run_step_passes_fails_times_out_and_attaches(tmp_path):

@@ -5,7 +5,6 @@ and the host checks measured in-process. The network checks and the command line
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -28,6 +27,7 @@ from megascale.agent.selfcheck.thresholds import (
     parse_set,
     profile_for_gpu,
 )
+from megascale.config import PRESETS_DIR
 
 # -- thresholds -----------------------------------------------------------------------------------
 
@@ -87,7 +87,7 @@ def test_bad_overrides_name_field_value_and_accepted(override, message):
 
 
 def test_shipped_example_file_loads():
-    path = Path(__file__).resolve().parents[2] / "configs" / "selfcheck" / "h100-8gpu.toml"
+    path = PRESETS_DIR / "selfcheck" / "h100-8gpu.toml"
     t = load_thresholds("H100 SXM", path)
     assert (t.gpu.count, t.gpu.model, t.net.intranode_alltoall) == (8, "H100", 150.0)
 

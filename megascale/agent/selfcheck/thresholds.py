@@ -9,7 +9,7 @@ Precedence: ``--set section.key=value`` > the TOML file > the profile's defaults
 chosen from the hardware (``profile_for_gpu``): ``cpu`` without CUDA, else the GPU model as
 ``megascale.probes.flops.lookup_peak`` names it (``H100 SXM``, ``H100 PCIe``, ``H200``,
 ``A100``), else ``gpu`` (generic, loose). A thresholds file has the same sections (an example
-for an 8 x H100 node: ``configs/selfcheck/h100-8gpu.toml``)::
+for an 8 x H100 node: ``megascale/config/presets/selfcheck/h100-8gpu.toml``)::
 
     [host]
     disk_write = 800.0      # MB/s: a faster checkpoint volume than the profile assumes
