@@ -20,6 +20,10 @@ from megascale.parallel.layout import Layout
 
 logger = logging.getLogger(__name__)
 
+TIMEOUT_S = 600.0
+"""How long a collective of any group of a run may take before torch aborts it (its watchdog,
+on NCCL): the default group's and the TP/PP/DP groups' alike."""
+
 
 @dataclass(frozen=True)
 class Groups:
@@ -44,7 +48,7 @@ class Groups:
         return self.pp_rank == 0
 
 
-def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
+def init_distributed(device: str, timeout_s: float = TIMEOUT_S) -> tuple[int, int]:
     """Join the job's process group from the torchrun-style environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT, LOCAL_RANK). Returns (rank, world_size)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -64,8 +68,10 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> tuple[int, int]:
     return rank, world
 
 
-def build_groups(parallel: ParallelConfig) -> Groups:
-    """Create megatron-core's TP/PP/DP groups for ``parallel`` (already validated) on this rank."""
+def build_groups(parallel: ParallelConfig, timeout_s: float = TIMEOUT_S) -> Groups:
+    """Create megatron-core's TP/PP/DP groups for ``parallel`` (already validated) on this rank,
+    with ``timeout_s`` as their collectives' timeout (the default group's, ``init_distributed``'s;
+    megatron-core's own default is 30 minutes)."""
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -90,6 +96,7 @@ def build_groups(parallel: ParallelConfig) -> Groups:
         # built without them, checkpoints hold per-rank shards), and their full-mesh connect
         # through the store is what makes default group setup grow as N^2 (docs/scale.md).
         create_gloo_process_groups=False,
+        distributed_timeout_minutes=timeout_s / 60,  # a timedelta's minutes: need not be whole
     )
     initialize_rerun_state_machine()  # explicit, or megatron-core warns on the first step
     coord = layout.coords(rank)
