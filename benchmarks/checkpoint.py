@@ -47,7 +47,12 @@ from megascale.data.corpus import default_token_file
 from megascale.launcher.local import run_local
 from megascale.logs import quiet_expected_noise
 from megascale.parallel import cpu_backend
-from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
+from megascale.parallel.groups import (
+    build_groups,
+    collective_device,
+    destroy_groups,
+    init_distributed,
+)
 from megascale.train.checkpoint import load as checkpoint_load
 from megascale.train.checkpoint import save as checkpoint
 from megascale.train.checkpoint.shards import to_dcp, training_entries
@@ -90,14 +95,15 @@ def _saver(job, trainer: Trainer, url: str, async_save: bool) -> checkpoint.Chec
 
 
 def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+    """The largest of the ranks' ``seconds``. Collective (on the default group's device)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
 def _anyone(flag: bool) -> bool:
-    """Whether any rank's flag is set (the ranks step together or not at all)."""
-    t = torch.tensor([int(flag)])
+    """Whether any rank's flag is set (the ranks step together or not at all). Collective."""
+    t = torch.tensor([int(flag)], device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t)
 

@@ -247,6 +247,12 @@ SHAPES = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
+    if args.device == "cuda" and args.cost == "bytes":
+        raise SystemExit(
+            "--cost bytes with --device cuda: the bytes model is calibrated on the CPU's GEMM rate "
+            "and would add modelled delays to real NCCL links; use --cost fixed (--latency-ms 0 "
+            "for the links alone)"
+        )
     shape_sets: list[str] = []
     if args.shapes != "small":
         pre = load(args.config, [*DEFAULT_SETS, f"train.device={args.device}", *args.overrides])

@@ -64,6 +64,10 @@ class Outcome:
     output: str = ""
 
 
+# The overlap benchmark on real NCCL links: no modelled cost (its bytes model is calibrated on the
+# CPU's GEMM rate, and the benchmark refuses it with --device cuda).
+REAL_LINKS = ["--cost", "fixed", "--latency-ms", "0"]
+
 # The overlap benchmark's model on GPUs: big enough that GEMMs and NCCL transfers take real time.
 OVERLAP_GPU_SETS = [
     "model.num_layers=8",
@@ -101,7 +105,7 @@ def te_overlap_step(gpus: int, python: str) -> Step:
     """TP overlap off vs on with the TE spec on 2 GPUs (skipped below 2 GPUs or without TE)."""
     import importlib.util
 
-    argv = [python, "benchmarks/overlap.py", "--device", "cuda", "--latency-ms", "0"]
+    argv = [python, "benchmarks/overlap.py", "--device", "cuda", *REAL_LINKS]
     argv += ["--nproc", "2", "--variants", "off,tp only"]
     argv += [a for item in TE_OVERLAP_SETS for a in ("--set", item)]
     skip = None
@@ -118,7 +122,7 @@ def plan(gpus: int, python: str, out_dir: Path) -> list[Step]:
     layout = overlap_layout(gpus)
     overlap = Step(
         "overlap off vs on (NCCL)",
-        [python, "benchmarks/overlap.py", "--device", "cuda", "--latency-ms", "0"],
+        [python, "benchmarks/overlap.py", "--device", "cuda", *REAL_LINKS],
         1800,
         skip="needs 2 or more GPUs" if layout is None else None,
         table=True,

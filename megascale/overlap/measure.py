@@ -29,7 +29,12 @@ from megascale.overlap import pp_exposure
 from megascale.overlap.cost import CostModel, measure_gemm_flops
 from megascale.overlap.trace import CommTrace
 from megascale.parallel import async_comm, cpu_backend
-from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
+from megascale.parallel.groups import (
+    build_groups,
+    collective_device,
+    destroy_groups,
+    init_distributed,
+)
 from megascale.train.run import seed_everything
 from megascale.train.trainer import Trainer
 
@@ -154,7 +159,7 @@ def calibrated_cost(fabric: str, elem_scale: float, alpha_scale: float) -> CostM
     """The fabric's cost model scaled by the GEMM rate every rank gets while all run at once
     (mean over ranks). Collective."""
     dist.barrier()
-    rate = torch.tensor([measure_gemm_flops()], dtype=torch.float64)
+    rate = torch.tensor([measure_gemm_flops()], dtype=torch.float64, device=collective_device())
     dist.all_reduce(rate)
     mean = rate.item() / dist.get_world_size()
     return CostModel.calibrated(fabric, mean, elem_scale, alpha_scale)

@@ -119,6 +119,15 @@ def build_groups(parallel: ParallelConfig, timeout_s: float = TIMEOUT_S) -> Grou
     return groups
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor given to a collective over ``group`` (None: the default group) must be:
+    this process's current CUDA device when the group runs on NCCL, which takes no host tensors,
+    else the CPU (gloo). Needs torch.distributed initialised."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def destroy_groups() -> None:
     """Tear down megatron-core's groups and the default process group (end of a run, tests)."""
     from megatron.core import parallel_state as ps

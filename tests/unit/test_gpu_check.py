@@ -33,7 +33,7 @@ def test_dry_run_lists_the_steps_for_eight_gpus(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "pytest -q -rs -m gpu tests/gpu" in out
     assert "benchmarks/model_blocks.py --config h100-1b" in out
-    assert "benchmarks/overlap.py --device cuda --latency-ms 0 --nproc 8" in out
+    assert "benchmarks/overlap.py --device cuda --cost fixed --latency-ms 0 --nproc 8" in out
     assert "benchmarks/checkpoint.py --device cuda --stall-only" in out
     assert "selfcheck --calibrate --output" in out
 
@@ -51,6 +51,8 @@ def test_overlap_layout_fits_the_gpus(count, ranks, extra, tmp_path):
     te = steps["TE spec: TP overlap off vs on (userbuffers)"]
     assert te.skip is not None  # no TE in this environment, and none below 2 GPUs
     assert "model.spec=te" in te.argv and "--variants" in te.argv
+    for step in (overlap, te):  # real links only: the CPU-calibrated cost model is refused
+        assert step.argv[step.argv.index("--cost") + 1] == "fixed", step.argv
     for step in steps.values():  # every script and preset the plan names exists
         for arg in step.argv:
             if arg.endswith(".py") or arg.startswith("tests/"):

@@ -1,9 +1,10 @@
 """What ``megascale.parallel.groups`` hands torch and megatron-core, checked without a process group:
-the timeout of the training groups."""
+the timeout of the training groups, and the device a collective's tensors must be on."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megascale.config import ParallelConfig
 from megascale.parallel import groups
@@ -43,3 +44,24 @@ def test_a_timeout_given_to_build_groups_reaches_megatron_core(mcore_call):
     with pytest.raises(_Stop):
         groups.build_groups(ParallelConfig(), timeout_s=90.0)
     assert mcore_call["distributed_timeout_minutes"] == 1.5
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [("nccl", torch.device("cuda", 2)), ("gloo", torch.device("cpu"))],
+)
+def test_a_collectives_tensors_go_where_the_groups_backend_takes_them(
+    monkeypatch, backend, expected
+):
+    asked = []
+
+    def get_backend(group=None):
+        asked.append(group)
+        return backend
+
+    monkeypatch.setattr(groups.dist, "get_backend", get_backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    sentinel = object()
+    assert groups.collective_device(sentinel) == expected
+    assert groups.collective_device() == expected
+    assert asked == [sentinel, None]
