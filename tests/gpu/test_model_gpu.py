@@ -97,8 +97,11 @@ def _core_attention_outputs(job, data_dir) -> dict[str, float]:
     q, k, v = (
         torch.randn(shape, device="cuda", generator=generator).to(torch.bfloat16) for _ in range(3)
     )
-    with torch.no_grad():
-        out = core(q, k, v, None).float().reshape(m.seq_length, 2, -1)
+    from megatron.core.transformer.enums import AttnMaskType
+
+    with torch.no_grad():  # TE's attention has no default mask type (the local one keeps its own)
+        out = core(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+    out = out.float().reshape(m.seq_length, 2, -1)
     errors = {
         "banded": float((out - banded_attention(q, k, v, m.window_size)).abs().max()),
         "causal": float((out - banded_attention(q, k, v, None)).abs().max()),
