@@ -5,13 +5,14 @@ Every collective and p2p call is priced by a cost model and run on a communicati
 (``megascale.overlap.trace.CommTrace``; what each call did is read from an in-memory flight
 recorder outside it), so communication is costly relative to compute on CPU:
 
-* ``--cost bytes`` (default): alpha + bytes / beta per link class (TP in the node, DP and PP across
-  nodes) of a named fabric (``--fabric``, default H100 + NVLink 4 + 8x400 Gb/s), in GPU seconds
-  scaled by the GPU's peak over the GEMM rate every rank measures here at once, so the
+* ``--cost bytes`` (default; CPU only): alpha + bytes / beta per link class (TP in the node, DP
+  and PP across nodes) of a named fabric (``--fabric``, default H100 + NVLink 4 + 8x400 Gb/s), in
+  GPU seconds scaled by the GPU's peak over the GEMM rate every rank measures here at once, so the
   communication/computation ratio of the layout matches the same shapes on the GPU. The latency
   term is scaled by the per-GEMM FLOPs of these shapes over those of the ``megascale-175b`` layout
   (a call's latency does not shrink with the shapes).
-* ``--cost fixed``: the same latency for every call (``--latency-ms``).
+* ``--cost fixed``: the same latency for every call (``--latency-ms``); the only model with
+  ``--device cuda``, where ``--latency-ms 0`` leaves the real NCCL links alone.
 
 The default layout is ``megascale-175b``'s scaled down to 8 CPU ranks: TP2 x PP2 (VPP2) x DP2 +
 sequence parallelism (175B: TP8 x PP8 (VPP6) x DP192 + SP), two micro-batches per pipeline stage and
