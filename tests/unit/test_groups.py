@@ -1,5 +1,5 @@
-"""What ``megascale.parallel.groups`` hands torch and megatron-core, checked without a process group:
-the timeout of the training groups, and the device a collective's tensors must be on."""
+"""What ``megascale.parallel.groups`` hands torch and megatron-core, checked without a process
+group: the timeout of the training groups, and the device a collective's tensors must be on."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class _Stop(Exception):
 
 @pytest.fixture
 def mcore_call(monkeypatch):
-    """The keyword arguments ``build_groups`` gives megatron-core's ``initialize_model_parallel``."""
+    """The keyword arguments ``build_groups`` gives megatron-core's initialize_model_parallel."""
     from megatron.core import parallel_state as ps
 
     seen: dict = {}
