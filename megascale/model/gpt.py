@@ -140,7 +140,10 @@ def transformer_config(
         batch_p2p_comm=p.effective_batch_p2p_comm(job.overlap),
         overlap_p2p_comm=job.overlap.pp_active(p),
         overlap_p2p_comm_warmup_flush=job.overlap.pp_active(p),
-        bias_activation_fusion=on_cuda and not m.swiglu,
+        # Never fused: megatron-core's fused bias-GeLU is the tanh approximation, so a GPU run
+        # would train another function than the CPU run (exact erf GeLU) and than what
+        # ``megascale export`` declares (``hidden_act = "gelu"``).
+        bias_activation_fusion=False,
         bias_dropout_fusion=on_cuda,
         masked_softmax_fusion=use_masked_softmax_fusion(
             on_cuda, on_cuda and _softmax_kernels_available(), m.window_size
@@ -336,9 +339,11 @@ def _full_tensor(
         return (torch.ones if is_norm_scale else torch.zeros)(shape, device=device)
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         std = std / math.sqrt(2.0 * num_layers)  # GPT-2/Megatron scaled init of residual outputs
-    generator = torch.Generator(device=device)
+    # Drawn on the CPU generator whatever the device: CUDA's generator (Philox) gives other
+    # numbers for the same seed, and one seed must give one model on CPU and GPU alike.
+    generator = torch.Generator()
     generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+    return torch.empty(shape).normal_(0.0, std, generator=generator).to(device)
 
 
 def _tp_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
