@@ -37,6 +37,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from megascale import gpus
+
+# ruff: noqa: E402  (the imports below come after prefer_nvml_checks on purpose)
+# The ranks are forked from this process: count GPUs through NVML (or hide CUDA on a machine
+# without a driver) before megatron-core's import asks torch whether CUDA is there.
+gpus.prefer_nvml_checks()
+
 import megatron.core  # noqa: F401  (import once, before forking the ranks)
 import torch
 import torch.distributed as dist

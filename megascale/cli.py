@@ -37,9 +37,9 @@ def _selfcheck(args: argparse.Namespace) -> int:
 
 
 def _dashboards(args: argparse.Namespace) -> int:
-    from megascale.tools import dashboards
+    from megascale.tools import dashboards_command
 
-    return dashboards.run(args)
+    return dashboards_command.run(args)
 
 
 def _agent(args: argparse.Namespace) -> int:
@@ -133,9 +133,9 @@ def _add_tool_commands(sub: Any) -> None:
     selfcheck_p.set_defaults(func=_selfcheck)
 
     dashboards_p = sub.add_parser("dashboards", help="Grafana dashboards: export JSON or push")
-    from megascale.tools import dashboards
+    from megascale.tools import dashboards_command
 
-    dashboards.add_arguments(dashboards_p)
+    dashboards_command.add_arguments(dashboards_p)
     dashboards_p.set_defaults(func=_dashboards)
 
     data = sub.add_parser("data", help="datasets in Megatron-LM's indexed format")

@@ -25,6 +25,13 @@ without a visible GPU it says why and exits 0 having done nothing.
 
 The checking process never initialises CUDA (GPUs are counted through NVML); every GPU step runs in
 a child process.
+
+On a GPU machine without network or ``make install`` (an image with torch but no megatron-core):
+``scripts/gpu-bundle`` (here, with network) writes the wheels that machine lacks into
+``.gpu-bundle/``; there, ``scripts/gpu-check --bundle .gpu-bundle`` installs them into a scratch
+target (``pip install --no-index --no-deps --target``) and puts it on every step's
+``PYTHONPATH``. ``--max-step-s`` caps each step's limit (a short GPU lease), ``--out DIR`` writes
+the block and the logs there.
 """
 
 from __future__ import annotations
@@ -116,8 +123,14 @@ def te_overlap_step(gpus: int, python: str) -> Step:
     return Step("TE spec: TP overlap off vs on (userbuffers)", argv, 1800, skip=skip, table=True)
 
 
-def plan(gpus: int, python: str, out_dir: Path) -> list[Step]:
-    """The steps for a machine with ``gpus`` visible GPUs, in the order they run."""
+QUICK_BLOCKS = ["--steps", "8", "--warmup", "2", "--rounds", "2"]
+"""``--quick``: fewer timed steps per model-blocks variant (a short GPU lease)."""
+QUICK_CHECKPOINT = ["--rounds", "2"]
+
+
+def plan(gpus: int, python: str, out_dir: Path, quick: bool = False) -> list[Step]:
+    """The steps for a machine with ``gpus`` visible GPUs, in the order they run (``quick``: fewer
+    rounds in the benchmarks)."""
     sets = lambda items: [a for item in items for a in ("--set", item)]  # noqa: E731
     layout = overlap_layout(gpus)
     overlap = Step(
@@ -142,7 +155,8 @@ def plan(gpus: int, python: str, out_dir: Path) -> list[Step]:
         ),
         Step(
             "model blocks: serial vs parallel block, full vs window (the h100-1b preset)",
-            [python, "benchmarks/model_blocks.py", "--config", "h100-1b"],
+            [python, "benchmarks/model_blocks.py", "--config", "h100-1b"]
+            + (QUICK_BLOCKS if quick else []),
             3600,
             table=True,
         ),
@@ -150,7 +164,9 @@ def plan(gpus: int, python: str, out_dir: Path) -> list[Step]:
         te_overlap_step(gpus, python),
         Step(
             "checkpoint stall from GPU memory",
-            [python, "benchmarks/checkpoint.py", "--device", "cuda", "--stall-only"],
+            [python, "benchmarks/checkpoint.py", "--device", "cuda", "--stall-only"]
+            + ["--nproc", str(min(gpus, 2))]
+            + (QUICK_CHECKPOINT if quick else []),
             1800,
             table=True,
         ),
@@ -173,10 +189,23 @@ def plan(gpus: int, python: str, out_dir: Path) -> list[Step]:
     ]
 
 
-def run_step(step: Step, log: Path) -> Outcome:
+def install_bundle(bundle: Path, target: Path) -> str | None:
+    """Install every wheel of ``bundle`` into ``target`` offline; None, or why it failed."""
+    wheels = sorted(str(w) for w in bundle.glob("*.whl"))
+    if not wheels:
+        return f"{bundle}: no wheels (run scripts/gpu-bundle where there is network)"
+    argv = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+    proc = subprocess.run(
+        [*argv, "--target", str(target), *wheels], capture_output=True, text=True, check=False
+    )
+    return None if proc.returncode == 0 else proc.stderr[-2000:]
+
+
+def run_step(step: Step, log: Path, max_s: int | None = None) -> Outcome:
     """Run one step from the repository root; its whole output goes to ``log``."""
     if step.skip:
         return Outcome(step, "skipped", output=step.skip)
+    limit = step.timeout_s if max_s is None else min(step.timeout_s, max_s)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # parents that fork ranks must not init CUDA
     start = time.monotonic()
@@ -187,7 +216,7 @@ def run_step(step: Step, log: Path) -> Outcome:
             env=env,
             capture_output=True,
             text=True,
-            timeout=step.timeout_s,
+            timeout=limit,
         )
         status, output = ("passed" if proc.returncode == 0 else "failed"), proc.stdout
         if proc.returncode:
@@ -262,7 +291,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="print the steps for this machine; run nothing"
     )
+    parser.add_argument("--bundle", type=Path, help="install these wheels first (offline)")
+    parser.add_argument("--max-step-s", type=int, help="cap every step's time limit (seconds)")
+    parser.add_argument("--out", type=Path, help="directory for the block and the step logs")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds in the benchmarks")
     args = parser.parse_args(argv)
+    if args.bundle is not None:
+        target = Path(os.environ.get("TMPDIR", "/tmp")) / "megascale-gpu-site"
+        failed = install_bundle(args.bundle, target)
+        if failed:
+            print(f"gpu-check: installing {args.bundle} failed: {failed}")
+            return 2
+        sys.path.insert(0, str(target))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p
+        )
     sys.path.insert(0, str(REPO))
     try:
         from megascale.gpus import visible_gpu_count
@@ -277,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             "CPU build): nothing to check. Run it on a machine with NVIDIA GPUs and the gpu extra."
         )
         return 0
-    out_dir = REPO / "runs" / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
-    steps = plan(gpus, sys.executable, out_dir)
+    out_dir = args.out or REPO / "runs" / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
+    steps = plan(gpus, sys.executable, out_dir, quick=args.quick)
     if args.dry_run:
         for step in steps:
             print(f"{step.title}: {step.skip or shlex.join(step.argv)}")
@@ -287,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = []
     for i, step in enumerate(steps, 1):
         print(f"gpu-check [{i}/{len(steps)}] {step.title} ...", file=sys.stderr, flush=True)
-        outcomes.append(run_step(step, out_dir / f"step{i}.log"))
+        outcomes.append(run_step(step, out_dir / f"step{i}.log", args.max_step_s))
         print(f"gpu-check [{i}/{len(steps)}] {outcomes[-1].status}", file=sys.stderr, flush=True)
     block = render(machine_facts(), outcomes)
     (out_dir / "RESULTS-block.md").write_text(block)

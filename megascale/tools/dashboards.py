@@ -21,11 +21,9 @@ every query of every panel (``panel_queries``) against a real Prometheus scrapin
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -442,35 +440,3 @@ def render(expr: str, variables: dict[str, str], rate_interval: str = "1m") -> s
     """``expr`` with Grafana's variables substituted, as Grafana would send it to Prometheus."""
     out = expr.replace("$__rate_interval", rate_interval).replace("$__interval", rate_interval)
     return re.sub(r"\$\{?(\w+)\}?", lambda m: variables.get(m.group(1), m.group(0)), out)
-
-
-# -- command line ---------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``megascale dashboards export --out DIR`` and ``megascale dashboards push --url --token``."""
-    sub = parser.add_subparsers(dest="dashboards_command", required=True)
-    exp = sub.add_parser("export", help="write the dashboards' JSON files")
-    exp.add_argument("--out", default="k8s/dashboards", help="directory (default: k8s/dashboards)")
-    psh = sub.add_parser("push", help="create or overwrite the dashboards in a Grafana")
-    psh.add_argument("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
-    psh.add_argument("--token", help="service-account token (default: user:pass in the URL)")
-    psh.add_argument("--folder-uid", help="Grafana folder to put them in")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``megascale dashboards ...``; 1 with a logged error when Grafana refuses."""
-    if args.dashboards_command == "export":
-        for path in export(args.out):
-            sys.stdout.write(f"{path}\n")
-        return 0
-    from grafana_client.client import GrafanaException
-
-    try:
-        answers = push(args.url, args.token, args.folder_uid)
-    except (GrafanaException, OSError) as e:
-        logger.error("megascale dashboards push %s: %s", args.url, e)
-        return 1
-    for answer in answers:
-        sys.stdout.write(f"{answer.get('uid')} {answer.get('status')} {answer.get('url', '')}\n")
-    return 0
