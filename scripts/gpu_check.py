@@ -230,6 +230,36 @@ def run_step(step: Step, log: Path, max_s: int | None = None) -> Outcome:
     return Outcome(step, status, time.monotonic() - start, output)
 
 
+def rehearsal_argv(step: Step) -> list[str]:
+    """What proves ``step`` can start without a GPU: its script's ``--help``, or for pytest the
+    collection of its tests (every import they make)."""
+    argv = list(step.argv)
+    if argv[1:3] == ["-m", "pytest"]:
+        return [*argv, "--collect-only"]
+    if argv[1:3] == ["-m", "megascale.cli"]:
+        return [*argv[:4], "--help"]
+    return [*argv[:2], "--help"]
+
+
+def rehearse(steps: list[Step]) -> int:
+    """Start every step's rehearsal (``rehearsal_argv``) here; 0 when all of them could."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    failed = []
+    for step in steps:
+        if step.skip:
+            print(f"gpu-check rehearsal: {step.title}: skipped there ({step.skip})")
+            continue
+        argv = rehearsal_argv(step)
+        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+        print(f"gpu-check rehearsal: {step.title}: {shlex.join(argv)}: {status}")
+        if proc.returncode:
+            failed.append(step.title)
+            print((proc.stdout + proc.stderr)[-2000:])
+    return 1 if failed else 0
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
@@ -295,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-step-s", type=int, help="cap every step's time limit (seconds)")
     parser.add_argument("--out", type=Path, help="directory for the block and the step logs")
     parser.add_argument("--quick", action="store_true", help="fewer rounds in the benchmarks")
+    parser.add_argument(
+        "--rehearse",
+        type=int,
+        metavar="GPUS",
+        help="no GPU needed: check that every step of a GPUS-GPU plan can start (imports, "
+        "--help, test collection), as the GPU machine will run them",
+    )
     args = parser.parse_args(argv)
     if args.bundle is not None:
         target = Path(os.environ.get("TMPDIR", "/tmp")) / "megascale-gpu-site"
@@ -313,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: {sys.executable} cannot import megascale ({e}): run `make install`")
         return 2
 
+    if args.rehearse is not None:
+        return rehearse(plan(args.rehearse, sys.executable, REPO / "runs", quick=args.quick))
     gpus = visible_gpu_count()
     if not gpus:
         print(

@@ -85,3 +85,22 @@ def test_run_step_passes_fails_times_out_and_attaches(tmp_path):
     assert "\n| a |\n" in block  # a passing table step's Markdown goes in as-is
     assert "```\n[exit code 3]" in block  # a failure's output is fenced
     assert "skipped: needs 2 or more GPUs" in block
+
+
+def test_the_rehearsal_starts_every_step_of_the_plan_without_a_gpu(capsys):
+    """``--rehearse N``: each step of an N-GPU plan started as it starts there (pytest collects,
+    the scripts and the CLI parse their arguments), here, with the environment of this run."""
+    assert gpu_check.main(["--rehearse", "1", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU test tier" in out and "--collect-only: ok" in out
+    assert "benchmarks/checkpoint.py --help: ok" in out
+    assert "megascale.cli selfcheck --help: ok" in out
+    assert "overlap off vs on (NCCL): skipped there (needs 2 or more GPUs)" in out
+
+
+def test_a_checkpoint_step_never_asks_for_more_ranks_than_gpus(tmp_path):
+    for gpus_here, ranks in ((1, "1"), (2, "2"), (8, "2")):
+        (step,) = [
+            s for s in gpu_check.plan(gpus_here, "python", tmp_path) if "checkpoint" in s.title
+        ]
+        assert step.argv[step.argv.index("--nproc") + 1] == ranks
