@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ class SimPool:
         thresholds: str | None = None,
         neighbours: dict[str, Any] | None = None,
         tests: list[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> tuple[bool, str]:
         """``WorkerPool.selfcheck``'s signature: every simulated node is fit."""
         return True, "simulated"
