@@ -172,6 +172,28 @@ def plan_for_this_rank(job: JobConfig, use_te: bool) -> TPOverlapPlan:
     return plan
 
 
+def skip_multicast_unless_supported(environ: dict[str, str] | None = None) -> bool:
+    """Set ``UB_SKIPMC=1`` (when unset) where the GPUs cannot do CUDA multicast; True when it did.
+
+    TE's userbuffers use NVLS multicast by default, which needs NVSwitch with a fabric manager
+    (HGX/DGX H100); on PCIe or NVL pairs ``initialize_ub`` raises "... does not support comm+GEMM
+    overlap with CUDA Multicast. Launch app with UB_SKIPMC=1". Without multicast the same overlap
+    runs over copy engines (slower, still overlapped), which is what ``UB_SKIPMC=1`` selects."""
+    env = os.environ if environ is None else environ
+    if "UB_SKIPMC" in env:
+        return False
+    try:
+        import transformer_engine_torch as tex
+    except ImportError:
+        return False
+    supports = getattr(tex, "device_supports_multicast", None)
+    if supports is None or supports():
+        return False
+    env["UB_SKIPMC"] = "1"
+    logger.info("TP overlap: these GPUs cannot do CUDA multicast: TE userbuffers without it")
+    return True
+
+
 def init_te_userbuffers(plan: TPOverlapPlan, dtype: Any) -> None:
     """Register TE's userbuffers for ``plan`` (``te-userbuffers`` only; a no-op otherwise).
 
@@ -186,6 +208,7 @@ def init_te_userbuffers(plan: TPOverlapPlan, dtype: Any) -> None:
     assert plan.ub_shape is not None
     if getattr(te_base, "_ub_communicators", None):  # TE allows one registration per process
         return
+    skip_multicast_unless_supported()
     te_base.initialize_ub(
         shape=list(plan.ub_shape),
         tp_size=plan.tp,
