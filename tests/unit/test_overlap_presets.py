@@ -41,3 +41,27 @@ def test_175b_dp_preset_gives_each_dp_rank_175bs_tokens_per_step(bench):
     tokens = job.train.global_batch_size // 2 * job.model.seq_length
     assert tokens == 6144 // 192 * 2048 == 65536
     assert bench.microbatches_per_stage(job, 2) == 4
+
+
+def _summary(bench) -> dict:
+    link = {"comm_s": 0.0, "exposed_comm_s": 0.0, "hidden": None, "by_call": {}}
+    pp = {**link, "exposed_bound_s": 0.0, "hidden_bound": None}
+    row = {"step_time_s": 1.5, "vs_off": 1.0, "max_loss_diff_vs_off": 0.0}
+    row |= {"tp": link, "pp": pp, "dp": link}
+    return {"cost_model": {"kind": "fixed"}, "blocks": {"all": {"off": row}}}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_table_shows_comm_and_exposure_only_where_they_are_modelled(bench, device):
+    import argparse
+
+    args = argparse.Namespace(
+        device=device, nproc=2, breakdown=False, shapes="small", overrides=[], steps=1
+    )
+    table = bench.report(args, load("tiny", bench.DEFAULT_SETS), _summary(bench))
+    row = table.splitlines()[-1]
+    if device == "cuda":
+        assert "not measured over NCCL" in table and row.count("n/a") == 8, row
+        assert "| 1.500 |" in row
+    else:
+        assert "n/a" not in table and "0.000 / 0.000" in row
