@@ -27,6 +27,7 @@ from megascale.train.checkpoint.save import (
     _apply_common,
     _describe,
     _layout,
+    model_shape,
     rank_dir,
     step_dir,
 )
@@ -132,6 +133,7 @@ def _check_loadable(
         saved = {}
     same = all(saved.get(k) == here[k] for k in ("tp", "pp", "dp"))
     where = storage.path(step_name(step))
+    _check_model_shape(manifest.get("model"), model_shape(trainer), where)
     if int(manifest.get("format_version", 1)) < FORMAT_VERSION and not same:
         raise CheckpointUnusable(
             f"{where} was saved by an older megascale in a format bound to its layout "
@@ -145,6 +147,43 @@ def _check_loadable(
             "and checkpoint.reshard = false: set checkpoint.reshard = true to load it at this "
             f"layout, run at {_describe(saved)}, or use another run directory"
         )
+
+
+def _check_model_shape(saved: object, here: dict, where: str) -> None:
+    """Raise CheckpointUnusable when the checkpoint was written by a model of another shape (its
+    manifest's ``model``; manifests written before it was recorded are checked tensor by tensor
+    in ``_check_tensor_shapes``)."""
+    if not isinstance(saved, dict):
+        return
+    differ = [k for k in here if k in saved and saved[k] != here[k]]
+    if differ:
+        then = ", ".join(f"model.{k} = {saved[k]!r}" for k in differ)
+        now = ", ".join(f"model.{k} = {here[k]!r}" for k in differ)
+        raise CheckpointUnusable(
+            f"{where} was saved by a model with {then}; this run has {now}: a checkpoint loads "
+            f"only into a model of its shape: set {then}, or use another run directory"
+        )
+
+
+def _check_tensor_shapes(metadata, entries, where: str) -> None:
+    """Raise CheckpointUnusable when a model tensor this run loads has another shape in the
+    checkpoint, or is not in it (the same on every rank: one metadata file, one model)."""
+    saved = metadata.state_dict_metadata
+    for entry in entries:
+        if entry.key.startswith("optimizer."):
+            continue  # follows its parameter's shape
+        shape = getattr(saved.get(entry.key), "size", None)
+        if shape is None:
+            raise CheckpointUnusable(
+                f"{where} has no tensor {entry.key} (saved by another model shape); resume with "
+                "the model config that wrote it, or use another run directory"
+            )
+        if tuple(shape) != tuple(entry.global_shape):
+            raise CheckpointUnusable(
+                f"{where} holds {entry.key} of shape {tuple(shape)}, this run's is "
+                f"{tuple(entry.global_shape)} (another model shape): resume with the model config "
+                "that wrote it, or use another run directory"
+            )
 
 
 def _read_file(storage: Storage, sdir: str, name: str) -> bytes | None:
@@ -207,6 +246,7 @@ def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) ->
         return False, unlisted
     ensure_optimizer_state(trainer)
     entries = training_entries(trainer)
+    _check_tensor_shapes(metadata, entries, storage.path(sdir))
     fmt.read_pieces(
         to_dcp(entries, groups.rank, groups.layout.world_size), storage.url_of(sdir), metadata
     )

@@ -118,6 +118,25 @@ def _layout(groups: Groups, trainer: Trainer | None = None) -> dict:
     return layout
 
 
+MODEL_SHAPE = (
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "vocab_size",
+    "swiglu",
+    "parallel_block",
+)
+"""The ``model`` fields that decide the shapes of the saved tensors (recorded in the manifest:
+a checkpoint loads only into a model with the same values)."""
+
+
+def model_shape(trainer: Trainer) -> dict:
+    """This run's values of ``MODEL_SHAPE``."""
+    return {name: getattr(trainer.job.model, name) for name in MODEL_SHAPE}
+
+
 def _describe(layout: dict | None) -> str:
     if not isinstance(layout, dict):
         return repr(layout)
@@ -194,6 +213,7 @@ class Checkpointer:
         dist.broadcast_object_list(token, src=0)
         self.token: str = token[0]
         self.layout = _layout(self.groups, trainer)
+        self.model_shape = model_shape(trainer)
         self._copier = HostCopier()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -324,6 +344,7 @@ class Checkpointer:
             "format_version": FORMAT_VERSION,
             "step": step,
             "layout": self.layout,
+            "model": self.model_shape,
             "files": entries,
             "token": self.token,
             "time": time.time(),
