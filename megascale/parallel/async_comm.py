@@ -397,6 +397,13 @@ class _CoalescedHandle:
     def is_completed(self) -> bool:
         return self.op is None or self.op.is_completed()
 
+    @property
+    def started(self) -> float:
+        """``CommOp.started`` of the block's op (0.0: not yet). Its presence tells the flight
+        recorder that this handle knows when the op starts: without it the block's record would
+        say "started" when issued, even on a rank whose communication never runs it."""
+        return self.op.started if self.op is not None else 0.0
+
     def observe(self, fn: Callable[[CommOp], None]) -> None:
         """``CommOp.observe`` of the block's op (nothing to observe if the block was empty)."""
         if self.op is not None:
