@@ -2,7 +2,7 @@
 endpoint is configured.
 
 ``EmbeddedEtcd`` runs a real etcd (3.4 or 3.5) as a child process, single member, listening only on
-127.0.0.1 (client and peer port both picked free), with its data in a temporary directory::
+127.0.0.1 (client port picked free; the raft peer listener is a unix socket), with its data in a temporary directory::
 
     with EmbeddedEtcd() as etcd:
         store = Store(StoreConfig.parse(etcd.endpoint))   # "127.0.0.1:PORT"
@@ -19,9 +19,15 @@ leader ~0.1 s after start and leases as short as 1 s are honoured (etcd's minimu
 data). The server's log (warnings and errors) goes to ``<tmp>/etcd.log``; a start that fails raises
 ``EtcdStartError`` with the tail of that log.
 
-Authentication: ``enable_auth(password)`` (after ``start``) turns etcd auth on with a ``root``
-user; it is kept in the data directory, so a restart keeps it. Clients then need the user and
-password (``StoreConfig(username=, password=)``); ``/health`` stays open.
+Authentication: ``EmbeddedEtcd(credentials=(user, password))`` makes etcd require that user and
+password of every client before it listens on TCP at all. The first start of a fresh data directory
+is a bootstrap: etcd serves clients only on a unix socket in the server's private (0700) temporary
+directory, the user (etcd's ``root`` role) is created and auth enabled through it, etcd is stopped
+and only then started on ``127.0.0.1:PORT``. So no other local process can connect while auth is
+off (one that did could add its own user with read-write on every key). Auth is kept in the data
+directory: a restart keeps it. Clients need the user and password (``StoreConfig(username=,
+password=)``); ``/health`` stays open. The raft peer listener is always a unix socket in that
+private directory (a single member has no peers to reach over TCP).
 
 Contract: ``start()`` returns once the server answers ``/health`` with ``true`` (or raises);
 ``stop()`` is idempotent, terminates the process (SIGTERM, SIGKILL after 5 s) and removes the
@@ -39,6 +45,7 @@ it tries the same ones again a few times, ``RESTART_RETRY_WAIT_S`` apart.
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import logging
@@ -110,6 +117,43 @@ def find_etcd_binary(explicit: str | os.PathLike[str] | None = None) -> str:
     )
 
 
+_BOOT_SOCKET_FILE = "boot:1"
+_BOOT_SOCKET = f"unix://{_BOOT_SOCKET_FILE}"
+_PEER_SOCKET = "unix://peer:2"
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path) -> None:
+        super().__init__("localhost", timeout=2.0)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self._path))
+
+
+def _unix_post(path: Path, url: str, body: dict | None) -> tuple[int, dict]:
+    """One request to etcd's JSON gateway on the unix socket ``path`` (GET when ``body`` is None);
+    the status and the decoded reply."""
+    conn = _UnixHTTPConnection(path)
+    try:
+        if body is None:
+            conn.request("GET", url)
+        else:
+            conn.request("POST", url, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+    except http.client.HTTPException as e:
+        raise OSError(str(e)) from e
+    finally:
+        conn.close()
+    try:
+        return response.status, json.loads(data) if data else {}
+    except ValueError:
+        return response.status, {"raw": data[:200].decode(errors="replace")}
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -132,6 +176,8 @@ class EmbeddedEtcd:
         ca_file: with ``cert_file``, require client certificates signed by this CA
             (``--client-cert-auth``); the health check presents ``cert_file`` as its own.
         die_with_parent: SIGKILL the server when this process dies (see the module docstring).
+        credentials: ``(user, password)`` that every client must give; set before the server
+            listens on TCP (see the module docstring). None: no authentication.
     """
 
     def __init__(
@@ -148,6 +194,7 @@ class EmbeddedEtcd:
         key_file: str | None = None,
         ca_file: str | None = None,
         die_with_parent: bool = False,
+        credentials: tuple[str, str] | None = None,
     ) -> None:
         if election_timeout_ms < 5 * heartbeat_interval_ms:
             raise ValueError(
@@ -168,10 +215,10 @@ class EmbeddedEtcd:
         self.name = name
         self.die_with_parent = die_with_parent
         self._tmp = Path(tempfile.mkdtemp(prefix="megascale-etcd-"))
-        self.data_dir = self._tmp / "data" if data_dir is None else Path(data_dir)
+        self.data_dir = self._tmp / "data" if data_dir is None else Path(data_dir).absolute()
         self.log_path = self._tmp / "etcd.log"
+        self.credentials = credentials
         self.client_port = 0
-        self.peer_port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         """Seconds the last ``start`` took from spawn to healthy."""
@@ -214,9 +261,11 @@ class EmbeddedEtcd:
         attempts = 3 if first_start else RESTART_ATTEMPTS
         for attempt in range(attempts):
             if first_start:
-                self.client_port, self.peer_port = _free_port(self.host), _free_port(self.host)
+                self.client_port = _free_port(self.host)
             log_offset = self._log_size()
             try:
+                if self.credentials and not (self.data_dir / "member").exists():
+                    self._bootstrap_auth()
                 self._spawn_and_wait()
                 break
             except EtcdStartError:
@@ -226,8 +275,8 @@ class EmbeddedEtcd:
                     logger.warning("etcd ports were taken, retrying with new ones")
                 else:
                     logger.warning(
-                        "etcd ports %d/%d are taken; trying them again in %.1f s",
-                        self.client_port, self.peer_port, RESTART_RETRY_WAIT_S,
+                        "etcd port %d is taken; trying it again in %.1f s",
+                        self.client_port, RESTART_RETRY_WAIT_S,
                     )  # fmt: skip
                     time.sleep(RESTART_RETRY_WAIT_S)
         return self
@@ -236,17 +285,6 @@ class EmbeddedEtcd:
         """Terminate the server (idempotent) and remove the temporary directory."""
         self._terminate(signal.SIGTERM)
         self._finalizer()  # removes the log, and the data unless the caller gave data_dir
-
-    def enable_auth(self, password: str, user: str = "root") -> None:
-        """Require ``user`` and ``password`` of every client from now on (etcd auth, kept in the
-        data directory: a restart keeps it; ``/health`` stays open)."""
-        from megascale.etcd.store import Store, StoreConfig
-
-        store = Store(StoreConfig.parse(self.client_url, retry_s=5.0, ca_file=self.ca_file))
-        try:
-            store.enable_auth(user, password)
-        finally:
-            store.close()
 
     def kill(self) -> None:
         """SIGKILL the server, keeping its data dir and ports, as a crash would."""
@@ -267,14 +305,17 @@ class EmbeddedEtcd:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _command(self) -> list[str]:
-        peer = f"http://{self.host}:{self.peer_port}"
+    def _command(self, client_url: str | None = None) -> list[str]:
+        # Unix sockets in etcd's working directory (the private temporary one); etcd wants the
+        # "unix://NAME:PORT" form and creates the socket file NAME:PORT.
+        peer = _PEER_SOCKET
+        client_url = client_url or self.client_url
         cmd = [
             self.binary,
             "--name", self.name,
             "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.client_url,
-            "--advertise-client-urls", self.client_url,
+            "--listen-client-urls", client_url,
+            "--advertise-client-urls", client_url,
             "--listen-peer-urls", peer,
             "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"{self.name}={peer}",
@@ -286,28 +327,51 @@ class EmbeddedEtcd:
         ]  # fmt: skip
         if self.unsafe_no_fsync:
             cmd.append("--unsafe-no-fsync")
-        if self.cert_file:
+        if self.cert_file and client_url.startswith("https"):
             cmd += ["--cert-file", self.cert_file, "--key-file", str(self.key_file)]
-        if self.ca_file:
+        if self.ca_file and client_url.startswith("https"):
             cmd += ["--trusted-ca-file", self.ca_file, "--client-cert-auth"]
         return cmd
 
-    def _spawn_and_wait(self) -> None:
+    def _bootstrap_auth(self) -> None:
+        """Create the user and enable auth with etcd serving only on the private unix socket,
+        then stop it: the TCP listener opens later, with auth already on."""
+        assert self.credentials is not None
+        user, password = self.credentials
+        self._spawn_and_wait(bootstrap=True)
+        try:
+            for path, body in (
+                ("/v3/auth/role/add", {"name": "root"}),
+                ("/v3/auth/user/add", {"name": user, "password": password}),
+                ("/v3/auth/user/grant", {"user": user, "role": "root"}),
+                ("/v3/auth/enable", {}),
+            ):
+                status, reply = _unix_post(self._tmp / _BOOT_SOCKET_FILE, path, body)
+                if status != 200:
+                    raise EtcdStartError(f"etcd auth bootstrap: {path} answered {status}: {reply}")
+        finally:
+            self._terminate(signal.SIGTERM)
+
+    def _spawn_and_wait(self, bootstrap: bool = False) -> None:
         self._tmp.mkdir(parents=True, exist_ok=True)
+        for name in (_BOOT_SOCKET_FILE, _PEER_SOCKET.removeprefix("unix://")):
+            (self._tmp / name).unlink(missing_ok=True)  # left by a killed server: bind would fail
         started = time.monotonic()
         preexec = die_with_parent_preexec() if self.die_with_parent else None
         with open(self.log_path, "ab") as log:
             # Own session: a Ctrl-C at the terminal reaches the launcher, which stops etcd last.
             self._proc = subprocess.Popen(
-                self._command(),
+                self._command(_BOOT_SOCKET if bootstrap else None),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
+                cwd=self._tmp,
                 start_new_session=True,
                 preexec_fn=preexec,
             )
         self._procs[:] = [self._proc]
         deadline = started + self.startup_timeout_s
+        healthy = self._boot_healthy if bootstrap else self._healthy
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 code = self._proc.returncode
@@ -316,7 +380,9 @@ class EmbeddedEtcd:
                     f"etcd ({self.binary}) exited with code {code} during start-up on "
                     f"{self.endpoint}; its log ends with:\n{self.log_tail()}"
                 )
-            if self._healthy():
+            if healthy():
+                if bootstrap:
+                    return
                 self.startup_s = time.monotonic() - started
                 logger.info(
                     "etcd %s healthy on %s in %.2f s (pid %d, data %s)",
@@ -349,6 +415,13 @@ class EmbeddedEtcd:
                 return json.loads(r.read()).get("health") == "true"
         except (OSError, ValueError, urllib.error.URLError):
             return False
+
+    def _boot_healthy(self) -> bool:
+        try:
+            status, reply = _unix_post(self._tmp / _BOOT_SOCKET_FILE, "/health", None)
+        except OSError:
+            return False
+        return status == 200 and reply.get("health") == "true"
 
     def _log_size(self) -> int:
         try:

@@ -229,11 +229,13 @@ class LocalCluster:
         self.keys = JobKeys(opts.job_id)
         # etcd dies with the launcher too (``die_with_parent``): the launcher starts and restarts
         # it from its only thread, the thread whose exit the parent-death signal follows.
-        self.etcd = EmbeddedEtcd(unsafe_no_fsync=True, die_with_parent=True).start()
-        # Per-job credentials: no other process on the machine may read or write the job's keys.
+        # Per-job credentials: no other process on the machine may read or write the job's keys;
+        # etcd has them before it listens on TCP (``EmbeddedEtcd``'s auth bootstrap).
         password = secrets.token_urlsafe(32)
         write_secret(run_dir / ETCD_PASSWORD_FILE, password)
-        self.etcd.enable_auth(password, ETCD_USER)
+        self.etcd = EmbeddedEtcd(
+            unsafe_no_fsync=True, die_with_parent=True, credentials=(ETCD_USER, password)
+        ).start()
         self.store_cfg = StoreConfig.parse(
             self.etcd.endpoint, username=ETCD_USER, password=password
         )

@@ -4,11 +4,15 @@ TLS with client certificates and user/password auth."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import socket
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -233,8 +237,7 @@ def test_a_fenced_event_log_of_a_deposed_leader_writes_nothing(store, job, tmp_p
 
 
 def test_embedded_etcd_with_auth_refuses_anonymous_clients_across_restarts():
-    with EmbeddedEtcd(unsafe_no_fsync=True) as server:
-        server.enable_auth("per-job-secret")
+    with EmbeddedEtcd(unsafe_no_fsync=True, credentials=("root", "per-job-secret")) as server:
         user = Store(StoreConfig.parse(server.endpoint, username="root", password="per-job-secret"))
         anonymous = Store(StoreConfig.parse(server.endpoint, retry_s=0.5))
         user.put("/megascale/j/commands/node-0", "real")
@@ -244,6 +247,43 @@ def test_embedded_etcd_with_auth_refuses_anonymous_clients_across_restarts():
         with pytest.raises(StoreError, match="user name is empty"):
             anonymous.get("/megascale/j/commands/node-0")
         assert user.get("/megascale/j/commands/node-0").text() == "real"
+
+
+def _race_to_add_a_user(port: int, stop: threading.Event, won: list[str]) -> None:
+    """What a local process watching for the new etcd does: add its own user the moment the port
+    accepts connections."""
+    url = f"http://127.0.0.1:{port}/v3/auth/user/add"
+    body = json.dumps({"name": "intruder", "password": "x"}).encode()
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(url, body, timeout=0.5) as r:
+                won.append(r.read().decode())
+                return
+        except (OSError, urllib.error.URLError):
+            time.sleep(0.0005)
+
+
+def test_embedded_etcd_has_its_credentials_before_anything_can_connect():
+    server = EmbeddedEtcd(unsafe_no_fsync=True, credentials=("root", "per-job-secret"))
+    with socket.socket() as s:  # the port the racer watches (a real one finds it in /proc/net/tcp)
+        s.bind(("127.0.0.1", 0))
+        server.client_port = s.getsockname()[1]
+    stop, won = threading.Event(), []
+    racer = threading.Thread(target=_race_to_add_a_user, args=(server.client_port, stop, won))
+    racer.start()
+    try:
+        server.start()
+        time.sleep(0.2)  # the racer keeps trying while the server serves
+    finally:
+        stop.set()
+        racer.join()
+    try:
+        assert won == []
+        root = Store(StoreConfig.parse(server.endpoint, username="root", password="per-job-secret"))
+        assert root._call("/v3/auth/user/list", {}).get("users") == ["root"]
+        assert not (server.data_dir.parent / "boot:1").exists()  # the bootstrap socket is gone
+    finally:
+        server.stop()
 
 
 def test_unreachable_etcd_raises_store_unavailable_naming_the_endpoint():
