@@ -165,7 +165,9 @@ class _ChunkedAllGatherLinear(torch.autograd.Function):
         grad_view = _tp_chunk_view(_fused([g.contiguous() for g in grad_outs], -1), tp, k)
         grad_x = torch.empty_like(x_local, dtype=grad_outs[0].dtype)
         grad_x_chunks = grad_x.chunk(k, dim=0)
-        grad_w = torch.zeros_like(w)
+        # The chunks' products are summed in fp32 and rounded once at the end, as one unchunked
+        # GEMM into Megatron's fp32 main gradient would (in bf16, a running bf16 sum rounds k times).
+        grad_w = torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32))
         h = x_local.shape[-1]
         x_chunks = x_local.chunk(k, dim=0)
         handles = []
@@ -186,7 +188,7 @@ class _ChunkedAllGatherLinear(torch.autograd.Function):
             grad_w += g.reshape(-1, g.shape[-1]).t().matmul(full.view(-1, h))
         for _, handle in handles:
             handle.wait()
-        grad_ws = grad_w.split([wi.shape[0] for wi in weights], 0)
+        grad_ws = grad_w.to(w.dtype).split([wi.shape[0] for wi in weights], 0)
         return (grad_x, None, None, *grad_ws)
 
 
@@ -259,7 +261,8 @@ class _ChunkedReduceScatterLinear(torch.autograd.Function):
         grad_xs = [torch.empty_like(x) for x in xs]
         grad_x_views = [_tp_chunk_view(g, tp, k) for g in grad_xs]
         x_views = [_tp_chunk_view(x, tp, k) for x in xs]
-        grad_w = torch.zeros_like(w)
+        # Summed in fp32, rounded once (see the all-gather side's backward).
+        grad_w = torch.zeros_like(w, dtype=torch.promote_types(w.dtype, torch.float32))
         rank = dist.get_rank(group)
         rows = _ChunkedReduceScatterLinear._rows
 
@@ -276,7 +279,7 @@ class _ChunkedReduceScatterLinear(torch.autograd.Function):
         for j, g in enumerate(gathered):
             for others in _others(rank, tp):
                 gemms(g[others], (others, j))
-        grad_ws = [gw.contiguous() for gw in grad_w.split(widths, 1)]
+        grad_ws = [gw.contiguous() for gw in grad_w.to(w.dtype).split(widths, 1)]
         grads = [t for pair in zip(grad_xs, grad_ws, strict=True) for t in pair]
         return (None, None, *grads)
 
