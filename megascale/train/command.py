@@ -48,11 +48,12 @@ def main(argv: list[str]) -> int:
 
 
 def _unusable_checkpoint(failed: Exception) -> str:
-    """The one-line reason when the ranks refused to start on checkpoints they cannot load."""
-    marker = "CheckpointUnusable: "
-    for why in getattr(failed, "failures", {}).values():
-        if marker in why:
-            return why.split(marker, 1)[1].strip().splitlines()[0]
+    """The one-line reason when the ranks refused to start on checkpoints they cannot load, or
+    stopped because a checkpoint could not be written (a full or read-only disk); '' otherwise."""
+    for marker, prefix in (("CheckpointUnusable: ", "cannot start: "), ("CheckpointError: ", "")):
+        for why in getattr(failed, "failures", {}).values():
+            if marker in why:
+                return prefix + why.rsplit(marker, 1)[1].strip().splitlines()[0]
     return ""
 
 
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     except RankFailed as e:
         unusable = _unusable_checkpoint(e)
         if unusable:
-            print(f"megascale: cannot start: {unusable}", file=sys.stderr)
+            print(f"megascale: {unusable}", file=sys.stderr)
             return 2
         logging.getLogger("megascale").error("%s", e)
         return 1

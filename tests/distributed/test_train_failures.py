@@ -4,6 +4,7 @@ exit code 2, never a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -41,3 +42,35 @@ def test_resume_with_another_model_shape_is_refused(tmp_path):
     line = refusal(train(tmp_path, "train.steps=4", "model.hidden_size=32"))
     assert str(tmp_path / "checkpoints" / "step_00000002") in line
     assert "model.hidden_size = 64" in line and "model.hidden_size = 32" in line
+
+
+@contextlib.contextmanager
+def tiny_disk(path: Path, options: str):
+    """A tmpfs mounted at ``path`` with ``options`` (``size=...``, ``ro``); skips the test where
+    this process may not mount one, and always unmounts."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()[:200]}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_checkpoint_disk_names_enospc_and_the_file(tmp_path):
+    # 1 MiB: room for the write probe, not for the ~4 MB checkpoint
+    with tiny_disk(tmp_path / "disk", "size=1m") as disk:
+        line = refusal(train(tmp_path / "run", "train.steps=2", f"checkpoint.url={disk}/ckpt"))
+    assert "No space left on device (ENOSPC)" in line, line
+    assert f"{disk}/ckpt/step_00000002/" in line, line
+
+
+def test_a_read_only_checkpoint_directory_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    with tiny_disk(run / "checkpoints", "size=1m,ro"):
+        line = refusal(train(run, "train.steps=2"))
+    assert "Read-only file system (EROFS)" in line, line
+    assert str(run / "checkpoints") in line, line

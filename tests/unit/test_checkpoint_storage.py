@@ -3,8 +3,10 @@ line naming the errno, and a location that cannot be written is found before tra
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import multiprocessing as mp
+import os
 import resource
 import signal
 
@@ -53,3 +55,28 @@ def test_an_unwritable_location_is_found_before_training(tmp_path):
     assert "(ENOTDIR)" in os_cause(failed.value) or "(EEXIST)" in os_cause(failed.value)
     Storage(tmp_path / "ok").check_writable()  # a writable one passes and leaves nothing
     assert list((tmp_path / "ok").iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_full_disk_under_dcp_names_enospc_and_the_file(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from megascale.train.checkpoint import format as fmt
+
+    create = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def full_data_files(self, path, mode):
+        if str(path).endswith(".distcp"):  # the tensor data: every write fails with ENOSPC
+            with open("/dev/full", "wb") as stream:
+                yield stream
+        else:
+            with create(self, path, mode) as stream:
+                yield stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", full_data_files)
+    with pytest.raises(OSError) as failed:
+        fmt.write_pieces({"t": torch.ones(1 << 16)}, str(tmp_path / "rank_00000"))
+    line = os_cause(failed.value)
+    assert line.startswith("No space left on device (ENOSPC): "), line
+    assert line.endswith(".distcp"), line

@@ -28,6 +28,8 @@ import io
 import pickle
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -35,6 +37,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from megascale.train.checkpoint.storage import RecordingStream, real_error
 
 METADATA = ".metadata"
 
@@ -136,7 +140,32 @@ def write_pieces(state: dict[str, Any], path: str) -> None:
         writer = FileSystemWriter(local, **kwargs)
     else:
         writer = FsspecWriter(path, **kwargs)
-    dcp.save(state, storage_writer=writer, no_dist=True)
+    opened = _record_streams(writer.fs)
+    try:
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        # DCP reports a failed write (a full disk) without its errno: raise the OSError itself
+        errors = [real_error(s.error, str(p)) for p, s in opened if s.error is not None]
+        if errors and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise errors[0] from e
+        raise
+
+
+def _record_streams(fs: Any) -> list[tuple[Any, RecordingStream]]:
+    """Make ``fs`` (a DCP writer's file system) hand out RecordingStreams; the list of (path,
+    stream) it opened, to find the OSError of a failed save."""
+    opened: list[tuple[Any, RecordingStream]] = []
+    create = fs.create_stream
+
+    @contextmanager
+    def create_stream(path: Any, mode: str) -> Iterator[Any]:
+        with create(path, mode) as stream:
+            recording = RecordingStream(stream)
+            opened.append((path, recording))
+            yield recording
+
+    fs.create_stream = create_stream
+    return opened
 
 
 def read_pieces(state: dict[str, Any], path: str, metadata: Metadata) -> None:

@@ -125,19 +125,52 @@ def _url_problems(url: str, world_size: int, check_installed: bool) -> list[str]
 # --------------------------------------------------------------------------------------------------
 
 
-class _HashingWriter:
+class RecordingStream:
+    """A write stream that keeps the first OSError its writes raised (``error``): ``torch.save``
+    turns one into a RuntimeError without its errno (``unexpected pos``), so the caller re-raises
+    the real one (``real_error``). Everything else is the wrapped stream's."""
+
+    def __init__(self, sink) -> None:
+        self.sink, self.error = sink, None
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def write(self, data) -> int:
+        return self._call(self.sink.write, data)
+
+    def flush(self) -> None:
+        self._call(self.sink.flush)
+
+    def close(self) -> None:
+        self._call(self.sink.close)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sink, name)
+
+
+def real_error(error: OSError | None, path: str) -> OSError | None:
+    """The OSError a write to ``path`` raised, with the path (None when there was none)."""
+    if error is None or not error.errno:
+        return error
+    return OSError(error.errno, os.strerror(error.errno), error.filename or path)
+
+
+class _HashingWriter(RecordingStream):
     """A write-only stream that hashes and counts what passes through it."""
 
     def __init__(self, sink) -> None:
-        self.sink, self.sha256, self.bytes = sink, hashlib.sha256(), 0
+        super().__init__(sink)
+        self.sha256, self.bytes = hashlib.sha256(), 0
 
     def write(self, data) -> int:
         self.sha256.update(data)  # hashlib releases the GIL for large buffers
         self.bytes += len(data)
-        return self.sink.write(data)
-
-    def flush(self) -> None:
-        self.sink.flush()
+        return super().write(data)
 
 
 class Storage:
@@ -174,6 +207,7 @@ class Storage:
         final = self.path(rel)
         tmp = f"{final}.{tmp_suffix}.tmp"
         self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+        stream = None
         try:
             if self.local:
                 with open(tmp, "wb") as f:
@@ -187,8 +221,11 @@ class Storage:
                     stream = _HashingWriter(f)
                     fill(stream)
                 self.fs.mv(tmp, final)
-        except BaseException:
+        except BaseException as e:
             self._discard(tmp)  # a failed write (a full disk) leaves nothing behind
+            cause = real_error(stream.error if stream is not None else None, tmp)
+            if cause is not None and not isinstance(e, OSError):
+                raise cause from e  # the errno torch.save dropped (ENOSPC, EIO)
             raise
         return stream.sha256.hexdigest(), stream.bytes
 
