@@ -7,6 +7,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from megascale import runfiles
+
 # Warnings megatron-core and torch emit on every CPU run that say nothing actionable.
 _EXPECTED_WARNINGS = (
     "Transformer Engine and Apex are not installed",  # CPU: TE/apex are GPU-only extras
@@ -29,7 +31,7 @@ def quiet_expected_noise() -> None:
 def setup_logging(rank: int, run_dir: Path) -> None:
     """Rank-prefixed lines to stderr (rank 0 at INFO, others WARNING) and to logs/rank_NNNNN.log."""
     log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    runfiles.make_dir(log_dir)
     fmt = logging.Formatter(f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     root = logging.getLogger()
     root.handlers.clear()
@@ -37,7 +39,7 @@ def setup_logging(rank: int, run_dir: Path) -> None:
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     console.setFormatter(fmt)
-    to_file = logging.FileHandler(log_dir / f"rank_{rank:05d}.log")
+    to_file = runfiles.LogFileHandler(log_dir / f"rank_{rank:05d}.log")
     to_file.setFormatter(fmt)
     root.addHandler(console)
     root.addHandler(to_file)

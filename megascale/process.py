@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megascale import runfiles
 from megascale.etcd.store import StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -66,8 +67,8 @@ def setup_logging(label: str, log_file: Path | None, console_level: int = loggin
     console.setFormatter(fmt)
     root.addHandler(console)
     if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        to_file = logging.FileHandler(log_file)
+        runfiles.make_dir(log_file.parent)
+        to_file = runfiles.LogFileHandler(log_file)
         to_file.setFormatter(fmt)
         root.addHandler(to_file)
 
@@ -92,16 +93,10 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
 
 def write_metrics_url(run_dir: Path, name: str, url: str) -> None:
     """Publish a process's ``/metrics`` URL as ``RUN_DIR/metrics/<name>.url`` (best effort).
-    Written to a temporary file and renamed, so that a reader never sees it empty or partial."""
+    Written whole (``runfiles``): a reader never sees it empty or partial."""
     directory = run_dir / "metrics"
-    tmp = directory / f".{name}.url.{os.getpid()}.tmp"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(url + "\n")
-        os.replace(tmp, directory / f"{name}.url")
+        runfiles.make_dir(directory)
+        runfiles.write_text(directory / f"{name}.url", url + "\n")
     except OSError as e:
         logger.warning("could not write the metrics URL of %s: %s", name, e)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass

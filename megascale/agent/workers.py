@@ -39,7 +39,7 @@ from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
 
-from megascale import gpus
+from megascale import gpus, runfiles
 from megascale.agent.logscan import LogMatch, LogScanner
 from megascale.launcher.lifetime import die_with_parent
 from megascale.probes.fatal import RUN_DIR_ENV, write_exit_error
@@ -131,11 +131,10 @@ def _child(
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent stops workers; Ctrl-C is its
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        Path(log).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+        runfiles.make_dir(Path(log).parent)
+        with runfiles.open_append(log) as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
         os.environ.update(env)
@@ -393,8 +392,8 @@ class WorkerPool:
         started = []
         for local_rank, rank in enumerate(ranks):
             log = self.log_path(rank)
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "a") as f:
+            runfiles.make_dir(log.parent)
+            with runfiles.open_append(log) as f:
                 f.write(f"==== megascale generation {generation} rank {rank} {time.ctime()}\n")
             scanner = LogScanner(log, paths=self.own_paths)
             worker_env = {

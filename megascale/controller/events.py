@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from megascale import runfiles
 from megascale.etcd.keys import JobKeys
 from megascale.etcd.store import TXN_MAX_OPS, Compare, Put, Store, StoreError, missing
 from megascale.messages import SCHEMA_KEY, Event
@@ -89,7 +90,7 @@ class EventLog:
         self._pending: list[Event] = []
         self._next_seq = self._first_seq()
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            runfiles.make_dir(self.path.parent)
 
     def _first_seq(self) -> int:
         last = -1
@@ -204,7 +205,7 @@ class EventLog:
 
     def _write(self, events: list[Event]) -> None:
         if self.path is not None:
-            with open(self.path, "a", encoding="utf-8") as f:
+            with runfiles.open_append(self.path) as f:
                 f.writelines(
                     json.dumps(e.encode(), sort_keys=True, default=str) + "\n" for e in events
                 )

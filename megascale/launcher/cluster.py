@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megascale import gpus
+from megascale import gpus, runfiles
 from megascale.launcher.monitor import Monitor
 from megascale.launcher.outcome import FINAL_FILE, summarize
 from megascale.launcher.runlock import prepare_run_dir
@@ -62,12 +62,7 @@ ETCD_PASSWORD_FILE = "etcd.password"
 
 def write_secret(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` readable by its owner only (0600, also when it existed)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode() + b"\n")
-    finally:
-        os.close(fd)
+    runfiles.write_text(path, text + "\n", mode=0o600)  # a symlink at ``path`` is refused
 
 
 def local_store_config(run_dir: Path | str, endpoint: str, **kwargs: Any) -> Any:
@@ -404,14 +399,14 @@ def launch(opts: LaunchOptions) -> int:
     job, notes = check_options(opts)  # LaunchError, ConfigError, InjectError: nothing started
     run_dir = Path(opts.run_dir or f"runs/launch-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     lock = prepare_run_dir(run_dir)  # RunDirError: another job holds it; nothing started
-    (run_dir / "job.toml").write_text(to_toml(job))
+    runfiles.write_text(run_dir / "job.toml", to_toml(job))
     setup_logging("launch", run_dir / "logs" / "launch.log")
     stop_signals = StopSignals().install()
     started = time.monotonic()
     state, reason = _run_cluster(opts, job, notes, run_dir, stop_signals, started)
     final = summarize(run_dir, job, state, time.monotonic() - started, opts, reason=reason)
     path = run_dir / FINAL_FILE
-    path.write_text(json.dumps(final.encode(), indent=1, sort_keys=True) + "\n")
+    runfiles.write_text(path, json.dumps(final.encode(), indent=1, sort_keys=True) + "\n")
     logger.info(
         "%s: step %s/%s, faults detected %s, recoveries %d, %.1f s; %s",
         state, final.final_step, job.train.steps, final.faults_detected,

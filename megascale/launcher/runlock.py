@@ -25,6 +25,7 @@ import socket
 import time
 from pathlib import Path
 
+from megascale import runfiles
 from megascale.config import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,14 @@ def prepare_run_dir(run_dir: Path, flag: str = "--run-dir", wait_s: float = 0.0)
         run_dir.mkdir(parents=True, exist_ok=True)
         if not os.access(run_dir, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "permission denied")
-        fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        links = runfiles.planted_links(run_dir)
+        if links:
+            raise RunDirError(
+                f"{flag} = {str(run_dir)!r}: {links[0]} is a symlink; a job never writes through "
+                "one (remove it, or use another run directory)"
+            )
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(run_dir / LOCK_NAME, flags, 0o644)
     except OSError as e:
         raise RunDirError(
             f"{flag} = {str(run_dir)!r}: cannot be created or written ({e.strerror or e}); "

@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from megascale import runfiles
+
 logger = logging.getLogger(__name__)
 
 EXIT_JOB_FATAL = 78
@@ -72,11 +74,8 @@ def fatal_path(run_dir: Path | str, rank: int) -> Path:
 
 def _write_json(path: Path, data: dict[str, Any]) -> Path:
     """Write ``data`` to ``path`` through a temporary file and a rename: never read torn."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-    return path
+    runfiles.make_dir(path.parent)
+    return runfiles.write_text(path, json.dumps(data))
 
 
 def write_fatal(run_dir: Path | str, rank: int, reason: str) -> Path:

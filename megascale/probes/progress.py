@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from megascale import runfiles
 from megascale.messages import CheckpointFigures, DurableCheckpoint, RankProgress
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,7 @@ class ProgressFile:
 
     def __init__(self, path: Path | str, rank: int) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        runfiles.make_dir(self.path.parent)
         self.record = RankProgress(rank=rank, pid=os.getpid())
 
     def enter(self, section: str) -> None:
@@ -129,8 +129,7 @@ class ProgressFile:
     def _write(self) -> None:
         record = self.record
         record.heartbeat, record.heartbeat_mono = time.time(), time.monotonic()
-        self._tmp.write_text(json.dumps(record.encode()))
-        os.replace(self._tmp, self.path)
+        runfiles.write_text(self.path, json.dumps(record.encode()))
 
 
 class NullProgressFile:

@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from megascale import runfiles
 from megascale.config import ConfigError, MetricsConfig
 from megascale.messages import SCHEMA_KEY
 
@@ -85,7 +86,7 @@ class WandbSink:
 
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-        id_file.write_text(run_id + "\n")
+        runfiles.write_text(id_file, run_id + "\n")
         self.run = wandb.init(
             project=cfg.wandb_project,
             name=run_dir.name,

@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megascale import runfiles
 from megascale.probes.timeline_segments import SEGMENTS, comm_segments, megatron_segment
 
 logger = logging.getLogger(__name__)
@@ -253,12 +254,12 @@ class Timeline:
         """Write the meta and clock records (``mono_ns`` on this rank's clock is ``ref_wall_ns``
         on the shared one) and start the writer thread. ``start`` calls it; tests without a
         process group call it directly."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        runfiles.make_dir(self.path.parent)
         head = [
             {"type": "meta", "format": FORMAT_VERSION, **self.meta},
             {"type": "clock", "ref_wall_ns": ref_wall_ns, "mono_ns": mono_ns},
         ]
-        with open(self.path, "a", encoding="utf-8") as f:
+        with runfiles.open_append(self.path) as f:
             f.writelines(json.dumps(line) + "\n" for line in head)
         self._writer = threading.Thread(
             target=self._write_loop, name=f"timeline-writer-{self.path.stem}", daemon=True
@@ -371,7 +372,7 @@ class Timeline:
 
             torch.cuda.set_device(self._device_clock.device_index)
         failed = False
-        with open(self.path, "a", encoding="utf-8") as f:
+        with runfiles.open_append(self.path) as f:
             while (batches := self._queue.get()) is not None:
                 if isinstance(batches, threading.Event):  # flush(): all before it is written
                     batches.set()

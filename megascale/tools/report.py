@@ -21,6 +21,7 @@ import statistics
 from pathlib import Path
 from string import Template
 
+from megascale import runfiles
 from megascale.config import loader as config
 from megascale.controller.events import EVENTS_FILE, read_events
 from megascale.messages import Event, StepMetrics, read_metrics
@@ -353,7 +354,7 @@ def write(
 ) -> Path:
     """Write the report (default ``RUN_DIR/report.html``) and return its path."""
     out = Path(out) if out is not None else Path(run_dir) / "report.html"
-    out.write_text(build(run_dir, peak_tflops), encoding="utf-8")
+    runfiles.write_text(out, build(run_dir, peak_tflops))
     return out
 
 

@@ -21,6 +21,7 @@ it, and a step written twice (replayed after a restart) keeps its last record.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 from collections import defaultdict
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megascale import runfiles
 from megascale.controller.events import EVENTS_FILE, read_events
 from megascale.messages import Event
 from megascale.parallel.layout import Coord, Layout
@@ -330,28 +332,33 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]
 
 def write_tables(ranks: list[RankTimeline], directory: Path) -> tuple[Path, Path]:
     """``steps.csv`` (one row per rank and step) and ``segments.csv`` (per rank, step, segment)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    runfiles.make_dir(directory)
     steps_path, segments_path = directory / "steps.csv", directory / "segments.csv"
-    with open(steps_path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["rank", "node", "dp", "pp", "tp", "step", *BREAKDOWN_FIELDS])
-        for r in ranks:
-            for step, b in sorted(breakdowns(r).items()):
-                values = [f"{getattr(b, k):.6f}" for k in BREAKDOWN_FIELDS]
-                w.writerow([r.rank, r.node, *r.coords, step, *values])
-    with open(segments_path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["rank", "step", "segment", "category", "count", "total_s"])
-        for r in ranks:
-            for step in sorted(r.steps):
-                totals: dict[tuple[str, str], list[int]] = {}
-                for name, cat, _s, d in r.steps[step].spans:
-                    entry = totals.setdefault((name, cat), [0, 0])
-                    entry[0] += 1
-                    entry[1] += d
-                for (name, cat), (count, ns) in sorted(totals.items()):
-                    w.writerow([r.rank, step, name, cat, count, f"{ns / 1e9:.6f}"])
+    steps, w = _csv()
+    w.writerow(["rank", "node", "dp", "pp", "tp", "step", *BREAKDOWN_FIELDS])
+    for r in ranks:
+        for step, b in sorted(breakdowns(r).items()):
+            values = [f"{getattr(b, k):.6f}" for k in BREAKDOWN_FIELDS]
+            w.writerow([r.rank, r.node, *r.coords, step, *values])
+    runfiles.write_text(steps_path, steps.getvalue())
+    segments, w = _csv()
+    w.writerow(["rank", "step", "segment", "category", "count", "total_s"])
+    for r in ranks:
+        for step in sorted(r.steps):
+            totals: dict[tuple[str, str], list[int]] = {}
+            for name, cat, _s, d in r.steps[step].spans:
+                entry = totals.setdefault((name, cat), [0, 0])
+                entry[0] += 1
+                entry[1] += d
+            for (name, cat), (count, ns) in sorted(totals.items()):
+                w.writerow([r.rank, step, name, cat, count, f"{ns / 1e9:.6f}"])
+    runfiles.write_text(segments_path, segments.getvalue())
     return steps_path, segments_path
+
+
+def _csv() -> tuple[io.StringIO, Any]:
+    buffer = io.StringIO(newline="")
+    return buffer, csv.writer(buffer)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -370,7 +377,7 @@ def write_trace(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pat
         read_jsonl(run_dir / "metrics.jsonl"),
     )
     out = Path(out) if out is not None else run_dir / TIMELINE_DIR / "trace.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(trace))
+    runfiles.make_dir(out.parent)
+    runfiles.write_text(out, json.dumps(trace))
     steps_csv, segments_csv = write_tables(ranks, out.parent)
     return out, steps_csv, segments_csv

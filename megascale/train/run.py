@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megascale import runfiles
 from megascale.config import ConfigError, JobConfig, to_dict, to_toml
 from megascale.data.blend import parse_blend
 from megascale.data.corpus import default_token_file
@@ -110,8 +111,8 @@ class MetricsLog:
                         kept.append(line + "\n")
                 except (ValueError, KeyError, TypeError):
                     continue  # a torn last line from a crash
-        path.write_text("".join(kept))
-        self._file = open(path, "a")
+        runfiles.write_text(path, "".join(kept))
+        self._file = runfiles.open_append(path)
 
     def write(self, metrics: StepMetrics) -> None:
         metrics.time = time.time()
@@ -134,7 +135,7 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
     rank, _world = init_distributed(device)
     setup_logging(rank, run_dir)
     if rank == 0:
-        (run_dir / "config.toml").write_text(to_toml(job))
+        runfiles.write_text(run_dir / "config.toml", to_toml(job))
     if device == "cpu":
         cpu_backend.activate()
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

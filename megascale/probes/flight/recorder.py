@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from megascale import runfiles
 from megascale.parallel.comm_hooks import CommWrapper, Patches
 from megascale.probes.flight.format import (
     GROUP_HEAD,
@@ -555,8 +556,8 @@ def _map(path: Path | None, size: int) -> mmap.mmap:
     its header is written), or anonymous memory when ``path`` is None."""
     if path is None:
         return mmap.mmap(-1, size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(_tmp_path(path), "w+b") as f:
+    runfiles.make_dir(path.parent)
+    with runfiles.open_new(_tmp_path(path)) as f:
         f.truncate(size)
         return mmap.mmap(f.fileno(), size)
 

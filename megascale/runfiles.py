@@ -1,0 +1,179 @@
+"""Writing files in a run directory without following symlinks planted there.
+
+A run directory may be shared (a scratch file system, a path another user can write to). A symlink
+placed at a name the job writes (``final.json -> ~/.bashrc``) must not make the job write, truncate
+or chmod the link's target. Every writer of a file under a run directory goes through this module:
+
+* ``write_text`` / ``write_bytes``: the whole file, atomically (a temporary file created with
+  ``O_EXCL`` in the same directory, then renamed over the name: readers see the old or the new
+  file, never a torn one);
+* ``open_append``: a log opened for appending, with ``O_NOFOLLOW``;
+* ``make_dir``: a subdirectory, created if missing.
+
+Rule: neither the final name nor its directory may be a symlink; such a write raises
+``UnsafePathError`` (an ``OSError``) naming the path, and nothing is written anywhere. The
+directory is opened with ``O_NOFOLLOW | O_DIRECTORY`` and every operation is relative to that
+descriptor, so swapping the directory for a link between the check and the write does not help.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import IO
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class UnsafePathError(OSError):
+    """A write under a run directory would go through a symlink (or to something not a file)."""
+
+
+def _refuse(path: Path, what: str) -> UnsafePathError:
+    return UnsafePathError(
+        errno.ELOOP, f"refusing to write {path}: {what} (a run directory's files are never "
+        "written through a symlink)", str(path),
+    )  # fmt: skip
+
+
+def _open_dir(directory: Path) -> int:
+    try:
+        return os.open(directory, _DIR_FLAGS)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(directory):
+            raise _refuse(directory, "the directory is a symlink") from None
+        raise
+
+
+def _check_name(dir_fd: int, name: str, path: Path) -> None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(path, "it is a symlink")
+    if not stat.S_ISREG(st.st_mode):
+        raise _refuse(path, "it is not a regular file")
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> Path:
+    """Replace ``path`` with ``data`` atomically, with permission bits ``mode`` (see the module
+    docstring for what is refused). Returns the path."""
+    path = Path(path)
+    dir_fd = _open_dir(path.parent)
+    try:
+        _check_name(dir_fd, path.name, path)
+        tmp = f".{path.name}.{secrets.token_hex(6)}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, mode, dir_fd=dir_fd)
+        try:
+            try:
+                os.fchmod(fd, mode)  # not narrowed or widened by the umask
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            # rename replaces the name itself: a link planted since the check is replaced, not
+            # followed.
+            os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Path:
+    """``write_bytes`` of ``text`` in UTF-8."""
+    return write_bytes(path, text.encode("utf-8"), mode)
+
+
+def open_append(path: str | os.PathLike[str], binary: bool = False) -> IO:
+    """``path`` opened for appending (created 0644 if missing); a symlink at the name, or as its
+    directory, is refused."""
+    path = Path(path)
+    dir_fd = _open_dir(path.parent)
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path.name, flags, 0o644, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _refuse(path, "it is a symlink") from None
+            raise
+    finally:
+        os.close(dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _refuse(path, "it is not a regular file")
+    return os.fdopen(fd, "ab" if binary else "a", encoding=None if binary else "utf-8")
+
+
+def open_new(path: str | os.PathLike[str]) -> IO[bytes]:
+    """``path`` created (or truncated) for reading and writing in binary; a symlink at the name,
+    or as its directory, is refused."""
+    path = Path(path)
+    dir_fd = _open_dir(path.parent)
+    try:
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path.name, flags, 0o644, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise _refuse(path, "it is a symlink") from None
+            raise
+    finally:
+        os.close(dir_fd)
+    return os.fdopen(fd, "w+b")
+
+
+JOB_WRITTEN = (
+    ".lock", "config.toml", "etcd.password", "events.jsonl", "final.json", "job.toml",
+    "metrics.jsonl", "report.html", "wandb_run_id",
+    "fatal", "flight", "logs", "metrics", "progress", "timeline",
+)  # fmt: skip
+"""The names a job writes at the top of its run directory (the last six are directories). The
+checkpoint and data directories are not among them: they may be links to other disks."""
+
+
+def planted_links(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """The symlinks at the names of ``JOB_WRITTEN`` in ``run_dir`` and inside its directories."""
+    run_dir = Path(run_dir)
+    found = []
+    for name in JOB_WRITTEN:
+        path = run_dir / name
+        if path.is_symlink():
+            found.append(path)
+        elif path.is_dir():
+            found += sorted(p for p in path.rglob("*") if p.is_symlink())
+    return found
+
+
+def make_dir(path: str | os.PathLike[str]) -> Path:
+    """Create the directory ``path`` (and missing parents); a symlink at ``path`` is refused."""
+    path = Path(path)
+    if path.is_symlink():
+        raise _refuse(path, "the directory is a symlink")
+    path.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink() or not path.is_dir():
+        raise _refuse(path, "the directory is a symlink")
+    return path
+
+
+class LogFileHandler(logging.FileHandler):
+    """A ``logging.FileHandler`` (append) whose file is opened with ``open_append``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path, mode="a", encoding="utf-8")
+
+    def _open(self) -> IO:
+        return open_append(self.baseFilename)
