@@ -74,3 +74,39 @@ def test_a_read_only_checkpoint_directory_is_one_line(tmp_path):
         line = refusal(train(run, "train.steps=2"))
     assert "Read-only file system (EROFS)" in line, line
     assert str(run / "checkpoints") in line, line
+
+
+class _Hostile:
+    """Unpickling it would run a shell command (``weights_only`` loading refuses it)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_hostile_common_file_with_a_valid_checksum_falls_back(tmp_path):
+    import hashlib
+    import json
+    import pickle
+
+    assert train(tmp_path, "train.steps=4", "checkpoint.keep=2").returncode == 0
+    latest, marker = tmp_path / "checkpoints" / "step_00000004", tmp_path / "pwned"
+    data = pickle.dumps({"step": _Hostile(marker)})
+    (latest / "common.pt").write_bytes(data)
+    manifest = json.loads((latest / "manifest.json").read_text())
+    manifest["files"]["common.pt"] = {
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": len(data),
+    }
+    (latest / "manifest.json").write_text(json.dumps(manifest))
+
+    proc = train(tmp_path, "train.steps=6", "checkpoint.keep=2")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert not marker.exists()  # the file's code never ran
+    skipped = [line for line in output.splitlines() if "skipping checkpoint step_00000004" in line]
+    assert len(skipped) == 1 and "common.pt is refused" in skipped[0], output[-3000:]
+    assert "resumed from" in output and "step_00000002" in output

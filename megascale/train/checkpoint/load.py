@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -227,11 +228,37 @@ def _verify_share(storage: Storage, sdir: str, files: dict, rank: int, world: in
     return ""
 
 
+def _read_small_state(storage: Storage, sdir: str, rng: str | None) -> tuple[dict, str]:
+    """``common.pt`` and this rank's ``rng`` file (None: not restored), unpickled before any
+    tensor is loaded, so that one that cannot be read (a hostile pickle that ``weights_only``
+    refuses, though its checksum matches) means falling back, not a crash. ({name: state}, why
+    not: '' when both were read)."""
+    small = {}
+    for name in (COMMON, rng):
+        if name is None:
+            continue
+        try:
+            small[name] = load_state_bytes(_read_file(storage, sdir, name) or b"")
+        except pickle.UnpicklingError:  # torch's text advises weights_only=False: not repeated
+            return small, (
+                f"{name} is refused: it holds objects other than tensors and plain data "
+                "(not loaded, no code from it ran)"
+            )
+        except Exception as e:  # not a torch file
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return small, f"{name} cannot be read: {type(e).__name__}: {first[:200]}"
+    return small, ""
+
+
 @torch.no_grad()
 def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) -> tuple[bool, str]:
     """Verify, then load one layout-independent checkpoint into the trainer. Collective."""
     groups, sdir, files = trainer.groups, step_name(step), manifest["files"]
     why = _verify_share(storage, sdir, files, groups.rank, groups.layout.world_size)
+    same_layout = manifest.get("layout") == _layout(groups, trainer)
+    rng = f"{rank_dir(groups.rank)}/rng.pt" if same_layout else None
+    small, unreadable = _read_small_state(storage, sdir, rng)
+    why = why or unreadable
     whys: list[str] = [""] * groups.layout.world_size
     dist.all_gather_object(whys, why)  # every rank falls back together, naming the bad file
     why = next((w for w in whys if w), "")
@@ -253,10 +280,9 @@ def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) ->
     for inner in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
         if hasattr(inner, "_copy_main_params_to_model_params"):
             inner._copy_main_params_to_model_params()  # bf16 model params from the fp32 ones
-    _apply_common(trainer, load_state_bytes(_read_file(storage, sdir, COMMON) or b""))
-    if manifest.get("layout") == _layout(groups, trainer):
-        rng = f"{rank_dir(groups.rank)}/rng.pt"
-        set_rng_state(load_state_bytes(_read_file(storage, sdir, rng) or b""))
+    _apply_common(trainer, small[COMMON])
+    if rng is not None:
+        set_rng_state(small[rng])
     else:
         logger.info(
             "checkpoint %s resharded from %s to %s",
