@@ -158,6 +158,30 @@ def planted_links(run_dir: str | os.PathLike[str]) -> list[Path]:
     return found
 
 
+NAME_MAX = 255
+"""Bytes in one path component (Linux file systems)."""
+PATH_MAX = 4095
+
+
+def check_dir_path(flag: str, path: str | os.PathLike[str]) -> Path:
+    """``path`` if the file system can hold it, else ValueError naming ``flag``: a component over
+    ``NAME_MAX`` bytes, a path over ``PATH_MAX`` or a control character (a newline in a path
+    splits every log line that names it)."""
+    text = os.fspath(path)
+    shown = text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise ValueError(f"{flag} = {shown!r}: contains a control character; must not")
+    if len(os.fsencode(text)) > PATH_MAX:
+        raise ValueError(f"{flag} = {shown!r}: longer than {PATH_MAX} bytes; must be at most that")
+    for part in Path(text).parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise ValueError(
+                f"{flag} = {shown!r}: a component is {len(os.fsencode(part))} bytes long; each "
+                f"must be at most {NAME_MAX}"
+            )
+    return Path(text)
+
+
 def make_dir(path: str | os.PathLike[str]) -> Path:
     """Create the directory ``path`` (and missing parents); a symlink at ``path`` is refused."""
     path = Path(path)

@@ -38,6 +38,7 @@ from pathlib import Path
 from queue import Queue
 from typing import Any
 
+from megascale import runfiles
 from megascale.agent import neighbour_check
 from megascale.agent.commands import (  # noqa: F401  (ack_message: re-exported)
     CommandRunner,
@@ -48,7 +49,7 @@ from megascale.agent.logscan import DEVICE_ERRORS, error_kind
 from megascale.agent.nodeinfo import gpu_status, hardware_info, network_counters
 from megascale.agent.workers import WorkerPool, Zygote
 from megascale.controller.policy import lease_ttl
-from megascale.etcd.keys import JobKeys
+from megascale.etcd.keys import JobKeys, check_name
 from megascale.etcd.store import (
     KeepAlive,
     Lease,
@@ -508,6 +509,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> AgentOptions:
+    """The options, or ValueError (one line) before anything is written: names that reach the
+    file system (``logs/agent_<node>.log``) and the run directory's path are checked here."""
+    check_name("--job", args.job)
+    check_name("--node", args.node)
+    runfiles.check_dir_path("--run-dir", args.run_dir)
     faults = [inject.parse(s) for s in args.inject] + inject.from_env()
     return AgentOptions(
         job_id=args.job,

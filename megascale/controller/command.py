@@ -15,6 +15,7 @@ import signal
 import socket
 from pathlib import Path
 
+from megascale import runfiles
 from megascale.controller.fault_tolerance_flags import (
     add_controller_fault_tolerance_arguments,
     add_fault_tolerance_arguments,
@@ -23,6 +24,7 @@ from megascale.controller.fault_tolerance_flags import (
 )
 from megascale.controller.policy import policy_for, straggler_options
 from megascale.controller.service import ControllerService, ServiceOptions
+from megascale.etcd.keys import check_name
 from megascale.etcd.store import Store, StoreConfig
 from megascale.process import (
     add_metrics_arguments,
@@ -81,6 +83,10 @@ def main(args: argparse.Namespace) -> int:
         start_timeout_s=min(120.0, args.init_timeout),
     )
     name = args.id or f"{socket.gethostname()}-{os.getpid()}"
+    # Names that reach the file system (logs/controller_<id>.log) are checked before any write.
+    check_name("--job", args.job)
+    check_name("--id", name)
+    runfiles.check_dir_path("--run-dir", args.run_dir)
     opts = ServiceOptions(
         args.job,
         Path(args.run_dir),

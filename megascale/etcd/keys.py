@@ -59,14 +59,19 @@ from typing import Any
 from megascale.messages.job import COMMAND_KINDS, Command, NeighbourEntry, RankAssignment
 
 ROOT = "/megascale"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # whole string: ``fullmatch``
 
 
 def check_name(what: str, value: str) -> str:
     """``value`` if it is a valid job id or node name (no ``/``), else ValueError naming it."""
-    if not isinstance(value, str) or not _NAME.match(value):
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        shown = (
+            repr(value)
+            if len(repr(value)) <= 80
+            else f"{repr(value)[:60]}... ({len(value)} characters)"
+        )
         raise ValueError(
-            f"{what} = {value!r}: must be 1-128 characters of letters, digits, '.', '_', '-', "
+            f"{what} = {shown}: must be 1-128 characters of letters, digits, '.', '_', '-', "
             "starting with a letter or digit"
         )
     return value

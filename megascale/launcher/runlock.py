@@ -53,7 +53,10 @@ class RunLock:
 def prepare_run_dir(run_dir: Path, flag: str = "--run-dir", wait_s: float = 0.0) -> RunLock:
     """Create ``run_dir`` and lock it for this job (see the module docstring). ``wait_s``: how
     long to wait for a holder to exit before refusing. Raises ``RunDirError`` (one line)."""
-    run_dir = Path(run_dir)
+    try:
+        run_dir = runfiles.check_dir_path(flag, run_dir)
+    except ValueError as e:
+        raise RunDirError(str(e)) from None
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"{flag} = {str(run_dir)!r}: is a file; must be a directory")
     try:

@@ -125,3 +125,32 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     holder = json.loads((run_dir / LOCK_NAME).read_text())
     assert holder["pid"] != stale["pid"] and holder["started"] != stale["started"]
     assert "taken over" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "node, fragment",
+    [
+        ("../../..", "--node = '../../..'"),
+        ("n" * 5000, "(5000 characters)"),
+        ("node-0\n", "--node = 'node-0\\n'"),
+    ],
+)
+def test_agent_names_are_refused_before_anything_is_written(tmp_path, node, fragment):
+    run_dir = tmp_path / "a" / "b" / "run"
+    line = refused(
+        "agent", "--job", "j", "--node", node, "--run-dir", str(run_dir),
+        "--endpoints", "127.0.0.1:1",
+    )  # fmt: skip
+    assert fragment in line and "letters, digits" in line, line
+    assert len(line) < 300, line
+    assert list(tmp_path.rglob("*")) == [], "written before the name was refused"
+
+
+@pytest.mark.parametrize("command", ["agent", "launch", "train"])
+def test_a_run_directory_component_over_255_bytes_is_refused(tmp_path, command):
+    run_dir = tmp_path / ("r" * 300)
+    extra = (
+        ["--job", "j", "--node", "n", "--endpoints", "127.0.0.1:1"] if command == "agent" else []
+    )
+    line = refused(command, *extra, "--run-dir", str(run_dir))
+    assert "--run-dir = " in line and "300 bytes long; each must be at most 255" in line, line
