@@ -45,7 +45,17 @@ import torch
 
 from megascale.config import JobConfig
 from megascale.data.blend import parse_blend, parse_split
-from megascale.data.indexed import DataError, DatasetInfo, check_prefix, max_token, open_indexed
+from megascale.data.indexed import (
+    SCAN_TOKENS,
+    DataError,
+    DatasetInfo,
+    bin_path,
+    check_prefix,
+    open_indexed,
+    scan_max_token,
+    sidecar_path,
+    token_count,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +99,7 @@ def check_data(job: JobConfig, default_prefix: Path | None, *, scan: bool) -> Da
                     f"than model.vocab_size = {vocab}; raise model.vocab_size to >= "
                     f"{info.vocab_size}"
                 )
-        top = info.max_token if info is not None else (max_token(prefix) if scan else -1)
-        if top >= vocab:
-            raise DataError(
-                f"{prefix}: token id {top} >= model.vocab_size = {vocab}; accepted ids "
-                f"0..{vocab - 1}"
-            )
+        _check_max_token(prefix, info, vocab, scan)
     _check_split_tokens(job, prefixes, built_splits(job))
     kinds = {(i.tokenizer, i.vocab_size, i.eod) for i in infos.values()}
     if len(kinds) > 1:
@@ -103,6 +108,26 @@ def check_data(job: JobConfig, default_prefix: Path | None, *, scan: bool) -> Da
             f"({', '.join(f'{p}: {i.tokenizer}/vocab {i.vocab_size}' for p, i in infos.items())})"
         )
     return next(iter(infos.values()), None)
+
+
+def _check_max_token(prefix: str, info: DatasetInfo | None, vocab: int, scan: bool) -> None:
+    """DataError when a token id >= ``vocab``: per ``PREFIX.json``, and (``scan``) per the
+    ``.bin``'s own content, so a stale sidecar is not trusted. The scan is bounded
+    (``indexed.SCAN_TOKENS``) unless the sidecar's token count disagrees with the ``.bin``."""
+    if info is not None and info.max_token >= vocab:
+        raise DataError(
+            f"{sidecar_path(prefix)}: token id {info.max_token} >= model.vocab_size = {vocab}; "
+            f"accepted ids 0..{vocab - 1}"
+        )
+    if not scan:
+        return
+    stale = info is not None and info.tokens != token_count(prefix)
+    top = scan_max_token(prefix, limit=None if info is None or stale else SCAN_TOKENS)
+    if top >= vocab:
+        raise DataError(
+            f"{bin_path(prefix)}: token id {top} >= model.vocab_size = {vocab}; accepted ids "
+            f"0..{vocab - 1}"
+        )
 
 
 class _TokenizerInfo:

@@ -9,7 +9,8 @@ exactly as ``preprocess_data.py --append-eod`` does.
 Reading and writing go through megatron-core (``IndexedDataset`` / ``IndexedDatasetBuilder``); this
 module only adds what a user needs before that: a one-line ``DataError`` naming the file for a
 missing prefix, a file in another format (an old megascale ``MSTOKEN`` file gets the command that
-converts it), a truncated ``.bin`` or an ``.idx`` written for another dtype; atomic writes; and the
+converts it), a truncated ``.bin``, an ``.idx`` of another version or dtype, or whose sequences
+or document indices point outside the ``.bin`` (every entry checked, in chunks); atomic writes; and the
 small ``PREFIX.json`` sidecar that records the tokenizer (``PREFIX.tokenizer.json`` is its copy).
 
 megatron-core is imported inside the functions that need it, so the CLI parser starts without it.
@@ -33,7 +34,11 @@ LEGACY_MAGIC = b"MSTOKEN\x00"
 # megatron-core's DType codes (indexed_dataset.DType), for messages without importing it.
 _DTYPE_CODES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64",
                 7: "float32", 8: "uint16"}  # fmt: skip
-_CHUNK = 1 << 24  # tokens per chunk when scanning a .bin
+_CHUNK = 1 << 24  # tokens per chunk when scanning a .bin or an index
+SCAN_TOKENS = 1 << 28
+"""At most this many tokens of a ``.bin`` are read to find its largest id (``scan_max_token``):
+all of a smaller file; of a larger one, evenly spread chunks (its first and last included)."""
+INDEX_VERSION = 1
 
 
 class DataError(ValueError):
@@ -124,6 +129,12 @@ def check_prefix(prefix: str | os.PathLike, field: str = "data.path") -> None:
             f"{idx}: not a Megatron indexed dataset (header {head[:9]!r}, expected "
             f"{MEGATRON_MAGIC!r})"
         )
+    (version,) = struct.unpack_from("<Q", head, len(MEGATRON_MAGIC))
+    if version != INDEX_VERSION:
+        raise DataError(
+            f"{idx}: index version {version}; accepted {INDEX_VERSION} (Megatron-LM's "
+            "MMIDIDX format): rebuild it with `megascale data build`"
+        )
     code = head[len(MEGATRON_MAGIC) + 8]
     if code not in _DTYPE_CODES:
         raise DataError(f"{idx}: unknown dtype code {code}; accepted {sorted(_DTYPE_CODES)}")
@@ -136,6 +147,50 @@ def check_prefix(prefix: str | os.PathLike, field: str = "data.path") -> None:
             f"{_DTYPE_CODES[code]} per {idx.name}): the .bin is truncated or the .idx was "
             "written for another dtype"
         )
+    _check_index(idx, binf, np.dtype(_DTYPE_CODES[code]).itemsize, actual)
+
+
+def _check_index(idx: Path, binf: Path, itemsize: int, bin_bytes: int) -> None:
+    """Raise DataError unless every sequence of ``idx`` lies inside the ``.bin`` (a length >= 0,
+    a pointer >= 0, ending by its last byte) and the document indices rise from 0 to the number
+    of sequences. Reads the index in chunks (12 bytes per sequence, 8 per document)."""
+    head = len(MEGATRON_MAGIC) + 8 + 1 + 16
+    with open(idx, "rb") as f:
+        f.seek(head - 16)
+        n_seq, n_doc = struct.unpack("<QQ", f.read(16))
+    if n_seq:
+        lengths = np.memmap(idx, np.int32, "r", head, (n_seq,))
+        pointers = np.memmap(idx, np.int64, "r", head + 4 * n_seq, (n_seq,))
+    for start in range(0, n_seq, _CHUNK):
+        length = lengths[start : start + _CHUNK].astype(np.int64)
+        pointer = pointers[start : start + _CHUNK]
+        bad = np.flatnonzero(
+            (length < 0) | (pointer < 0) | (pointer + length * itemsize > bin_bytes)
+        )
+        if bad.size:
+            i = int(bad[0])
+            where = f"{idx}: sequence {start + i} (pointer {int(pointer[i])}, length {length[i]})"
+            if pointer[i] < 0 or length[i] < 0:
+                raise DataError(f"{where}: accepted >= 0; a corrupt index, rebuild the dataset")
+            raise DataError(
+                f"{where} ends past the end of {binf.name} ({bin_bytes} bytes): the index does "
+                "not belong to this .bin; rebuild the dataset"
+            )
+    if n_doc == 0:
+        return
+    docs = np.memmap(idx, np.int64, "r", head + 12 * n_seq, (n_doc,))
+    previous = 0
+    for start in range(0, n_doc, _CHUNK):
+        chunk = docs[start : start + _CHUNK]
+        steps = np.diff(chunk, prepend=previous)
+        bad = np.flatnonzero((chunk < 0) | (chunk > n_seq) | (steps < 0))
+        if bad.size:
+            i = int(bad[0])
+            raise DataError(
+                f"{idx}: document index {start + i} is {int(chunk[i])}; accepted 0..{n_seq} "
+                "(the number of sequences), never decreasing: a corrupt index; rebuild the dataset"
+            )
+        previous = int(chunk[-1])
 
 
 def _expected_bin_bytes(idx: Path, code: int) -> int:
@@ -171,19 +226,27 @@ def open_indexed(prefix: str | os.PathLike, field: str = "data.path"):
     return IndexedDataset(os.fspath(prefix), multimodal=False, mmap=True)
 
 
-def max_token(prefix: str | os.PathLike) -> int:
-    """The largest token id in ``PREFIX.bin`` (-1 when empty); scans the file in chunks, so memory
-    stays bounded. ``PREFIX.json``'s ``max_token`` is used instead when the sidecar exists."""
-    info = DatasetInfo.read(prefix)
-    if info is not None:
-        return info.max_token
+def token_count(prefix: str | os.PathLike) -> int:
+    """The number of tokens ``PREFIX.bin`` holds (its size over the index's dtype)."""
+    with open(idx_path(prefix), "rb") as f:
+        code = f.read(len(MEGATRON_MAGIC) + 9)[-1]
+    return bin_path(prefix).stat().st_size // np.dtype(_DTYPE_CODES.get(code, "uint8")).itemsize
+
+
+def scan_max_token(prefix: str | os.PathLike, limit: int | None = SCAN_TOKENS) -> int:
+    """The largest token id found in ``PREFIX.bin``'s own content (-1 when empty), whatever
+    ``PREFIX.json`` says. ``limit``: read at most that many tokens (``SCAN_TOKENS``: evenly spread
+    chunks of a larger file, its first and last included); None reads the whole file."""
     check_prefix(prefix)
     with open(idx_path(prefix), "rb") as f:
         code = f.read(len(MEGATRON_MAGIC) + 9)[-1]
     tokens = _memmap(bin_path(prefix), np.dtype(_DTYPE_CODES[code]))
-    return max(
-        (int(tokens[i : i + _CHUNK].max()) for i in range(0, len(tokens), _CHUNK)), default=-1
-    )
+    starts = range(0, len(tokens), _CHUNK)
+    if limit is not None and len(tokens) > limit:
+        chunks = max(2, limit // _CHUNK)
+        last = len(tokens) - _CHUNK
+        starts = sorted({round(k * last / (chunks - 1)) for k in range(chunks)})
+    return max((int(tokens[i : i + _CHUNK].max()) for i in starts), default=-1)
 
 
 def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:

@@ -262,7 +262,7 @@ def test_train_refuses_token_id_beyond_vocab(capsys, tmp_path):
     builder.add_document(np.array([1, 2, 300, 0]), [4])
     builder.finalize(str(idx_path(tmp_path / "m")))
     err = _train_error(capsys, tmp_path, f"data.path={tmp_path / 'm'}")
-    assert f"{tmp_path / 'm'}: token id 300 >= model.vocab_size = 256" in err
+    assert f"{tmp_path / 'm'}.bin: token id 300 >= model.vocab_size = 256" in err
 
 
 def test_train_refuses_blend_weights_that_do_not_parse(capsys, tmp_path, byte_data):
