@@ -48,7 +48,17 @@ def job_store(rank: int, world: int, timeout_s: float) -> dist.Store:
         return dist.PrefixStore(prefix, client)
     if rank != 0:
         return dist.TCPStore(addr, port, world, False, timeout)
-    fd = _listen(addr, port)
+    return serve_store(addr, port, world, timeout)
+
+
+def serve_store(
+    addr: str, port: int, world: int | None, timeout: datetime.timedelta
+) -> dist.TCPStore:
+    """A ``TCPStore`` server listening on ``addr:port`` only (``port`` 0: a free one, then read
+    ``.port``). Every store this package serves is made here: torch's ``TCPStore(addr, ...,
+    is_master=True)`` binds every interface whatever ``addr`` is, so it is given a socket bound
+    here instead (``master_listen_fd``)."""
+    fd, port = _listen(addr, port)
     return dist.TCPStore(
         addr, port, world, True, timeout, wait_for_workers=False, master_listen_fd=fd
     )
@@ -66,8 +76,9 @@ def _gloo_on_loopback(addr: str) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = names[0]
 
 
-def _listen(addr: str, port: int) -> int:
-    """A socket listening on ``addr:port`` only; its file descriptor, owned by the caller. The
+def _listen(addr: str, port: int) -> tuple[int, int]:
+    """A socket listening on ``addr:port`` only; its file descriptor (owned by the caller) and
+    port. The
     error names the port and says EADDRINUSE when it is taken (``local.run_local`` retries)."""
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     try:
@@ -83,7 +94,8 @@ def _listen(addr: str, port: int) -> int:
         sock.close()
         taken = " (EADDRINUSE)" if e.errno == 98 else ""
         raise OSError(e.errno, f"rank 0 cannot listen on {host}:{port}: {e.strerror}{taken}") from e
-    return sock.detach()
+    port = sock.getsockname()[1]
+    return sock.detach(), port
 
 
 def _agree_on_prefix(store: dist.Store, rank: int, world: int, timeout_s: float) -> str:

@@ -39,7 +39,8 @@ def test_each_group_agrees_on_a_prefix_no_earlier_group_used():
 
 def test_rank0_store_listens_on_master_addr_only():
     port = free_port()
-    fd = job_store._listen("127.0.0.1", port)
+    fd, bound = job_store._listen("127.0.0.1", port)
+    assert bound == port
     with socket.socket(fileno=fd) as listening:
         assert listening.getsockname() == ("127.0.0.1", port)
     taken = socket.socket()

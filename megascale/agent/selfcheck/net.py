@@ -40,6 +40,8 @@ import torch
 from torch import distributed as dist
 from torch.distributed import ProcessGroupGloo
 
+from megascale.launcher.job_store import serve_store
+
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
@@ -129,7 +131,7 @@ def intranode_alltoall(
     The caller's process hosts the rendezvous store on 127.0.0.1; the workers are fresh Python
     processes (``backend`` "nccl": worker r uses GPU r). All are killed at ``timeout_s``.
     """
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    store = serve_store("127.0.0.1", 0, None, datetime.timedelta(seconds=300))
     env = dict(os.environ, TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"))
     args = (
         f"alltoall --world {nprocs} --port {store.port} --bytes {nbytes} --backend {backend} "
@@ -307,9 +309,12 @@ def _allreduce_in_group(
     store_host, store_port = _split(members[0])
     if rank != 0:  # fail within timeout_s, not after the store client's retries (~2x)
         _wait_reachable(store_host, store_port, timeout_s)
-    store = dist.TCPStore(
-        store_host, store_port, len(members), rank == 0, timeout=timeout, wait_for_workers=False
-    )
+    if rank == 0:  # on the group's first endpoint's host only, not on every interface
+        store = serve_store(store_host, store_port, len(members), timeout)
+    else:
+        store = dist.TCPStore(
+            store_host, store_port, len(members), False, timeout=timeout, wait_for_workers=False
+        )
     options = ProcessGroupGloo._Options()
     options._devices = [ProcessGroupGloo.create_device(hostname=_split(members[rank])[0])]
     options._timeout = timeout
