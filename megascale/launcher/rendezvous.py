@@ -27,6 +27,7 @@ is the replayed sample's time scaled by the count (``Replay.estimated_s``).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import threading
@@ -240,9 +241,9 @@ def replay(
 ) -> Replay:
     """Issue ``batches`` against a fresh ``TCPStore`` server on loopback from ``threads`` client
     threads: the writes of about ``chunk_ops`` operations' worth of batches, then their reads."""
-    from torch.distributed import TCPStore
+    from megascale.launcher.job_store import serve_store
 
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server = serve_store("127.0.0.1", 0, None, datetime.timedelta(seconds=300))
     clients = _Clients("127.0.0.1", server.port)
     done = 0
     with ThreadPoolExecutor(threads) as pool:
