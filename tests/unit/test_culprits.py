@@ -5,7 +5,7 @@ Layout used: TP {0,1},{2,3}; DP {0,2},{1,3} (dp, pp, tp) = (rank // 2 ... ) as i
 
 from __future__ import annotations
 
-from megascale.probes.flight.culprits import stall_culprits, stall_suspects
+from megascale.probes.flight.culprits import analyse_stall, stall_culprits, stall_suspects
 from megascale.probes.flight.format import (
     DeviceState,
     GroupInfo,
@@ -133,3 +133,79 @@ def test_state_round_trips_through_json_with_device_fields():
     s = state(3, {0x11: 5, 0x21: 5}, [op(0x11, 5, Q), op(0x21, 5, S)])
     back = RankState.from_json(s.to_json())
     assert back.unstarted == s.unstarted and back.blocked == s.blocked
+
+
+def _with_history(st, history):
+    return RankState(**{**st.__dict__, "history": history})
+
+
+def test_a_pair_mismatch_is_told_by_a_replica_that_already_passed_that_collective():
+    # TP {0,1} #4: rank 1 all-reduces 128 bytes, rank 0 64. TP {2,3} passed #4 long ago (both now
+    # wait in DP #4): their history says 64, and #1-#3 agree with {0,1}'s, so it is a replica.
+    # Rank 1 is named, never rank 0 (the lower rank, which a coin toss would have named).
+    tp01 = ((1, 3, "all_reduce", 64, 1),)  # runs: (first seq, count, op, bytes, step)
+    tp23 = ((1, 4, "all_reduce", 64, 1),)
+    states = {
+        0: _with_history(state(0, {0x10: 4, 0x20: 3}, [op(0x10, 4, S)]), {0x10: tp01}),
+        1: _with_history(state(1, {0x10: 4, 0x21: 3}, [op(0x10, 4, S, nbytes=128)]), {0x10: tp01}),
+        2: _with_history(state(2, {0x11: 4, 0x20: 4}, [op(0x20, 4, S)]), {0x11: tp23}),
+        3: _with_history(state(3, {0x11: 4, 0x21: 4}, [op(0x21, 4, S)]), {0x11: tp23}),
+    }
+    assert [(c.rank, c.reason, c.op) for c in stall_culprits(states)] == [
+        (1, "mismatch", "all_reduce of 128 bytes")
+    ]
+
+
+def test_a_group_of_the_same_label_that_ran_another_program_is_no_replica():
+    # TP {2,3} recorded 32-byte collectives before #4 (another pipeline stage): no evidence; with
+    # no previous step in the histories either, nobody is named and the stall says why.
+    states = {
+        0: _with_history(
+            state(0, {0x10: 4}, [op(0x10, 4, S)]), {0x10: ((3, 1, "all_reduce", 64, 1),)}
+        ),
+        1: _with_history(
+            state(1, {0x10: 4}, [op(0x10, 4, S, nbytes=128)]),
+            {0x10: ((3, 1, "all_reduce", 64, 1),)},
+        ),
+        2: _with_history(
+            state(2, {0x11: 4}, [op(0x11, 4, C)]),
+            {0x11: ((3, 1, "all_reduce", 32, 1), (4, 1, "all_reduce", 128, 1))},
+        ),
+    }
+    analysis = analyse_stall(states)
+    assert analysis.culprits == []
+    [undecided] = analysis.undecided
+    assert (undecided.ranks, undecided.reason, undecided.seq) == ((0, 1), "mismatch", 4)
+    assert undecided.describe().startswith("cannot tell which rank: #4 on TP [0, 1] differs")
+
+
+def test_a_pair_with_no_replica_is_told_by_its_previous_step():
+    # EMBEDDING {0,3} (PP4: no replica): one all-reduce per step, #1 in step 1, #2 in step 2; at
+    # #3 (step 3) rank 0 issued 128 bytes, rank 3 64 as in every step before: rank 0 is named.
+    def hist(n):
+        return {
+            0x40: (
+                (1, 1, "all_reduce", 64, 1),
+                (2, 1, "all_reduce", 64, 2),
+                (3, 1, "all_reduce", n, 3),
+            )
+        }
+
+    groups = {0x40: GroupInfo(0x40, "EMBEDDING", (0, 3), 3)}
+
+    def st(rank, nbytes):
+        o = OpRecord(0, 3, 0x40, OpKind.ALL_REDUCE, OpState.LEFT, 0, nbytes, 3, 1.0, 1.0, 1.0,
+                     None, 1, S)  # fmt: skip
+        return RankState(rank, 4, 1, 3, "step", o, (o,), groups, process="S", history=hist(nbytes))
+
+    states = {0: st(0, 128), 3: st(3, 64)}
+    assert [(c.rank, c.reason) for c in stall_culprits(states)] == [(0, "mismatch")]
+    alone = {r: RankState(**{**s.__dict__, "history": {}}) for r, s in states.items()}
+    assert stall_culprits(alone) == [] and analyse_stall(alone).undecided  # no evidence left
+
+
+def test_history_travels_in_the_heartbeat_json():
+    st = _with_history(
+        state(0, {0x10: 4}, [op(0x10, 4, S)]), {0x10: ((4, 1, "all_reduce", 64, 2),)}
+    )
+    assert RankState.from_json(st.to_json()).history == st.history

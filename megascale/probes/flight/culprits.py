@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from megascale.probes.flight.format import P2P, OpRecord, RankState
+from megascale.probes.flight.format import P2P, OpKind, OpRecord, RankState
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,53 @@ class Culprit:
                 "seq": self.seq}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Undecided:
+    """A stall the flight records cannot pin on one rank, with the evidence: a collective whose
+    members disagree with no majority and no replica group to tell which record is the odd one
+    (two ranks, two shapes). Its ranks are candidates, not culprits: nobody is blamed for it."""
+
+    ranks: tuple[int, ...]
+    reason: str
+    """"mismatch": the members' records of one collective differ and nothing says whose is odd."""
+    group: str
+    seq: int
+    ops: tuple[str, ...]
+    """What each of ``ranks`` issued, in the same order."""
+
+    def describe(self) -> str:
+        issued = ", ".join(
+            f"rank {r} issued {op}" for r, op in zip(self.ranks, self.ops, strict=True)
+        )
+        return (
+            f"cannot tell which rank: #{self.seq} on {self.group} differs ({issued}), with no "
+            f"majority and no replica group that recorded it"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ranks": list(self.ranks), "reason": self.reason, "group": self.group,
+                "seq": self.seq, "ops": list(self.ops), "text": self.describe()}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StallAnalysis:
+    culprits: list[Culprit]
+    undecided: list[Undecided]
+
+
 def stall_suspects(states: Mapping[int, RankState]) -> list[int]:
     """The ranks that hold up a stall (``stall_culprits``' ranks)."""
     return sorted({c.rank for c in stall_culprits(states)})
 
 
 def stall_culprits(states: Mapping[int, RankState]) -> list[Culprit]:
-    """The ranks that hold up a stall, each with the reason and the op it holds up.
+    """``analyse_stall``'s culprits."""
+    return analyse_stall(states).culprits
+
+
+def analyse_stall(states: Mapping[int, RankState]) -> StallAnalysis:
+    """The ranks that hold up a stall, each with the reason and the op it holds up, and what
+    cannot be pinned on one rank (``Undecided``).
 
     A wait-for graph over what the ranks' flight files say: a rank waits in op (group g, seq s)
     when it is blocked there (host view) or its device started it and it has not completed
@@ -57,9 +97,13 @@ def stall_culprits(states: Mapping[int, RankState]) -> list[Culprit]:
     started is no suspect (that collective itself hangs: nobody is behind), unless the members'
     records of it differ in op or size: then the ranks in the minority are named ("mismatch"),
     and they alone (with stopped ranks): every other wait is behind that collective, which never
-    completes. In a tie (a pair) the op that the same-labelled groups' waiters record at that
-    sequence number wins (data-parallel replicas issue the same calls); failing that, the lower
-    rank's.
+    completes. In a tie (a pair) the replica groups decide: groups of the same label whose
+    members recorded the same collectives as this group's members before that sequence number
+    (data-parallel replicas issue the same calls; the same label in another pipeline stage does
+    not); the op most of them recorded at that number wins. With no replica, the op the group
+    issued at the same place in the previous step wins (the k-th collective of a step on a group
+    is the same call every step), where the histories hold that step. With neither, the stall is
+    ``Undecided`` and nobody is named: an innocent rank is never named by a coin toss.
     Ranks whose process is stopped (SIGSTOP, /proc state "T", known only on the same host) are
     suspects wherever they stopped. [] when no rank waits and none is stopped.
 
@@ -87,19 +131,24 @@ def stall_culprits(states: Mapping[int, RankState]) -> list[Culprit]:
                 or (m == rank and (op.group, op.seq) in state.unstarted)
             }
     culprits: dict[int, Culprit] = {}
+    undecided: list[Undecided] = []
     for (gid, seq), by_rank in ops.items():
-        culprits.update({c.rank: c for c in _mismatched(states, gid, seq, by_rank, ops)})
+        odd = _mismatched(states, gid, seq, by_rank)
+        if isinstance(odd, Undecided):
+            undecided.append(odd)
+        else:
+            culprits.update({c.rank: c for c in odd})
     # A mismatch hangs its group for good: every rank waiting or queued behind it is downstream.
-    dead = {} if culprits else _dead_links(states)
+    dead = {} if culprits or undecided else _dead_links(states)
     culprits.update(dead)
-    for comp in [] if dead or culprits else _sink_components(edges):
+    for comp in [] if dead or culprits or undecided else _sink_components(edges):
         for node in comp:
             if isinstance(node, int) and node not in culprits:
                 culprits[node] = _why(states, node, comp, edges)
     for rank, state in states.items():
         if state.stopped and rank not in culprits:
             culprits[rank] = Culprit(rank, "stopped")
-    return sorted(culprits.values(), key=lambda c: c.rank)
+    return StallAnalysis(sorted(culprits.values(), key=lambda c: c.rank), undecided)
 
 
 def _dead_links(states: Mapping[int, RankState]) -> dict[int, Culprit]:
@@ -133,14 +182,10 @@ def _dead_links(states: Mapping[int, RankState]) -> dict[int, Culprit]:
 
 
 def _mismatched(
-    states: Mapping[int, RankState],
-    gid: int,
-    seq: int,
-    by_rank: Mapping[int, OpRecord],
-    ops: Mapping[tuple[int, int], Mapping[int, OpRecord]],
-) -> list[Culprit]:
-    """The ranks whose record of (gid, seq) differs in op or size from the most common one
-    (ties: see ``stall_culprits``; ``ops`` is every blocked op by (group, seq))."""
+    states: Mapping[int, RankState], gid: int, seq: int, by_rank: Mapping[int, OpRecord]
+) -> list[Culprit] | Undecided:
+    """The ranks whose record of (gid, seq) differs in op or size from the most common one; in a
+    tie, from the one the replica groups recorded (see ``stall_culprits``)."""
     if len(by_rank) < 2:
         return []
     shapes: dict[tuple[object, int], list[int]] = {}
@@ -149,19 +194,80 @@ def _mismatched(
     if len(shapes) < 2:
         return []
     label = _label(states, gid)
-    kind = label.split(" [")[0]  # the label without the ranks: the same for every replica
-    elsewhere = Counter(
-        _shape(op)
-        for (other, other_seq), members in ops.items()
-        if other != gid and other_seq == seq and _label(states, other).split(" [")[0] == kind
-        for op in members.values()
-    )
-    common = max(shapes.items(), key=lambda kv: (len(kv[1]), elsewhere[kv[0]], -min(kv[1])))[1]
+    ranked = sorted(shapes.items(), key=lambda kv: -len(kv[1]))
+    if len(ranked[0][1]) == len(ranked[1][1]):
+        votes = _replica_votes(states, gid, seq)
+        if not votes:
+            votes = _previous_step_votes(states, gid, seq, next(iter(by_rank.values())).step)
+        ranked = sorted(shapes.items(), key=lambda kv: -votes[kv[0]])
+        if votes[ranked[0][0]] == votes[ranked[1][0]]:
+            members = sorted(by_rank)
+            return Undecided(tuple(members), "mismatch", label, seq,
+                             tuple(_issued(by_rank[r]) for r in members))  # fmt: skip
+    common = ranked[0][1]
     return [
-        Culprit(rank, "mismatch", label, f"{op.kind.name.lower()} of {op.nbytes} bytes", seq)
+        Culprit(rank, "mismatch", label, _issued(op), seq)
         for rank, op in by_rank.items()
         if rank not in common
     ]
+
+
+def _issued(op: OpRecord) -> str:
+    return f"{op.kind.name.lower()} of {op.nbytes} bytes"
+
+
+def _replica_votes(states: Mapping[int, RankState], gid: int, seq: int) -> Counter:
+    """(op, bytes) that each replica of group ``gid`` recorded as collective ``seq``: groups of
+    the same label whose members' records before ``seq`` agree with ``gid``'s members' where
+    both are known (none different)."""
+    label = _label(states, gid).split(" [")[0]
+    mine = _program(states, gid)
+    votes: Counter = Counter()
+    for other in {g for st in states.values() for g in st.groups} - {gid}:
+        if _label(states, other).split(" [")[0] != label:
+            continue
+        theirs = _program(states, other)
+        before = [q for q in mine if q < seq and q in theirs]
+        if any(theirs[q] != mine[q] for q in before) or seq not in theirs:
+            continue
+        votes[theirs[seq]] += 1
+    return votes
+
+
+def _previous_step_votes(states: Mapping[int, RankState], gid: int, seq: int, step: int) -> Counter:
+    """(op, bytes) that group ``gid`` issued at the same place in the step before ``step``: the
+    k-th collective of a step on a group is the same call every step. Empty unless the members'
+    histories hold that whole previous step and the start of this one."""
+    steps: dict[int, int] = {}
+    for st in states.values():
+        for first_seq, count, _, _, t in st.history.get(gid, ()):
+            for q in range(first_seq, first_seq + count):
+                steps.setdefault(q, t)
+    first = min((q for q, t in steps.items() if t == step), default=None)
+    if first is None or steps.get(first - 1) != step - 1:
+        return Counter()
+    before = min(q for q, t in steps.items() if t == step - 1)
+    if before > 1 and before - 1 not in steps:
+        return Counter()  # the previous step's start is out of the histories
+    then = before + (seq - first)
+    if then >= first:
+        return Counter()  # this step issued more on the group than the previous one
+    shape = _program(states, gid).get(then)
+    return Counter({shape: 1}) if shape is not None else Counter()
+
+
+def _program(states: Mapping[int, RankState], gid: int) -> dict[int, tuple[object, int]]:
+    """(op, bytes) by sequence number on group ``gid``, as its members' histories and blocked
+    ops record them (the first member's record where they differ)."""
+    out: dict[int, tuple[object, int]] = {}
+    for rank in sorted(states):
+        for op in states[rank].blocked:
+            if op.group == gid:
+                out.setdefault(op.seq, _shape(op))
+        for first_seq, count, kind, nbytes, _ in states[rank].history.get(gid, ()):
+            for q in range(first_seq, first_seq + count):
+                out.setdefault(q, (OpKind[kind.upper()], nbytes))
+    return out
 
 
 def _shape(op: OpRecord) -> tuple[object, int]:

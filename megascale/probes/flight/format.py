@@ -77,6 +77,7 @@ OFF_WRITE_INDEX, OFF_GROUPS_USED, OFF_STEP, OFF_SECTION = 56, 64, 72, 96
 OFF_LEAVE, OFF_STATE, OFF_DEVICE, OFF_START, OFF_DONE = 56, 70, 76, 80, 88  # within a record
 NO_PEER = 0xFFFFFFFF
 ASYNC, COALESCED, P2P, BATCH = 1, 2, 4, 8
+HISTORY = 64  # runs of alike collectives per group a RankState carries (``RankState.history``)
 STOPPED = ("T", "t")  # /proc states of a stopped (SIGSTOP) or traced process
 
 
@@ -288,6 +289,11 @@ class RankState:
     the pid was reused, or the reader is on another host."""
     unstarted: frozenset[tuple[int, int]] = frozenset()
     """(group, seq) of the ops enqueued here that its device has not started (NCCL-like)."""
+    history: dict[int, tuple[tuple[int, int, str, int, int], ...]] = field(default_factory=dict)
+    """Per group of two ranks (p2p channels left out), its collectives in the ring as runs of
+    alike ones, oldest first, the last ``HISTORY`` runs: (first seq, count, op, bytes, step).
+    What the stall analysis compares a collective its two members disagree on with (replica
+    groups, the group's previous step); a larger group has a majority and needs none."""
 
     def started(self, gid: int, seq: int) -> bool:
         """Whether this rank's device started op ``seq`` on group ``gid`` (untracked: entered)."""
@@ -328,6 +334,9 @@ class RankState:
             "left": not self.blocked,
             "group": list(info.ranks) if info is not None else None,
             "unstarted": [[f"{g:016x}", q] for g, q in sorted(self.unstarted)],
+            "history": {
+                f"{g:016x}": [list(run) for run in runs] for g, runs in self.history.items()
+            },
         }
 
     @classmethod
@@ -347,6 +356,12 @@ class RankState:
             last_activity_wall=float(d.get("last_activity_wall", 0.0)),
             process=d.get("process"),
             unstarted=frozenset((int(g, 16), int(q)) for g, q in d.get("unstarted", ())),
+            history={
+                int(gid, 16): tuple(
+                    (int(q), int(c), str(k), int(n), int(t)) for q, c, k, n, t in runs
+                )
+                for gid, runs in d.get("history", {}).items()
+            },
         )
 
 
@@ -432,7 +447,30 @@ def last_state(path: Path | str) -> RankState:
         unstarted=frozenset(
             (r.group, r.seq) for r in records if r.device == DeviceState.QUEUED and not r.left
         ),
+        history=_history(records, flight.groups),
     )
+
+
+def _history(
+    records: list[OpRecord], groups: Mapping[int, GroupInfo]
+) -> dict[int, tuple[tuple[int, int, str, int, int], ...]]:
+    """``RankState.history``: runs of alike collectives per group of two ranks."""
+    out: dict[int, list[list]] = {}
+    for r in records:
+        info = groups.get(r.group)
+        if r.flags & P2P or info is None or len(info.ranks) != 2:
+            continue
+        runs, kind = out.setdefault(r.group, []), r.kind.name.lower()
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and (last[2], last[3], last[4]) == (kind, r.nbytes, r.step)
+            and (last[0] + last[1] == r.seq)
+        ):
+            last[1] += 1
+        else:
+            runs.append([r.seq, 1, kind, r.nbytes, r.step])
+    return {gid: tuple(tuple(run) for run in runs[-HISTORY:]) for gid, runs in out.items()}
 
 
 def process_state(pid: int, proc_start: int = 0) -> str | None:
