@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import statistics
 from pathlib import Path
 from string import Template
@@ -101,12 +102,11 @@ def _loss_section(metrics: list[StepMetrics]) -> str:
         width=1020,
         height=260,
     )
-    return _section(
-        "Training loss",
-        "Mean cross-entropy per optimizer step (rank 0's metrics.jsonl).",
-        chart,
-        "loss",
-    )
+    off = [f"{step} ({loss})" for step, loss in points if not math.isfinite(loss)]
+    caption = "Mean cross-entropy per optimizer step (rank 0's metrics.jsonl)."
+    if off:  # marked in red at the top of the chart, off its scale
+        caption += f" Not finite at step {', '.join(off[:10])}{' ...' if len(off) > 10 else ''}."
+    return _section("Training loss", caption, chart, "loss")
 
 
 def _throughput_section(report: straggler.StragglerReport | None) -> str:

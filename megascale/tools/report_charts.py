@@ -61,7 +61,8 @@ def line_chart(
     lanes = _label_lanes(markers, width - left - right)
     top += 13 * (max(lanes, default=-1) + 1)  # marker labels sit in lanes above the plot
     xs = [x for _n, _c, pts in series for x, _ in pts] + [m[0] for m in markers]
-    ys = [y for _n, _c, pts in series for _, y in pts]
+    xs = [x for x in xs if math.isfinite(x)]
+    ys = [y for _n, _c, pts in series for _, y in pts if math.isfinite(y)]  # inf/nan: marked
     x_ticks = nice_ticks(min(xs, default=0), max(xs, default=1))
     y_ticks = nice_ticks(min(ys, default=0), max(ys, default=1))
     x0, x1, y0, y1 = x_ticks[0], x_ticks[-1], y_ticks[0], y_ticks[-1]
@@ -111,18 +112,39 @@ def line_chart(
             f'fill="{colour}" style="fill:{colour}">{esc(text)}</text>'
         )
     for name, colour, pts in series:
-        if not pts:
-            continue
-        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
-        for x, y in pts:
+        for run in _finite_runs(pts):  # the line breaks where a value is inf or nan
+            path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
             out.append(
-                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{colour}">'
-                f"<title>{esc(name)} at {esc(f'{x:g}')}: {esc(y_format.format(y))}</title>"
-                "</circle>"
+                f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>'
+            )
+        for x, y in pts:
+            if not math.isfinite(x):
+                continue
+            title = f"<title>{esc(name)} at {esc(f'{x:g}')}: {esc(y_format.format(y))}</title>"
+            if math.isfinite(y):
+                out.append(
+                    f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="{colour}">'
+                    f"{title}</circle>"
+                )
+                continue
+            edge = top + ph if y == -math.inf else top + 10  # off the scale: at its edge
+            out.append(
+                f'<text x="{px(x):.1f}" y="{edge:.1f}" text-anchor="middle" font-size="11" '
+                f'fill="#c81e1e" style="fill:#c81e1e">{esc(y_format.format(y))}{title}</text>'
             )
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _finite_runs(points: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
+    """The stretches of consecutive points whose x and y are both finite."""
+    runs: list[list[tuple[float, float]]] = [[]]
+    for x, y in points:
+        if math.isfinite(x) and math.isfinite(y):
+            runs[-1].append((x, y))
+        elif runs[-1]:
+            runs.append([])
+    return [run for run in runs if run]
 
 
 def _label_lanes(markers, plot_width: float) -> list[int]:
