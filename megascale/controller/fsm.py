@@ -476,9 +476,11 @@ class ControllerFSM(RecoveryProtocol):
         layout = self.layout
         nodes = sorted({n for r in suspects if (n := self.node_of(r)) is not None})
         detail.update(suspects=[layout.describe(r) for r in suspects], suspect_nodes=nodes)
+        if detail.get("culprits"):
+            detail["culprits"] = [self._placed(c) for c in detail["culprits"]]
         node = nodes[0] if len(nodes) == 1 else None
         rank = suspects[0] if len(suspects) == 1 else None
-        signature = mismatch_signature(detail.get("culprits") or ())
+        signature = mismatch_signature(detail.get("culprits") or (), detail.get("undecided") or ())
         if signature is None:
             return self._on_fault(Fault("stall", node, rank, detail, suspects))
         # A mismatched collective is the program's bug: no node is blamed. The first one may be a
@@ -491,6 +493,21 @@ class ControllerFSM(RecoveryProtocol):
             fatal = {**detail, "reason": f"{signature} ({why})", "classified": why}
             return self._on_fault(Fault("job_fatal", node, rank, fatal, suspects, False))
         return self._on_fault(Fault("stall", node, rank, detail, suspects, False))
+
+    def _placed(self, culprit: Mapping[str, Any]) -> dict[str, Any]:
+        """A stall culprit (``Culprit.to_json`` and its text) with its node and (dp, pp, tp)
+        coordinates: ``text`` becomes "rank 5 (dp=0, pp=1, tp=1) on node-1 not started in ...".
+        """
+        rank, out = culprit.get("rank"), dict(culprit)
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            return out
+        node, where = self.node_of(rank), self.layout.describe(rank)
+        out.update(node=node, where=where)
+        text = str(culprit.get("text", ""))
+        on = f"{where} on {node}" if node is not None else where
+        if text.startswith(f"rank {rank} "):
+            out["text"] = on + text[len(f"rank {rank}") :]
+        return out
 
     def _on_fault(self, fault: Fault) -> list[Action]:
         self.fault = fault

@@ -17,7 +17,7 @@ from typing import Any
 
 from megascale.controller.fsm import State
 from megascale.messages import Heartbeat, Reported
-from megascale.probes.flight.culprits import stall_culprits
+from megascale.probes.flight.culprits import analyse_stall
 from megascale.probes.flight.format import RankState
 
 logger = logging.getLogger("megascale.controller.service")
@@ -218,7 +218,8 @@ class HeartbeatIntake:
         silent = [n for n in fsm.order if now - fsm.last_seen.get(n, now) > quiet]
         if stalled <= timeout or silent:
             return False  # a silent node is the FSM's heartbeat fault, not a stall
-        culprits = stall_culprits(self._flight)
+        analysis = analyse_stall(self._flight)
+        culprits = analysis.culprits
         waiting = sorted(
             {
                 f"{op.kind.name.lower()} #{op.seq} on {list(st.groups[op.group].ranks)}"
@@ -235,6 +236,8 @@ class HeartbeatIntake:
             "stopped": sorted(r for r, st in self._flight.items() if st.stopped),
             "culprits": [c.to_json() | {"text": c.describe()} for c in culprits],
         }
+        if analysis.undecided:  # nobody named: why not, with the evidence
+            detail["undecided"] = [u.to_json() for u in analysis.undecided]
         if self.metrics is not None:
             for culprit in culprits:
                 self.metrics.record_stall_culprit(culprit.rank, culprit.reason)

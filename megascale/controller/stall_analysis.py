@@ -83,13 +83,22 @@ class SectionTimeouts:
         return max(self.floor, self.factor * max(samples))
 
 
-def mismatch_signature(culprits: Iterable[Mapping[str, Any]]) -> str | None:
+def mismatch_signature(
+    culprits: Iterable[Mapping[str, Any]], undecided: Iterable[Mapping[str, Any]] = ()
+) -> str | None:
     """The signature of a stall whose culprits (a ``stall`` event's ``culprits``) are all
-    mismatched collectives: what each odd rank issued, where; None for any other stall."""
-    culprits = list(culprits)
-    if not culprits or any(c.get("reason") != "mismatch" for c in culprits):
+    mismatched collectives, or that names nobody but found mismatches it could not pin on one
+    rank (its ``undecided``): what each odd rank issued, where; None for any other stall."""
+    culprits, undecided = list(culprits), list(undecided)
+    if any(c.get("reason") != "mismatch" for c in culprits + undecided):
         return None
-    odd = "; ".join(
-        sorted(f"rank {c.get('rank')} issued {c.get('op')} on {c.get('group')}" for c in culprits)
-    )
+    issued = [(c.get("rank"), c.get("op"), c.get("group")) for c in culprits]
+    issued += [
+        (rank, op, u.get("group"))
+        for u in undecided
+        for rank, op in zip(u.get("ranks", ()), u.get("ops", ()), strict=False)
+    ]
+    if not issued:
+        return None
+    odd = "; ".join(sorted(f"rank {rank} issued {op} on {group}" for rank, op, group in issued))
     return f"mismatched collective: {odd} while its group's other members issued another"

@@ -218,6 +218,11 @@ def fault_message(state: ControllerState | None) -> str | None:
         where.append(f"rank {fault.rank}")
     suspects = fault.suspects
     text = fault.kind + (f" on {', '.join(where)}" if where else "")
+    # a stall's analysis: each named rank with its coordinates, node, group and op, or why none
+    named = [str(c.get("text")) for c in fault.detail.get("culprits") or () if c.get("text")]
+    named += [str(u.get("text")) for u in fault.detail.get("undecided") or () if u.get("text")]
+    if named:
+        return f"{text}: {'; '.join(named)}"
     return text + (f" (suspect ranks {suspects})" if suspects else "")
 
 

@@ -47,6 +47,21 @@ class Tail:
         return [p for p in parts if p.strip()]
 
 
+def _fault(d: dict) -> str:
+    """A fault event's detail; a stall leads with whom it names (rank, coordinates, node, group,
+    op) or why it names nobody, then what the ranks are blocked in."""
+    rest = ", ".join(
+        f"{k}={v}"
+        for k, v in d.items()
+        if k not in ("fault", "step", "where", "culprits", "undecided", "suspects")
+    )
+    if not ({"culprits", "undecided"} & set(d)):
+        return rest
+    named = [str(c.get("text")) for c in d.get("culprits") or ()]
+    named += [str(u.get("text")) for u in d.get("undecided") or ()]
+    return "; ".join(named or ["no rank named"]) + f" ({rest})"
+
+
 def describe_event(event: Event) -> str | None:
     """One line for the launcher's log, or None for events not worth showing."""
     kind, d = event.kind, event.detail
@@ -54,10 +69,7 @@ def describe_event(event: Event) -> str | None:
         f"{k} {v}" for k, v in (("node", event.node), ("rank", event.rank)) if v is not None
     )
     text = {
-        "fault": lambda: (
-            f"FAULT {d.get('fault')} {where} at step {d.get('step')}: "
-            + ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("fault", "step", "where"))
-        ),
+        "fault": lambda: f"FAULT {d.get('fault')} {where} at step {d.get('step')}: " + _fault(d),
         "evict": lambda: f"evicted {where}: {d.get('reason')}",
         "straggler": lambda: (
             f"straggler {where}: {d.get('score')}x the others' compute time ({d.get('action')})"

@@ -515,3 +515,32 @@ def test_commands_are_scoped_to_job_and_generation():
         keys.node("a/b")
     with pytest.raises(ValueError, match="kind = 'reboot'"):
         make_command("job-a", 1, "reboot", "x")
+
+
+def test_a_stall_culprit_is_placed_by_node_and_coordinates():
+    # What the stall event, the report's fault list and the launcher's log line show: the rank,
+    # its (dp, pp, tp), its node, the group and the op it holds up.
+    fsm, clock = running(nodes=("n0", "n1"), pp=2, tp=1)
+    culprit = {"rank": 3, "reason": "not-started", "group": "TP [2, 3]", "op": "all_reduce",
+               "seq": 43, "text": "rank 3 not started in all_reduce #43 on TP [2, 3]"}  # fmt: skip
+    out = fsm.on_stall_detected([3], now=clock(), detail={"culprits": [culprit]})
+    (fault,) = records(out, "fault")
+    [placed] = fault.detail["culprits"]
+    assert placed["node"] == "n1" and placed["where"] == "rank 3 (dp=1, pp=1, tp=0)"
+    assert (
+        placed["text"]
+        == "rank 3 (dp=1, pp=1, tp=0) on n1 not started in all_reduce #43 on TP [2, 3]"
+    )
+    assert fault.detail["suspect_nodes"] == ["n1"] and (fault.node, fault.rank) == ("n1", 3)
+
+
+def test_a_stall_that_names_nobody_says_why_and_blames_no_node():
+    fsm, clock = running(nodes=("n0", "n1"), pp=2, tp=1)
+    undecided = {"ranks": [0, 1], "reason": "mismatch", "group": "TP [0, 1]", "seq": 4,
+                 "ops": ["all_reduce of 64 bytes", "all_reduce of 128 bytes"],
+                 "text": "cannot tell which rank: ..."}  # fmt: skip
+    out = fsm.on_stall_detected([], now=clock(), detail={"culprits": [], "undecided": [undecided]})
+    (fault,) = records(out, "fault")
+    assert fault.node is None and fault.rank is None and fault.detail["suspect_nodes"] == []
+    assert fault.detail["classified"] == "software: mismatched collective"
+    assert fsm.culprits == {}

@@ -169,3 +169,21 @@ def test_the_real_consumers_read_only_declared_fields():
     events = [messages["Event"], Event(1, 2.0, 1, "failed", detail={"reason": "gave up"})]
     assert faults_detected(events) == {"worker_exit": 1}
     assert failure(events) == ("gave up", None)
+
+
+def test_a_stall_is_shown_by_whom_it_names_in_the_job_status_and_the_launcher_log():
+    from megascale.k8s.status import fault_message
+    from megascale.launcher.monitor import describe_event
+    from megascale.messages.job import ControllerState, FaultRecord
+
+    text = "rank 5 (dp=0, pp=1, tp=1) on node-1 not started in all_reduce #43 on TP [4, 5]"
+    detail = {"culprits": [{"rank": 5, "reason": "not-started", "text": text}],
+              "blocked_in": ["all_reduce #43 on [4, 5]"], "suspects": ["rank 5 (...)"]}  # fmt: skip
+    state = ControllerState("stopping", 1, fault=FaultRecord("stall", "node-1", 5, detail, ["5"]))
+    assert fault_message(state) == f"stall on node node-1, rank 5: {text}"
+    event = Event(1, 2.0, 1, "fault", "node-1", 5, {**detail, "fault": "stall", "step": 12})
+    line = describe_event(event)
+    assert line.startswith(f"FAULT stall node node-1 rank 5 at step 12: {text} (blocked_in=")
+    nobody = {"fault": "stall", "step": 12, "culprits": [],
+              "undecided": [{"text": "cannot tell which rank: ..."}]}  # fmt: skip
+    assert "cannot tell which rank" in describe_event(Event(2, 2.0, 1, "fault", None, None, nobody))
