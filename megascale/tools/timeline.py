@@ -24,6 +24,8 @@ import csv
 import io
 import json
 import logging
+import os
+import stat
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -111,9 +113,52 @@ class Breakdown:
 BREAKDOWN_FIELDS = tuple(Breakdown.__dataclass_fields__)
 
 
+class TimelineFileError(ValueError):
+    """A file the timeline reads is not a regular file (a device, a FIFO, a directory; a symlink
+    is followed and its target checked); the message names it in one line."""
+
+
+MAX_LINE_BYTES = 64 << 20
+"""A longer line (a step of a runaway span list, or garbage) is skipped, never held in memory."""
+
+
+def _open_regular(path: Path) -> tuple[Any, int]:
+    """``path`` opened for reading and its size at that moment; TimelineFileError unless it is a
+    regular file. Opened non-blocking (a FIFO does not hang the open) and checked on the open
+    descriptor, so the file checked is the file read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a device, FIFO or socket"
+        raise TimelineFileError(
+            f"{path}: not a regular file ({kind}); a timeline file is a JSON-lines file written "
+            "by a rank: remove or replace it"
+        )
+    return os.fdopen(fd, "rb"), st.st_size
+
+
 def _read_lines(path: Path) -> Iterable[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    """The JSON objects of a JSON-lines file, torn or invalid lines skipped. Reads at most the
+    file's size when opened (a file that keeps growing is not followed) and at most
+    ``MAX_LINE_BYTES`` of one line."""
+    f, left = _open_regular(path)
+    with f:
+        number = 0
+        while left > 0:
+            line = f.readline(min(left, MAX_LINE_BYTES + 1))
+            if not line:
+                break
+            left -= len(line)
+            number += 1
+            if len(line) > MAX_LINE_BYTES:
+                while left > 0 and not line.endswith(b"\n"):  # skip the rest of the line
+                    line = f.readline(min(left, 1 << 20))
+                    left -= len(line)
+                    if not line:
+                        break
+                logger.warning("%s:%d: skipping a line over %d bytes", path, number, MAX_LINE_BYTES)
+                continue
             try:
                 yield json.loads(line)
             except ValueError:

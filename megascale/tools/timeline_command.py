@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from megascale.tools import straggler
-from megascale.tools.timeline import write_trace
+from megascale.tools.timeline import TimelineFileError, write_trace
 
 logger = logging.getLogger(__name__)
 
@@ -24,12 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``megascale timeline``; 1 with a logged error when the run has no timeline."""
+    """Run ``megascale timeline``; 1 with a logged error when the run has no timeline, 2 with one
+    line when a file it would read is not a regular file."""
     try:
         trace, steps_csv, segments_csv = write_trace(args.run_dir, args.out)
     except FileNotFoundError as e:
         logger.error("megascale timeline: %s", e)
         return 1
+    except TimelineFileError as e:
+        print(f"megascale: timeline: {e}", file=sys.stderr)
+        return 2
     logger.info("trace: %s (open in ui.perfetto.dev or chrome://tracing)", trace)
     logger.info("tables: %s, %s", steps_csv, segments_csv)
     for line in straggler.analyze_run(args.run_dir).describe():
