@@ -8,6 +8,7 @@ from __future__ import annotations
 from megascale.probes.flight.culprits import analyse_stall, stall_culprits, stall_suspects
 from megascale.probes.flight.format import (
     DeviceState,
+    GroupHistory,
     GroupInfo,
     OpKind,
     OpRecord,
@@ -136,15 +137,23 @@ def test_state_round_trips_through_json_with_device_fields():
 
 
 def _with_history(st, history):
-    return RankState(**{**st.__dict__, "history": history})
+    """``history``: gid -> (seq, op, bytes, step) of consecutive collectives."""
+    return RankState(**{**st.__dict__, "history": {g: _h(*ops) for g, ops in history.items()}})
+
+
+def _h(*ops):
+    shapes = tuple(dict.fromkeys((k, n) for _, k, n, _ in ops))
+    steps = tuple(dict.fromkeys((t, min(q for q, _, _, u in ops if u == t)) for *_, t in ops))
+    chars = "".join(str(shapes.index((k, n))) for _, k, n, _ in ops)
+    return GroupHistory(ops[0][0], shapes, chars, steps)
 
 
 def test_a_pair_mismatch_is_told_by_a_replica_that_already_passed_that_collective():
     # TP {0,1} #4: rank 1 all-reduces 128 bytes, rank 0 64. TP {2,3} passed #4 long ago (both now
     # wait in DP #4): their history says 64, and #1-#3 agree with {0,1}'s, so it is a replica.
     # Rank 1 is named, never rank 0 (the lower rank, which a coin toss would have named).
-    tp01 = ((1, 3, "all_reduce", 64, 1),)  # runs: (first seq, count, op, bytes, step)
-    tp23 = ((1, 4, "all_reduce", 64, 1),)
+    tp01 = [(q, "all_reduce", 64, 1) for q in (1, 2, 3)]
+    tp23 = [(q, "all_reduce", 64, 1) for q in (1, 2, 3, 4)]
     states = {
         0: _with_history(state(0, {0x10: 4, 0x20: 3}, [op(0x10, 4, S)]), {0x10: tp01}),
         1: _with_history(state(1, {0x10: 4, 0x21: 3}, [op(0x10, 4, S, nbytes=128)]), {0x10: tp01}),
@@ -161,15 +170,15 @@ def test_a_group_of_the_same_label_that_ran_another_program_is_no_replica():
     # no previous step in the histories either, nobody is named and the stall says why.
     states = {
         0: _with_history(
-            state(0, {0x10: 4}, [op(0x10, 4, S)]), {0x10: ((3, 1, "all_reduce", 64, 1),)}
+            state(0, {0x10: 4}, [op(0x10, 4, S)]), {0x10: ((3, "all_reduce", 64, 1),)}
         ),
         1: _with_history(
             state(1, {0x10: 4}, [op(0x10, 4, S, nbytes=128)]),
-            {0x10: ((3, 1, "all_reduce", 64, 1),)},
+            {0x10: ((3, "all_reduce", 64, 1),)},
         ),
         2: _with_history(
             state(2, {0x11: 4}, [op(0x11, 4, C)]),
-            {0x11: ((3, 1, "all_reduce", 32, 1), (4, 1, "all_reduce", 128, 1))},
+            {0x11: ((3, "all_reduce", 32, 1), (4, "all_reduce", 128, 1))},
         ),
     }
     analysis = analyse_stall(states)
@@ -184,11 +193,7 @@ def test_a_pair_with_no_replica_is_told_by_its_previous_step():
     # #3 (step 3) rank 0 issued 128 bytes, rank 3 64 as in every step before: rank 0 is named.
     def hist(n):
         return {
-            0x40: (
-                (1, 1, "all_reduce", 64, 1),
-                (2, 1, "all_reduce", 64, 2),
-                (3, 1, "all_reduce", n, 3),
-            )
+            0x40: _h((1, "all_reduce", 64, 1), (2, "all_reduce", 64, 2), (3, "all_reduce", n, 3))
         }
 
     groups = {0x40: GroupInfo(0x40, "EMBEDDING", (0, 3), 3)}
@@ -205,7 +210,5 @@ def test_a_pair_with_no_replica_is_told_by_its_previous_step():
 
 
 def test_history_travels_in_the_heartbeat_json():
-    st = _with_history(
-        state(0, {0x10: 4}, [op(0x10, 4, S)]), {0x10: ((4, 1, "all_reduce", 64, 2),)}
-    )
+    st = _with_history(state(0, {0x10: 4}, [op(0x10, 4, S)]), {0x10: ((4, "all_reduce", 64, 2),)})
     assert RankState.from_json(st.to_json()).history == st.history

@@ -240,9 +240,9 @@ def _previous_step_votes(states: Mapping[int, RankState], gid: int, seq: int, st
     histories hold that whole previous step and the start of this one."""
     steps: dict[int, int] = {}
     for st in states.values():
-        for first_seq, count, _, _, t in st.history.get(gid, ()):
-            for q in range(first_seq, first_seq + count):
-                steps.setdefault(q, t)
+        history = st.history.get(gid)
+        for q in range(history.first, history.first + len(history.ops)) if history else ():
+            steps.setdefault(q, history.step_of(q))
     first = min((q for q, t in steps.items() if t == step), default=None)
     if first is None or steps.get(first - 1) != step - 1:
         return Counter()
@@ -264,9 +264,10 @@ def _program(states: Mapping[int, RankState], gid: int) -> dict[int, tuple[objec
         for op in states[rank].blocked:
             if op.group == gid:
                 out.setdefault(op.seq, _shape(op))
-        for first_seq, count, kind, nbytes, _ in states[rank].history.get(gid, ()):
-            for q in range(first_seq, first_seq + count):
-                out.setdefault(q, (OpKind[kind.upper()], nbytes))
+        history = states[rank].history.get(gid)
+        for q in range(history.first, history.first + len(history.ops)) if history else ():
+            if (shape := history.at(q)) is not None:
+                out.setdefault(q, (OpKind[shape[0].upper()], shape[1]))
     return out
 
 

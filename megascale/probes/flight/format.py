@@ -77,7 +77,6 @@ OFF_WRITE_INDEX, OFF_GROUPS_USED, OFF_STEP, OFF_SECTION = 56, 64, 72, 96
 OFF_LEAVE, OFF_STATE, OFF_DEVICE, OFF_START, OFF_DONE = 56, 70, 76, 80, 88  # within a record
 NO_PEER = 0xFFFFFFFF
 ASYNC, COALESCED, P2P, BATCH = 1, 2, 4, 8
-HISTORY = 64  # runs of alike collectives per group a RankState carries (``RankState.history``)
 STOPPED = ("T", "t")  # /proc states of a stopped (SIGSTOP) or traced process
 
 
@@ -266,6 +265,48 @@ class Flight:
     """Oldest first; at most ``capacity``, the newest ones."""
 
 
+_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+/"
+_UNKNOWN = "."
+
+
+@dataclass(frozen=True)
+class GroupHistory:
+    """A rank's collectives on one group, compactly: ``ops`` holds one character per sequence
+    number from ``first`` on, the index (``_ALPHABET``) of its (op, bytes) in ``shapes``
+    ("." unknown: not in the ring, or a 65th shape); ``steps``: (step, its first seq here)."""
+
+    first: int
+    shapes: tuple[tuple[str, int], ...]
+    ops: str
+    steps: tuple[tuple[int, int], ...]
+
+    def at(self, seq: int) -> tuple[str, int] | None:
+        """(op, bytes) of collective ``seq``, if known."""
+        i = seq - self.first
+        if not 0 <= i < len(self.ops) or self.ops[i] == _UNKNOWN:
+            return None
+        return self.shapes[_ALPHABET.index(self.ops[i])]
+
+    def step_of(self, seq: int) -> int | None:
+        """The step collective ``seq`` was issued in, if known."""
+        if not self.first <= seq < self.first + len(self.ops):
+            return None
+        return next((step for step, start in reversed(self.steps) if start <= seq), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"first": self.first, "shapes": [list(s) for s in self.shapes], "ops": self.ops,
+                "steps": [list(s) for s in self.steps]}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> GroupHistory:
+        return cls(
+            int(d["first"]),
+            tuple((str(k), int(n)) for k, n in d["shapes"]),
+            str(d["ops"]),
+            tuple((int(t), int(q)) for t, q in d["steps"]),
+        )
+
+
 @dataclass(frozen=True)
 class RankState:
     """What a rank's flight file says about it now; the input of ``stall_suspects``."""
@@ -289,11 +330,11 @@ class RankState:
     the pid was reused, or the reader is on another host."""
     unstarted: frozenset[tuple[int, int]] = frozenset()
     """(group, seq) of the ops enqueued here that its device has not started (NCCL-like)."""
-    history: dict[int, tuple[tuple[int, int, str, int, int], ...]] = field(default_factory=dict)
-    """Per group of two ranks (p2p channels left out), its collectives in the ring as runs of
-    alike ones, oldest first, the last ``HISTORY`` runs: (first seq, count, op, bytes, step).
-    What the stall analysis compares a collective its two members disagree on with (replica
-    groups, the group's previous step); a larger group has a majority and needs none."""
+    history: dict[int, GroupHistory] = field(default_factory=dict)
+    """Per group of two ranks, the collectives the ring still holds (``GroupHistory``): what
+    the stall analysis compares a collective its two members disagree on with (replica groups,
+    the group's previous step); a larger group has a majority and needs none. Carried only
+    while the rank is blocked (a heartbeat of a rank that computes stays small)."""
 
     def started(self, gid: int, seq: int) -> bool:
         """Whether this rank's device started op ``seq`` on group ``gid`` (untracked: entered)."""
@@ -334,9 +375,7 @@ class RankState:
             "left": not self.blocked,
             "group": list(info.ranks) if info is not None else None,
             "unstarted": [[f"{g:016x}", q] for g, q in sorted(self.unstarted)],
-            "history": {
-                f"{g:016x}": [list(run) for run in runs] for g, runs in self.history.items()
-            },
+            "history": {f"{g:016x}": h.to_json() for g, h in self.history.items()},
         }
 
     @classmethod
@@ -357,10 +396,7 @@ class RankState:
             process=d.get("process"),
             unstarted=frozenset((int(g, 16), int(q)) for g, q in d.get("unstarted", ())),
             history={
-                int(gid, 16): tuple(
-                    (int(q), int(c), str(k), int(n), int(t)) for q, c, k, n, t in runs
-                )
-                for gid, runs in d.get("history", {}).items()
+                int(g, 16): GroupHistory.from_json(h) for g, h in d.get("history", {}).items()
             },
         )
 
@@ -447,30 +483,30 @@ def last_state(path: Path | str) -> RankState:
         unstarted=frozenset(
             (r.group, r.seq) for r in records if r.device == DeviceState.QUEUED and not r.left
         ),
-        history=_history(records, flight.groups),
+        history=_history(records, flight.groups) if blocked else {},
     )
 
 
-def _history(
-    records: list[OpRecord], groups: Mapping[int, GroupInfo]
-) -> dict[int, tuple[tuple[int, int, str, int, int], ...]]:
-    """``RankState.history``: runs of alike collectives per group of two ranks."""
-    out: dict[int, list[list]] = {}
+def _history(records: list[OpRecord], groups: Mapping[int, GroupInfo]) -> dict[int, GroupHistory]:
+    """``RankState.history`` from the ring (oldest first)."""
+    by_group: dict[int, list[OpRecord]] = {}
     for r in records:
         info = groups.get(r.group)
-        if r.flags & P2P or info is None or len(info.ranks) != 2:
-            continue
-        runs, kind = out.setdefault(r.group, []), r.kind.name.lower()
-        last = runs[-1] if runs else None
-        if (
-            last is not None
-            and (last[2], last[3], last[4]) == (kind, r.nbytes, r.step)
-            and (last[0] + last[1] == r.seq)
-        ):
-            last[1] += 1
-        else:
-            runs.append([r.seq, 1, kind, r.nbytes, r.step])
-    return {gid: tuple(tuple(run) for run in runs[-HISTORY:]) for gid, runs in out.items()}
+        if not r.flags & P2P and info is not None and len(info.ranks) == 2:
+            by_group.setdefault(r.group, []).append(r)
+    out = {}
+    for gid, ops in by_group.items():
+        shapes: dict[tuple[str, int], int] = {}
+        chars = [_UNKNOWN] * (ops[-1].seq - ops[0].seq + 1)
+        steps: list[tuple[int, int]] = []
+        for r in ops:
+            index = shapes.setdefault((r.kind.name.lower(), r.nbytes), len(shapes))
+            chars[r.seq - ops[0].seq] = _ALPHABET[index] if index < len(_ALPHABET) else _UNKNOWN
+            if not steps or steps[-1][0] != r.step:
+                steps.append((r.step, r.seq))
+        out[gid] = GroupHistory(ops[0].seq, tuple(shapes)[: len(_ALPHABET)], "".join(chars),
+                                tuple(steps))  # fmt: skip
+    return out
 
 
 def process_state(pid: int, proc_start: int = 0) -> str | None:
