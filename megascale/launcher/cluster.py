@@ -48,7 +48,7 @@ from megascale.launcher.runlock import prepare_run_dir
 from megascale.launcher.signals import StopSignals, reset_in_child
 from megascale.machine_check import check_machine
 from megascale.machine_check import gpu_count as _gpu_count
-from megascale.messages import ControllerState, decoded
+from megascale.messages import ControllerState, FinalOutcome, decoded
 from megascale.probes import inject
 
 logger = logging.getLogger("megascale.launch")
@@ -404,7 +404,16 @@ def launch(opts: LaunchOptions) -> int:
     stop_signals = StopSignals().install()
     started = time.monotonic()
     state, reason = _run_cluster(opts, job, notes, run_dir, stop_signals, started)
-    final = summarize(run_dir, job, state, time.monotonic() - started, opts, reason=reason)
+    wall_s = time.monotonic() - started
+    try:
+        final = summarize(run_dir, job, state, wall_s, opts, reason=reason)
+    except Exception as e:  # every exit writes final.json: the summary without the run's details
+        logger.exception("summarizing the run failed; final.json says only how it ended")
+        final = FinalOutcome(
+            finished=state == "finished", state=state, final_step=0, steps=job.train.steps,
+            job_id=opts.job_id, run_dir=str(run_dir), wall_time_s=round(wall_s, 3),
+            reason=reason or f"summary failed: {type(e).__name__}: {str(e)[:300]}",
+        )  # fmt: skip
     path = run_dir / FINAL_FILE
     runfiles.write_text(path, json.dumps(final.encode(), indent=1, sort_keys=True) + "\n")
     logger.info(
@@ -448,6 +457,9 @@ def _run_cluster(
     except RuntimeError as e:  # a process that would not start
         logger.error("%s", e)
         reason = str(e)
+    except Exception as e:  # the launcher's own bug or an unexpected error: stopped in order
+        logger.exception("launcher error: stopping the job")
+        reason = f"launcher error: {type(e).__name__}: {str(e)[:300]}"
     finally:
         stops.stopping()  # a second SIGINT/SIGTERM no longer cuts the stop short
         if cluster is not None:

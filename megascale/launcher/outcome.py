@@ -68,7 +68,11 @@ def parameter_digest(run_dir: Path, job: Any) -> tuple[str | None, int | None]:
     from megascale.train.checkpoint.load import model_digest
     from megascale.train.checkpoint.storage import location
 
-    return model_digest(location(job.checkpoint, run_dir))
+    try:
+        return model_digest(location(job.checkpoint, run_dir))
+    except Exception as e:  # a corrupt or half-written checkpoint: final.json is written anyway
+        logger.warning("no parameter digest (%s: %s)", type(e).__name__, str(e)[:300])
+        return None, None
 
 
 def fault_timings(run_dir: Path, events: list[Event]) -> list[FaultTiming]:

@@ -1,13 +1,13 @@
-"""How a launcher process stops on a signal: SIGTERM (``timeout``, systemd, Kubernetes) does what
-SIGINT (Ctrl-C) does.
+"""How a launcher process stops on a signal: SIGTERM (``timeout``, systemd, Kubernetes) and SIGHUP
+(the terminal closed, the ssh session dropped) do what SIGINT (Ctrl-C) does.
 
-``StopSignals`` (``megascale launch``): the first SIGTERM or SIGINT raises ``KeyboardInterrupt``
-in the main thread, which the launcher turns into its orderly stop (processes stopped, etcd's
-temporary directory removed, ``final.json`` written); from then on, and from ``stopping()`` on,
-further signals are logged and otherwise ignored, so the stop is never cut short.
+``StopSignals`` (``megascale launch``): the first SIGTERM, SIGINT or SIGHUP raises
+``KeyboardInterrupt`` in the main thread, which the launcher turns into its orderly stop (processes
+stopped, etcd's temporary directory removed, ``final.json`` written); from then on, and from
+``stopping()`` on, further signals are logged and otherwise ignored, so the stop is never cut short.
 
-``reset_in_child`` restores the default dispositions in a forked child, which would otherwise
-inherit the parent's handlers.
+``reset_in_child`` restores the default dispositions (SIGHUP: ignored) in a forked child, which
+would otherwise inherit the parent's handlers.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StopSignals:
-    """SIGTERM/SIGINT -> one ``KeyboardInterrupt(signal name)``, later ones ignored (see the
+    """SIGTERM/SIGINT/SIGHUP -> one ``KeyboardInterrupt(signal name)``, later ones ignored (see the
     module docstring). Install from the main thread."""
 
     def __init__(self) -> None:
@@ -54,6 +54,9 @@ class StopSignals:
 
 
 def reset_in_child() -> None:
-    """In a forked child: SIGTERM kills (the default), SIGINT raises KeyboardInterrupt."""
+    """In a forked child: SIGTERM kills (the default), SIGINT raises KeyboardInterrupt, SIGHUP is
+    ignored (a closed terminal hangs up the launcher's whole process group: the launcher stops
+    its children in order, they do not die under it)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -150,6 +150,37 @@ def test_sigterm_to_launch_stops_in_order_and_nothing_listens_wide(tmp_path):
     assert not any(_alive(p) for p in _descendants(proc.pid) if p != proc.pid)
 
 
+def test_sighup_with_a_corrupt_newest_checkpoint_still_stops_in_order_and_writes_final(tmp_path):
+    # The terminal closes (SIGHUP to the launcher's process group) after the newest checkpoints
+    # were truncated on disk: the stop is the orderly one and the final digest refuses the files.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    run_dir = tmp_path / "run"
+    env = {**_env(), "TMPDIR": str(tmp)}
+    slow = ["--inject", "slow-rank:rank=0,factor=6"]  # checkpoints far apart in time
+    proc = _cli("launch", *BASE, *LONG, "--set", "checkpoint.interval=4", *slow,
+                "--run-dir", str(run_dir), env=env)  # fmt: skip
+    complete = lambda: list(run_dir.glob("checkpoints/step_*/manifest.json"))  # noqa: E731
+    _wait_for("a complete checkpoint", complete, proc=proc)
+    for data in run_dir.glob("checkpoints/step_*/rank_*/*.distcp"):
+        data.write_bytes(data.read_bytes()[:1000])
+    group = os.getpgid(proc.pid)
+    for pid in _descendants(proc.pid):
+        try:
+            if os.getpgid(pid) == group:  # not etcd: it has its own session, as on a terminal
+                os.kill(pid, signal.SIGHUP)
+        except ProcessLookupError:
+            pass
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 1, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["state"] == "interrupted" and final["reason"] == "SIGHUP received", final
+    assert final["param_digest"] is None and final["digest_step"] is not None, final
+    assert not list(tmp.glob("megascale-etcd-*")), "etcd's temporary directory was left behind"
+    assert not any(_alive(p) for p in _descendants(proc.pid) if p != proc.pid)
+
+
 def test_sigterm_to_train_reaches_its_ranks_and_sigkill_takes_them_along(tmp_path):
     for sig in (signal.SIGTERM, signal.SIGKILL):
         run_dir = tmp_path / sig.name

@@ -296,7 +296,8 @@ def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) ->
 def model_digest(where: str | Path | Storage) -> tuple[str | None, int | None]:
     """sha256 over the model weights of the newest complete checkpoint (each global tensor by key,
     dtype, shape and bytes, keys sorted), and its step. Independent of the layout that saved it.
-    Read in this process, verified against the manifest; (None, step) when it cannot be read."""
+    Read in this process, every file verified against the manifest; (None, step) when one does not
+    verify or cannot be read."""
     storage = where if isinstance(where, Storage) else Storage(where)
     steps = storage.complete_steps()
     if not steps:
@@ -317,6 +318,11 @@ def model_digest(where: str | Path | Storage) -> tuple[str | None, int | None]:
         _inside(storage, sdir, name) for name in named
     ):
         return None, steps[-1]
+    for name in sorted(named):  # a digest is of verified bytes only: a corrupt file gives None
+        data, entry = _read_file(storage, sdir, name), files[name]
+        if data is None or not isinstance(entry, dict) or sha256_hex(data) != entry.get("sha256"):
+            logger.warning("no parameter digest of %s: %s does not match its manifest", sdir, name)
+            return None, steps[-1]
     keys = sorted(k for k in metadata.state_dict_metadata if not k.startswith("optimizer."))
     digest = hashlib.sha256()
     for key, tensor in fmt.read_whole(storage.url_of(sdir), metadata, keys).items():
