@@ -95,7 +95,10 @@ KINDS: dict[str, Kind] = {
     "forge-command": Kind(("step",), (), "launcher", "write a forged stop command"),
 }
 _INT_KEYS = ("rank", "step", "node")
-_FLOAT_KEYS = {"factor": 1.0, "downtime": 0.0, "seconds": 0.0}  # key -> smallest value accepted
+_FLOAT_KEYS = {"factor": (1.0, 100.0), "downtime": (0.0, 60.0), "seconds": (0.0, 600.0)}
+"""key -> the closed range accepted. ``factor``: a rank 100x slower is a hung one (hang-worker);
+``downtime``: the launcher blocks while etcd is down, and gives up on an etcd that stays away for
+60 s; ``seconds``: a controller paused longer outlives every lease it would lose."""
 _WORD_KEYS = {"kind": ("size", "op")}  # key -> the words accepted
 
 
@@ -191,8 +194,10 @@ def _value(text: str, key: str, value: str) -> Any:
             raise InjectError(f"--inject {text!r}: {key}={value!r} must be {words}")
         return value
     if key in _INT_KEYS:
-        if not value.isdigit():
-            raise InjectError(f"--inject {text!r}: {key}={value!r} must be an integer >= 0")
+        if not (value.isascii() and value.isdigit() and len(value) <= 9):
+            raise InjectError(
+                f"--inject {text!r}: {key}={value!r} must be an integer in [0, 999999999]"
+            )
         number = int(value)
         if key == "step" and number < 1:
             raise InjectError(f"--inject {text!r}: step={value} must be >= 1")
@@ -201,9 +206,11 @@ def _value(text: str, key: str, value: str) -> Any:
         number = float(value)
     except ValueError:
         number = float("nan")
-    low = _FLOAT_KEYS[key]
-    if not number >= low:
-        raise InjectError(f"--inject {text!r}: {key}={value!r} must be a number >= {low}")
+    low, high = _FLOAT_KEYS[key]
+    if not low <= number <= high:  # NaN and inf fail too
+        raise InjectError(
+            f"--inject {text!r}: {key}={value!r} must be a number in [{low:g}, {high:g}]"
+        )
     return number
 
 

@@ -154,3 +154,16 @@ def test_a_run_directory_component_over_255_bytes_is_refused(tmp_path, command):
     )
     line = refused(command, *extra, "--run-dir", str(run_dir))
     assert "--run-dir = " in line and "300 bytes long; each must be at most 255" in line, line
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("slow-rank:rank=0,factor=inf", "factor='inf' must be a number in [1, 100]"),
+        ("etcd-restart:step=3,downtime=1e9", "downtime='1e9' must be a number in [0, 60]"),
+    ],
+)
+def test_fault_injection_out_of_range_is_refused(tmp_path, spec, fragment):
+    line = refused("launch", "--inject", spec, "--run-dir", str(tmp_path / "run"))
+    assert fragment in line, line
+    assert not (tmp_path / "run").exists()
