@@ -32,6 +32,7 @@ and raises ``LoaderError`` if the process it waits for has died.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -93,6 +94,23 @@ def sweep_stale(directory: Path | None = None) -> list[Path]:
     for path in stale:
         path.unlink(missing_ok=True)
     return stale
+
+
+def _no_segment(path: Path, size: int, error: OSError) -> LoaderError:
+    """The one-line LoaderError when the segment cannot be created or reserved: the path, the
+    bytes it needs, the bytes free there, and the cause with its errno."""
+    try:
+        st = os.statvfs(path.parent)
+        free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    cause = f"{os.strerror(error.errno)} ({errno.errorcode.get(error.errno, error.errno)})"
+    return LoaderError(
+        f"data.loader = 'node': cannot reserve {path}: it needs {size / 2**20:.1f} MiB "
+        f"({size} bytes), {path.parent} has {free}: {cause if error.errno else error}; give "
+        f"{path.parent} more room (a memory-backed volume in a container) or set "
+        'data.loader = "rank"'
+    )
 
 
 def _layout(sample: Mapping[str, torch.Tensor], per_rank: int) -> list[tuple[str, str, tuple]]:
@@ -201,17 +219,16 @@ class NodeBatches(ShardedBatches):
             logger.warning("removed %s, left by a data loader that no longer runs", stale)
         path = directory / f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         size = _Segment.size(layout, readers, len(self.block_dp))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise _no_segment(path, size, e) from e
         try:
             os.posix_fallocate(fd, 0, size)  # no space: an error now, not SIGBUS on a write
             buf = mmap.mmap(fd, size)
         except OSError as e:
             path.unlink(missing_ok=True)
-            raise LoaderError(
-                f"data.loader = 'node': cannot reserve {size} bytes in {directory} ({e}); give "
-                f"/dev/shm more room (a memory-backed volume in a container) or set "
-                f'data.loader = "rank"'
-            ) from e
+            raise _no_segment(path, size, e) from e
         finally:
             os.close(fd)
         self.segment = _Segment(buf, layout, readers, len(self.block_dp))

@@ -48,9 +48,15 @@ def main(argv: list[str]) -> int:
 
 
 def _unusable_checkpoint(failed: Exception) -> str:
-    """The one-line reason when the ranks refused to start on checkpoints they cannot load, or
-    stopped because a checkpoint could not be written (a full or read-only disk); '' otherwise."""
-    for marker, prefix in (("CheckpointUnusable: ", "cannot start: "), ("CheckpointError: ", "")):
+    """The one-line reason when the ranks refused to start on checkpoints they cannot load,
+    stopped because a checkpoint could not be written (a full or read-only disk), or found no
+    room for the machine's data segment (a full /dev/shm); '' otherwise."""
+    markers = (
+        ("CheckpointUnusable: ", "cannot start: "),
+        ("CheckpointError: ", ""),
+        ("LoaderError: ", ""),
+    )
+    for marker, prefix in markers:
         for why in getattr(failed, "failures", {}).values():
             if marker in why:
                 return prefix + why.rsplit(marker, 1)[1].strip().splitlines()[0]

@@ -110,3 +110,27 @@ def test_a_hostile_common_file_with_a_valid_checksum_falls_back(tmp_path):
     skipped = [line for line in output.splitlines() if "skipping checkpoint step_00000004" in line]
     assert len(skipped) == 1 and "common.pt is refused" in skipped[0], output[-3000:]
     assert "resumed from" in output and "step_00000002" in output
+
+
+def test_a_full_shared_memory_directory_is_one_line(tmp_path, monkeypatch, capsys):
+    from megascale import cli
+    from megascale.data import node_loader
+
+    with tiny_disk(tmp_path / "shm", "size=64k") as shm:
+        filler = shm / "filler"
+        with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:  # fill it: no room left for the data segment
+                f.write(b"\0" * 4096)
+        # the ranks are forked from this process: they create their segment in ``shm``
+        monkeypatch.setattr(node_loader, "shm_dir", lambda: shm)
+        rc = cli.main(
+            ["train", "tiny", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2"]
+            + ["--set", "train.steps=2", "--set", "optim.warmup_steps=1"]
+        )
+        err = capsys.readouterr().err.strip().splitlines()
+        leftovers = sorted(p.name for p in shm.iterdir())
+    assert rc == 2, err[-20:]
+    assert err[-1].startswith(f"megascale: data.loader = 'node': cannot reserve {shm}/"), err[-1]
+    assert "No space left on device (ENOSPC)" in err[-1] and "MiB free" in err[-1], err[-1]
+    assert not any("Traceback" in line for line in err), err[-20:]
+    assert leftovers == ["filler"]  # the segment that could not be reserved is removed
