@@ -10,8 +10,9 @@ Reading and writing go through megatron-core (``IndexedDataset`` / ``IndexedData
 module only adds what a user needs before that: a one-line ``DataError`` naming the file for a
 missing prefix, a file in another format (an old megascale ``MSTOKEN`` file gets the command that
 converts it), a truncated ``.bin``, an ``.idx`` of another version or dtype, or whose sequences
-or document indices point outside the ``.bin`` (every entry checked, in chunks); atomic writes; and the
-small ``PREFIX.json`` sidecar that records the tokenizer (``PREFIX.tokenizer.json`` is its copy).
+or document indices point outside the ``.bin`` (every entry checked, in chunks); atomic writes;
+and the small ``PREFIX.json`` sidecar that records the tokenizer (``PREFIX.tokenizer.json`` is
+its copy).
 
 megatron-core is imported inside the functions that need it, so the CLI parser starts without it.
 """
