@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     return run_command(parser, argv)
 
 
-def _unusable_checkpoint(failed: Exception) -> str:
+def _one_line_failure(failed: Exception) -> str:
     """The one-line reason when the ranks refused to start on checkpoints they cannot load,
     stopped because a checkpoint could not be written (a full or read-only disk), or found no
     room for the machine's data segment (a full /dev/shm); '' otherwise."""
@@ -65,7 +65,8 @@ def _unusable_checkpoint(failed: Exception) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``megascale train``: N local ranks, or this process as one rank under torchrun (its
-    environment); 0 when training finished, 2 when the checkpoints cannot be loaded."""
+    environment); 0 when training finished, 2 with one line when the checkpoints cannot be
+    loaded or written or the data segment finds no room (``_one_line_failure``)."""
     from megascale import gpus
     from megascale.config import loader as config_mod
     from megascale.launcher import runlock
@@ -108,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("megascale").error("%s", e)
         return 128 + e.signum
     except RankFailed as e:
-        unusable = _unusable_checkpoint(e)
-        if unusable:
-            print(f"megascale: {unusable}", file=sys.stderr)
+        why = _one_line_failure(e)
+        if why:
+            print(f"megascale: {why}", file=sys.stderr)
             return 2
         logging.getLogger("megascale").error("%s", e)
         return 1
