@@ -21,6 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from megascale import runfiles
 from megascale.controller.neighbours import NeighbourResult, NeighbourTest, judge
 from megascale.messages.job import NeighbourEntry
 
@@ -122,7 +123,7 @@ def run_selfcheck_neighbours(
         results = list(pool.map(lambda t: _one_test(host, port, t, timeout_s, down), tests))
     ok, detail = judge(results)
     seconds = round(time.perf_counter() - start, 3)
-    Path(out).write_text(json.dumps({"ok": ok, "detail": detail, "seconds": seconds}))
+    runfiles.write_text(out, json.dumps({"ok": ok, "detail": detail, "seconds": seconds}))
     return 0 if ok else 1
 
 

@@ -69,7 +69,7 @@ def run_train(argv: list[str]) -> int:
 def run_selfcheck(rank: int, world_size: int, port: int, run_dir: str, out: str) -> int:
     """One process of the node self-check; writes its result as JSON to ``out``; exit 0 = pass."""
     result = selfcheck_rank(rank, world_size, port, Path(run_dir))
-    Path(out).write_text(json.dumps(result))
+    runfiles.write_text(out, json.dumps(result))
     return 0 if result["ok"] else 1
 
 
@@ -97,7 +97,7 @@ def run_selfcheck_full(
         "detail": report.summary(),
         "seconds": round(time.perf_counter() - start, 3),
     }
-    Path(out).write_text(json.dumps(result))
+    runfiles.write_text(out, json.dumps(result))
     return 0 if report.ok else 1
 
 
@@ -498,7 +498,7 @@ class WorkerPool:
         agent's environment; the node's ``CUDA_VISIBLE_DEVICES``, so that the check runs on the
         GPUs the node's workers get (without it, on every GPU of the machine)."""
         port, out_dir = free_port(), self.run_dir / "selfcheck"
-        out_dir.mkdir(parents=True, exist_ok=True)
+        runfiles.make_dir(out_dir)
         log = self.run_dir / "logs" / self.node / "selfcheck.out"
         common = {"world_size": nproc, "port": port, "run_dir": str(self.run_dir)}
         jobs = [("selfcheck", {"rank": rank, **common}) for rank in range(nproc)]

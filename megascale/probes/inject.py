@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megascale import runfiles
+
 logger = logging.getLogger(__name__)
 
 ENV = "MEGASCALE_INJECT"
@@ -248,7 +250,7 @@ def claim(run_dir: str | Path, spec: FaultSpec, **detail: Any) -> bool:
     """Record that ``spec`` fires now; False if it already fired (in this or an earlier
     generation), in which case the caller must not fire it."""
     directory = Path(run_dir) / FAULTS_DIR
-    directory.mkdir(parents=True, exist_ok=True)
+    runfiles.make_dir(directory)  # O_EXCL below never follows a link at the name itself
     record = {"id": spec.id, "spec": spec.text, "kind": spec.kind, "time": time.time(), **detail}
     try:
         fd = os.open(directory / f"{spec.id}.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
