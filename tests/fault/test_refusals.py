@@ -146,6 +146,16 @@ def test_agent_names_are_refused_before_anything_is_written(tmp_path, node, frag
     assert list(tmp_path.rglob("*")) == [], "written before the name was refused"
 
 
+def test_controller_id_is_refused_before_anything_is_written(tmp_path):
+    run_dir = tmp_path / "a" / "run"
+    line = refused(
+        "controller", "--job", "j", "--id", "../../x", "--nodes", "1", "--nproc-per-node", "1",
+        "--run-dir", str(run_dir), "--endpoints", "127.0.0.1:1",
+    )  # fmt: skip
+    assert "--id = '../../x'" in line and "letters, digits" in line, line
+    assert list(tmp_path.rglob("*")) == [], "written before the name was refused"
+
+
 @pytest.mark.parametrize("command", ["agent", "launch", "train"])
 def test_a_run_directory_component_over_255_bytes_is_refused(tmp_path, command):
     run_dir = tmp_path / ("r" * 300)
