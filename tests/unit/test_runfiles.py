@@ -4,6 +4,7 @@ Each named file is written by the code that writes it in a job."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -100,20 +101,38 @@ def test_report_refuses_a_link(run_dir, victim):
     _untouched(victim)
 
 
+def _rank_timeline(directory) -> None:
+    """One rank's timeline file, as a training rank writes it (a meta, a clock and one step)."""
+    meta = {"type": "meta", "format": 1, "rank": 0, "world_size": 1, "node": "node-0",
+            "layout": {"tp": 1, "pp": 1, "dp": 1}, "coords": {"dp": 0, "pp": 0, "tp": 0}}  # fmt: skip
+    lines = [
+        meta,
+        {"type": "clock", "ref_wall_ns": 10**12, "mono_ns": 0},
+        {"type": "step", "step": 1, "spans": [["megascale::train::step", "step", 0, 10**6]]},
+    ]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "rank_00000.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
 @pytest.mark.parametrize("where", ["trace.json", "timeline dir", "steps.csv"])
-def test_timeline_trace_refuses_a_link(run_dir, tmp_path, victim, where, monkeypatch):
-    monkeypatch.setattr(timeline, "load_run", lambda run_dir: [])  # the ranks' files: not the point
+def test_timeline_trace_refuses_a_link(run_dir, tmp_path, victim, where):
     if where == "timeline dir":
         elsewhere = tmp_path / "elsewhere"
-        elsewhere.mkdir()
+        _rank_timeline(elsewhere)
         _plant(run_dir / "timeline", elsewhere)
     else:
+        _rank_timeline(run_dir / "timeline")
         _plant(run_dir / "timeline" / where, victim)
     with pytest.raises(runfiles.UnsafePathError):
-        timeline.write_trace(run_dir, out=run_dir / "timeline" / "trace.json")
+        timeline.write_trace(run_dir)
     _untouched(victim)
     if where == "timeline dir":
-        assert list((tmp_path / "elsewhere").iterdir()) == []
+        assert [p.name for p in (tmp_path / "elsewhere").iterdir()] == ["rank_00000.jsonl"]
+    else:
+        timeline.load_run(run_dir)  # the rank's file is one the merge reads: the refusal is real
+        (run_dir / "timeline" / where).unlink()
+        trace, steps_csv, _ = timeline.write_trace(run_dir)
+        assert json.loads(trace.read_text()) and steps_csv.read_text().startswith("rank,")
 
 
 @pytest.mark.parametrize("name", ["final.json", ".lock", "logs/launch.log", "logs"])
