@@ -4,9 +4,11 @@ MASTER_ADDR only."""
 
 from __future__ import annotations
 
+import ast
 import datetime
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -54,3 +56,37 @@ def test_rank0_store_listens_on_master_addr_only():
         raise AssertionError("listening on a taken port did not fail")
     finally:
         taken.close()
+
+
+def _server_stores(tree: ast.AST, where: str = "") -> list[str]:
+    """The functions (dotted) holding a ``TCPStore(...)`` call whose ``is_master`` is not False."""
+    found = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            found += _server_stores(node, f"{where}.{node.name}".lstrip("."))
+            continue
+        for call in ast.walk(node):
+            func = getattr(call, "func", None)
+            if not isinstance(call, ast.Call) or "TCPStore" not in (
+                getattr(func, "attr", None),
+                getattr(func, "id", None),
+            ):
+                continue
+            master = call.args[3] if len(call.args) > 3 else None
+            master = next((k.value for k in call.keywords if k.arg == "is_master"), master)
+            if not (isinstance(master, ast.Constant) and master.value is False):
+                found.append(where or "<module>")
+    return found
+
+
+def test_every_store_megascale_serves_is_made_by_serve_store():
+    """torch's ``TCPStore(addr, ..., is_master=True)`` binds every interface whatever ``addr``
+    is: a server store made anywhere but ``serve_store`` (which gives it a bound socket) would
+    listen wide. Clients (``is_master`` False) may be made anywhere."""
+    package = Path(job_store.__file__).resolve().parents[1]
+    servers = {
+        f"{path.relative_to(package.parent)}::{name}"
+        for path in sorted(package.rglob("*.py"))
+        for name in _server_stores(ast.parse(path.read_text(), str(path)))
+    }
+    assert servers == {"megascale/launcher/job_store.py::serve_store"}, servers
