@@ -415,7 +415,13 @@ def launch(opts: LaunchOptions) -> int:
             reason=reason or f"summary failed: {type(e).__name__}: {str(e)[:300]}",
         )  # fmt: skip
     path = run_dir / FINAL_FILE
-    runfiles.write_text(path, json.dumps(final.encode(), indent=1, sort_keys=True) + "\n")
+    try:
+        runfiles.write_text(path, json.dumps(final.encode(), indent=1, sort_keys=True) + "\n")
+    except OSError as e:  # e.g. a symlink planted at final.json during the run: never followed
+        logger.error("final.json not written: %s", e)
+        stop_signals.restore()
+        lock.release()
+        return 1
     logger.info(
         "%s: step %s/%s, faults detected %s, recoveries %d, %.1f s; %s",
         state, final.final_step, job.train.steps, final.faults_detected,

@@ -181,6 +181,20 @@ def test_sighup_with_a_corrupt_newest_checkpoint_still_stops_in_order_and_writes
     assert not any(_alive(p) for p in _descendants(proc.pid) if p != proc.pid)
 
 
+def test_a_link_planted_at_final_json_during_the_run_is_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run_dir = tmp_path / "run"
+    proc = _cli("launch", *BASE, "--set", "train.steps=6", "--run-dir", str(run_dir))
+    _wait_for("a training step", lambda: _steps(run_dir) >= 1, proc=proc)
+    (run_dir / "final.json").symlink_to(victim)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 1, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    assert "final.json not written" in output and "it is a symlink" in output, output[-4000:]
+    assert victim.read_text() == "precious\n"
+
+
 def test_sigterm_to_train_reaches_its_ranks_and_sigkill_takes_them_along(tmp_path):
     for sig in (signal.SIGTERM, signal.SIGKILL):
         run_dir = tmp_path / sig.name
