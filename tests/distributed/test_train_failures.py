@@ -17,9 +17,10 @@ pytestmark = pytest.mark.slow
 QUICK = ["--set", "optim.warmup_steps=1", "--set", "checkpoint.interval=2"]
 
 
-def train(run_dir: Path, *sets: str) -> subprocess.CompletedProcess:
-    """``megascale train tiny`` with ``QUICK`` and ``--set`` each of ``sets``."""
+def train(run_dir: Path, *sets: str, extra: list[str] = ()) -> subprocess.CompletedProcess:
+    """``megascale train tiny`` with ``QUICK``, ``--set`` each of ``sets``, and ``extra``."""
     args = [sys.executable, "-m", "megascale.cli", "train", "tiny", "--run-dir", str(run_dir)]
+    args += list(extra)
     for value in sets:
         args += ["--set", value]
     env = {k: v for k, v in os.environ.items() if k != "MEGASCALE_INJECT"}
@@ -42,6 +43,19 @@ def test_resume_with_another_model_shape_is_refused(tmp_path):
     line = refusal(train(tmp_path, "train.steps=4", "model.hidden_size=32"))
     assert str(tmp_path / "checkpoints" / "step_00000002") in line
     assert "model.hidden_size = 64" in line and "model.hidden_size = 32" in line
+
+
+def test_an_older_checkpoint_of_another_model_shape_is_refused_by_its_tensors(tmp_path):
+    import json
+
+    two_stages = ["--nproc-per-node", "2", "--set", "parallel.pp=2"]
+    assert train(tmp_path, "train.steps=2", extra=two_stages).returncode == 0
+    step = tmp_path / "checkpoints" / "step_00000002"
+    manifest = json.loads((step / "manifest.json").read_text())
+    del manifest["model"]  # as written before the manifest recorded the model's shape
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    line = refusal(train(tmp_path, "train.steps=4", "model.ffn_hidden_size=128", extra=two_stages))
+    assert f"{step} holds " in line and "of shape" in line and "another model shape" in line
 
 
 @contextlib.contextmanager

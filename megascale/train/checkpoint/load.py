@@ -153,7 +153,7 @@ def _check_loadable(
 def _check_model_shape(saved: object, here: dict, where: str) -> None:
     """Raise CheckpointUnusable when the checkpoint was written by a model of another shape (its
     manifest's ``model``; manifests written before it was recorded are checked tensor by tensor
-    in ``_check_tensor_shapes``)."""
+    in ``_tensor_shape_problem``)."""
     if not isinstance(saved, dict):
         return
     differ = [k for k in here if k in saved and saved[k] != here[k]]
@@ -166,25 +166,27 @@ def _check_model_shape(saved: object, here: dict, where: str) -> None:
         )
 
 
-def _check_tensor_shapes(metadata, entries, where: str) -> None:
-    """Raise CheckpointUnusable when a model tensor this run loads has another shape in the
-    checkpoint, or is not in it (the same on every rank: one metadata file, one model)."""
+def _tensor_shape_problem(metadata, entries, where: str) -> str:
+    """Why this rank's model tensors cannot be loaded from the checkpoint: one has another shape
+    there, or is not in it ('' when all match). Ranks hold different tensors (pipeline stages):
+    the caller gathers every rank's answer."""
     saved = metadata.state_dict_metadata
     for entry in entries:
         if entry.key.startswith("optimizer."):
             continue  # follows its parameter's shape
         shape = getattr(saved.get(entry.key), "size", None)
         if shape is None:
-            raise CheckpointUnusable(
+            return (
                 f"{where} has no tensor {entry.key} (saved by another model shape); resume with "
                 "the model config that wrote it, or use another run directory"
             )
         if tuple(shape) != tuple(entry.global_shape):
-            raise CheckpointUnusable(
+            return (
                 f"{where} holds {entry.key} of shape {tuple(shape)}, this run's is "
                 f"{tuple(entry.global_shape)} (another model shape): resume with the model config "
                 "that wrote it, or use another run directory"
             )
+    return ""
 
 
 def _read_file(storage: Storage, sdir: str, name: str) -> bytes | None:
@@ -273,7 +275,11 @@ def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) ->
         return False, unlisted
     ensure_optimizer_state(trainer)
     entries = training_entries(trainer)
-    _check_tensor_shapes(metadata, entries, storage.path(sdir))
+    problems: list[str] = [""] * groups.layout.world_size
+    dist.all_gather_object(problems, _tensor_shape_problem(metadata, entries, storage.path(sdir)))
+    problem = next((p for p in problems if p), "")
+    if problem:  # on every rank alike
+        raise CheckpointUnusable(problem)
     fmt.read_pieces(
         to_dcp(entries, groups.rank, groups.layout.world_size), storage.url_of(sdir), metadata
     )
