@@ -22,6 +22,9 @@ BACKENDS = ("gloo", "nccl")
 OPTIMIZERS = ("adam", "lamb")
 SPECS = ("auto", "local", "te")
 DTYPES = ("fp32", "bf16")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("online", "offline")
 STRAGGLER_ACTIONS = ("report", "evict")
@@ -166,6 +169,11 @@ def _ranges(cfg: JobConfig) -> list[str]:
     one_of("optim.name", o.name, OPTIMIZERS)
     one_of("model.spec", m.spec, SPECS)
     one_of("model.params_dtype", m.params_dtype, DTYPES)
+    one_of("model.normalization", m.normalization, NORMALIZATIONS)
+    one_of("train.recompute", t.recompute, RECOMPUTE)
+    one_of("train.recompute_method", t.recompute_method, RECOMPUTE_METHODS)
+    if m.rotary_base < 1:
+        problems.append(f"model.rotary_base = {m.rotary_base}: must be a positive integer")
     one_of("train.device", t.device, DEVICES)
     one_of("data.loader", cfg.data.loader, DATA_LOADERS)
     one_of("metrics.wandb_mode", cfg.metrics.wandb_mode, WANDB_MODES)
@@ -314,6 +322,20 @@ def _model_shape(cfg: JobConfig) -> list[str]:
             f"parallel.vpp = {p.pp} * {p.vpp} = {chunks} (every model chunk on every "
             f"pipeline stage holds the same number of layers)"
         )
+    layers_per_chunk = m.num_layers // chunks if m.num_layers % chunks == 0 else None
+    t = cfg.train
+    if t.recompute == "full" and layers_per_chunk is not None:
+        if t.recompute_num_layers < 1 or t.recompute_num_layers > layers_per_chunk:
+            problems.append(
+                f"train.recompute_num_layers = {t.recompute_num_layers}: must be 1 to "
+                f"{layers_per_chunk} (the layers of one model chunk: model.num_layers / "
+                f"(parallel.pp * parallel.vpp))"
+            )
+        elif t.recompute_method == "uniform" and layers_per_chunk % t.recompute_num_layers:
+            problems.append(
+                f"train.recompute_num_layers = {t.recompute_num_layers}: must divide the "
+                f"{layers_per_chunk} layers of one model chunk with recompute_method = 'uniform'"
+            )
     if p.vpp > 1 and p.pp == 1:
         problems.append(
             f"parallel.vpp = {p.vpp}: needs parallel.pp >= 2 (interleaving splits "

@@ -107,6 +107,15 @@ class ModelConfig:
     None means full causal attention."""
     swiglu: bool = False
     """Gated SiLU MLP (two input projections) instead of GeLU."""
+    normalization: str = "LayerNorm"
+    """"LayerNorm" or "RMSNorm" (Llama's), for every norm of the model."""
+    bias: bool = True
+    """Biases on the linear layers (Llama has none: false)."""
+    tie_embeddings: bool = True
+    """One matrix for the input embedding and the output layer (GPT-2's); false gives the output
+    layer its own (Llama's)."""
+    rotary_base: int = 10000
+    """RoPE's base (theta): 10,000 (GPT-NeoX, Llama 2), 500,000 (Llama 3)."""
     spec: str = "auto"
     """Layer implementation: "te" (Transformer Engine), "local" (megatron-core's own modules),
     or "auto" (TE when it imports and the device is CUDA, local otherwise)."""
@@ -162,6 +171,17 @@ class TrainConfig:
     eval_steps: int = 2
     """Global batches per evaluation: the same first ``eval_steps * global_batch_size`` samples of
     the valid split every time."""
+    recompute: str = "none"
+    """Activation recomputation: "none"; "selective" (the attention core's activations are
+    recomputed in the backward pass, megatron-core's default module); "full" (whole layers, as
+    ``recompute_method`` and ``recompute_num_layers`` say). MFU counts model FLOPs only; the
+    recomputed ones count in HFU."""
+    recompute_method: str = "uniform"
+    """With ``recompute = "full"``: "uniform" (every group of ``recompute_num_layers`` layers keeps
+    only its input) or "block" (the first ``recompute_num_layers`` layers of each pipeline stage
+    are recomputed, the rest keep their activations)."""
+    recompute_num_layers: int = 1
+    """With ``recompute = "full"``: the layers per recomputed group (uniform) or per stage (block)."""
     peak_tflops: float | None = None
     """Dense TFLOP/s per device that MFU is measured against, on any device. None: on a GPU the
     dense bf16 peak of its name (an unknown GPU reports no MFU); on CPU a peak measured at start by

@@ -102,6 +102,20 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     return int(math.ceil(vocab_size / step) * step)
 
 
+def _recompute(job: JobConfig) -> dict[str, object]:
+    """megatron-core's recomputation fields for ``train.recompute`` (none: its defaults)."""
+    t = job.train
+    if t.recompute == "none":
+        return {}
+    if t.recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": t.recompute_method,
+        "recompute_num_layers": t.recompute_num_layers,
+    }
+
+
 def transformer_config(
     job: JobConfig, device: str, tp_overlap: TPOverlapPlan | None = None
 ) -> TransformerConfig:
@@ -119,6 +133,8 @@ def transformer_config(
         num_query_groups=m.num_query_groups,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         gated_linear_unit=m.swiglu,
+        normalization=m.normalization,
+        add_bias_linear=m.bias,
         activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
         # megatron-core's window is (left, right) exclusive of the token itself.
         window_size=(m.window_size - 1, 0) if m.window_size is not None else None,
@@ -149,6 +165,7 @@ def transformer_config(
             on_cuda, on_cuda and _softmax_kernels_available(), m.window_size
         ),
         gradient_accumulation_fusion=False,
+        **_recompute(job),
         apply_rope_fusion=False,
         deterministic_mode=not on_cuda,
         cuda_graph_scope=[],  # the dataclass default "full" is deprecated and warns
@@ -303,8 +320,9 @@ def build_gpt(
         max_sequence_length=job.model.seq_length,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=True,
+        share_embeddings_and_output_weights=job.model.tie_embeddings,
         position_embedding_type="rope",
+        rotary_base=job.model.rotary_base,
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )

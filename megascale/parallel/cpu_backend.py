@@ -174,6 +174,31 @@ _TORCH_CUDA_REPLACEMENTS = {
 }
 
 
+def _mcore_get_rng_state(device: object = "cuda", clone: bool = False, graph_safe: bool = False):
+    return torch.get_rng_state()
+
+
+def _mcore_set_rng_state(new_state: torch.Tensor, device: object = -1, graph_safe: bool = False):
+    torch.set_rng_state(new_state)
+
+
+_MCORE_RNG_REPLACEMENTS = {
+    "_get_cuda_rng_state": _mcore_get_rng_state,
+    "_set_cuda_rng_state": _mcore_set_rng_state,
+}
+"""megatron-core's own RNG-state helpers (``tensor_parallel.random``), replaced the same way."""
+
+
+def _in_cpu_mode(backward: Callable) -> Callable:
+    """``backward`` run under the CPU device mode (megatron-core's recomputing backward)."""
+
+    def cpu_backward(ctx, *args):
+        with _CpuDeviceMode():
+            return backward(ctx, *args)
+
+    return cpu_backward
+
+
 def _make_rng_tracker_class() -> type:
     from megatron.core.tensor_parallel import random as mcore_random
 
@@ -213,6 +238,8 @@ class CpuBackend:
         self.active = False
         self._mode: _CpuDeviceMode | None = None
         self._saved: dict[str, object] = {}
+        self._saved_mcore: dict[str, object] = {}
+        self._saved_backward: object = None
         self._saved_tracker: tuple[object, bool] = (None, False)
 
     def activate(self) -> None:
@@ -240,6 +267,16 @@ class CpuBackend:
         )
         mcore_random._CUDA_RNG_STATE_TRACKER = _make_rng_tracker_class()()
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+        # Activation recomputation saves and restores "the CUDA RNG state" through these two
+        # (torch.cuda.random and torch.cuda.default_generators inside): on CPU it is the CPU one.
+        for name, replacement in _MCORE_RNG_REPLACEMENTS.items():
+            self._saved_mcore[name] = getattr(mcore_random, name)
+            setattr(mcore_random, name, replacement)
+        # A recomputed forward runs inside autograd's backward, where no TorchFunctionMode is
+        # active: its device="cuda" tensors (the causal mask, ...) are redirected there too.
+        checkpoint = mcore_random.CheckpointFunction
+        self._saved_backward = checkpoint.__dict__["backward"]
+        checkpoint.backward = staticmethod(_in_cpu_mode(self._saved_backward.__func__))
         self._mode = _CpuDeviceMode()
         self._mode.__enter__()
         self.active = True
@@ -254,6 +291,11 @@ class CpuBackend:
             setattr(torch.cuda, name, original)
         self._saved.clear()
         from megatron.core.tensor_parallel import random as mcore_random
+
+        for name, original in self._saved_mcore.items():
+            setattr(mcore_random, name, original)
+        self._saved_mcore.clear()
+        mcore_random.CheckpointFunction.backward = self._saved_backward
 
         (
             mcore_random._CUDA_RNG_STATE_TRACKER,

@@ -186,9 +186,10 @@ def count_parameters(model_cfg: ModelConfig, tp: int = 1) -> int:
     though no token id reaches them. (FLOPs, in contrast, use the unpadded vocabulary; the padding
     is ``(padded_vocab - vocab_size) * h``.)
 
-    The model: rotary position embeddings (no parameters), the word embedding *tied* with the LM
-    head (counted once, no output bias), megatron-core's local modules or Transformer Engine (the
-    same parameters: biases on every linear layer, LayerNorm with weight and bias). Per layer: QKV
+    The model: rotary position embeddings (no parameters), the word embedding tied with the LM
+    head (counted once, no output bias; ``tie_embeddings = false`` adds the LM head's own matrix),
+    megatron-core's local modules or Transformer Engine (the same parameters: biases on every
+    linear layer unless ``bias = false``, LayerNorm with weight and bias, RMSNorm a weight only). Per layer: QKV
     ``h * (h + 2*g*d)`` + bias, output projection ``h * h`` + bias, MLP ``h*f*2`` (GeLU) or
     ``h*f*3`` (SwiGLU, gate and up stacked in fc1) + biases, and two LayerNorms, or one with
     ``parallel_block`` (attention and MLP read the same normalised input; ``pre_mlp_layernorm`` is
@@ -198,15 +199,18 @@ def count_parameters(model_cfg: ModelConfig, tp: int = 1) -> int:
     h = model_cfg.hidden_size
     qkv_out = h + 2 * g * d
     fc1_out = 2 * f if model_cfg.swiglu else f
+    b = 1 if model_cfg.bias else 0  # model.bias: biases on every linear layer
+    norm = 2 * h if model_cfg.normalization == "LayerNorm" else h  # RMSNorm: a weight only
     layer = (
-        (h * qkv_out + qkv_out)  # linear_qkv
-        + (h * h + h)  # linear_proj
-        + (h * fc1_out + fc1_out)  # linear_fc1 (gate and up stacked for SwiGLU)
-        + (f * h + h)  # linear_fc2
-        + (1 if model_cfg.parallel_block else 2) * 2 * h  # LayerNorm weight + bias
+        (h * qkv_out + b * qkv_out)  # linear_qkv
+        + (h * h + b * h)  # linear_proj
+        + (h * fc1_out + b * fc1_out)  # linear_fc1 (gate and up stacked for SwiGLU)
+        + (f * h + b * h)  # linear_fc2
+        + (1 if model_cfg.parallel_block else 2) * norm
     )
-    embedding = padded_vocab(model_cfg.vocab_size, tp) * h  # tied with the LM head
-    return embedding + model_cfg.num_layers * layer + 2 * h  # + final LayerNorm
+    embedding = padded_vocab(model_cfg.vocab_size, tp) * h  # the input embedding
+    output = 0 if model_cfg.tie_embeddings else embedding  # an LM head of its own when untied
+    return embedding + output + model_cfg.num_layers * layer + norm  # + the final norm
 
 
 def lookup_peak(gpu_name: str) -> tuple[str, float]:
@@ -302,7 +306,7 @@ def mfu_report(
     dense = flops_per_token(m, dense_attention=True)
     n_params = count_parameters(m, tp)
     vocab_rows = padded_vocab(m.vocab_size, tp)
-    non_embedding = n_params - vocab_rows * m.hidden_size
+    non_embedding = n_params - vocab_rows * m.hidden_size * (1 if m.tie_embeddings else 2)
     lines = [
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads "
         f"({g} query groups, head dim {d}), ffn {f} ({'SwiGLU' if m.swiglu else 'GeLU'}), "
@@ -311,7 +315,9 @@ def mfu_report(
         f"window {'none' if m.window_size is None else w}, "
         f"{'parallel' if m.parallel_block else 'sequential'} block",
         f"parameters: {n_params:,} ({_count(n_params)}; {non_embedding:,} outside the embeddings;"
-        " tied input/output embedding incl. padding, rotary positions, biases, LayerNorm)",
+        f" {'tied input/output embedding' if m.tie_embeddings else 'input and output embeddings'}"
+        f" incl. padding, rotary positions, {'biases, ' if m.bias else 'no biases, '}"
+        f"{m.normalization})",
         "training FLOPs per token (forward + backward = 3 x forward; activation recomputation "
         "not counted):",
     ]

@@ -143,6 +143,16 @@ def choose_architecture(m: ModelConfig) -> Architecture:
             "model.swiglu = true: the export maps megascale's LayerNorm + biased-linear GPT onto "
             "Starcoder2 or Phi, whose MLP is GeLU; SwiGLU has no counterpart there (not exported)"
         )
+    for field, value, default in (
+        ("normalization", m.normalization, "LayerNorm"),
+        ("bias", m.bias, True),
+        ("tie_embeddings", m.tie_embeddings, True),
+    ):
+        if value != default:
+            raise ExportError(
+                f"model.{field} = {value!r}: the export maps megascale's LayerNorm + biased-linear "
+                f"GPT with tied embeddings onto Starcoder2 or Phi; only {default!r} is exported"
+            )
     if m.params_dtype != "fp32":
         raise ExportError(
             f"model.params_dtype = {m.params_dtype!r}: the export loads the checkpoint into a "

@@ -34,6 +34,15 @@ def base_job():
     )
 
 
+LLAMA = {
+    "normalization": "RMSNorm",
+    "bias": False,
+    "tie_embeddings": False,
+    "swiglu": True,
+    "num_query_groups": 2,
+    "rotary_base": 500000,
+}
+
 VARIANTS = {
     "adam-serial-full": {"optim": {"name": "adam"}, "model": {"parallel_block": False}},
     "lamb-parallel-window": {
@@ -45,6 +54,18 @@ VARIANTS = {
         "model": {"parallel_block": True, "window_size": 8},
     },
     "lamb-serial-full": {"optim": {"name": "lamb"}, "model": {"parallel_block": False}},
+    # Llama-style: RMSNorm, no biases, an output layer of its own, SwiGLU, GQA, RoPE base 500k;
+    # with activation recomputation (full, and selective with the parallel block).
+    "llama-serial-full-recompute": {
+        "optim": {"name": "adam"},
+        "model": {**LLAMA, "parallel_block": False},
+        "train": {"recompute": "full", "recompute_num_layers": 1},
+    },
+    "llama-parallel-selective-recompute": {
+        "optim": {"name": "adam"},
+        "model": {**LLAMA, "parallel_block": True},
+        "train": {"recompute": "selective"},
+    },
 }
 
 LAYOUTS = {
@@ -56,14 +77,33 @@ LAYOUTS = {
     "tp2-pp2-dp2-sp": (8, {"tp": 2, "pp": 2, "sequence_parallel": True}),
 }
 
-CASES = [(layout, variant) for layout in LAYOUTS for variant in list(VARIANTS)[:2]] + [
-    ("tp2-pp2-dp2-sp", variant) for variant in list(VARIANTS)[2:]
-]
+CASES = (
+    [(layout, variant) for layout in LAYOUTS for variant in list(VARIANTS)[:2]]
+    + [("tp2-pp2-dp2-sp", variant) for variant in list(VARIANTS)[2:]]
+    + [("tp2-sp", variant) for variant in list(VARIANTS)[4:]]
+)
 
 
 def variant_job(variant: str):
     job = base_job()
-    return with_changes(job, **{k: {**v} for k, v in VARIANTS[variant].items()})
+    changes = {k: {**v} for k, v in VARIANTS[variant].items()}
+    changes["train"] = {
+        "global_batch_size": 8,
+        "micro_batch_size": 1,
+        "steps": STEPS,
+    } | changes.get("train", {})
+    return with_changes(job, **changes)
+
+
+def test_recomputation_changes_no_number(data_dir):
+    """Loss and grad norm with recomputation equal those without it, for both blocks."""
+    for variant in ("llama-serial-full-recompute", "llama-parallel-selective-recompute"):
+        job = variant_job(variant)
+        plain = train_steps(with_changes(job, train={"recompute": "none"}), 1, data_dir, 2)
+        again = train_steps(job, 1, data_dir, 2)
+        for (loss, gn), (ref_loss, ref_gn) in zip(again, plain, strict=True):
+            assert math.isclose(loss, ref_loss, rel_tol=1e-6), (variant, loss, ref_loss)
+            assert math.isclose(gn, ref_gn, rel_tol=1e-6), (variant, gn, ref_gn)
 
 
 _references: dict[str, list[tuple[float, float]]] = {}

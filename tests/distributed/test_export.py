@@ -268,6 +268,9 @@ def test_bad_inputs_are_one_line_errors(serial_run, tmp_path):
     [
         ({"swiglu": True}, "model.swiglu"),
         ({"parallel_block": True, "window_size": 8}, "model.window_size = 8"),
+        ({"normalization": "RMSNorm"}, "model.normalization = 'RMSNorm'"),
+        ({"bias": False}, "model.bias = False"),
+        ({"tie_embeddings": False}, "model.tie_embeddings = False"),
     ],
 )
 def test_unsupported_features_are_refused(tmp_path, change, needle):

@@ -376,6 +376,8 @@ PRESET_WORLDS = {
     "tiny": (1, "gloo"),
     "h100-1b": (1, "nccl"),
     "megascale-175b": (12288, "nccl"),
+    "llama-tiny": (1, "gloo"),
+    "llama3-8b": (8, "nccl"),
 }
 
 
@@ -419,3 +421,44 @@ def test_h100_preset_is_about_1b_params():
     m = load("h100-1b").model
     params = m.num_layers * 12 * m.hidden_size**2 + m.vocab_size * m.hidden_size
     assert 0.9e9 < params < 1.2e9
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["model.normalization=rmsnorm"], "model.normalization = 'rmsnorm': must be one of"),
+        (["train.recompute=all"], "train.recompute = 'all': must be one of none, selective, full"),
+        (["train.recompute_method=even"], "train.recompute_method = 'even': must be one of"),
+        (["model.rotary_base=0"], "model.rotary_base = 0: must be a positive integer"),
+        (
+            ["train.recompute=full", "train.recompute_num_layers=5"],
+            "train.recompute_num_layers = 5: must be 1 to 4",
+        ),
+        (
+            ["train.recompute=full", "train.recompute_num_layers=3"],
+            "train.recompute_num_layers = 3: must divide the 4 layers",
+        ),
+    ],
+)
+def test_model_options_and_recomputation_are_checked_in_one_line(sets, message):
+    with pytest.raises(ConfigError) as err:
+        validate(load("tiny", sets), 1, "gloo")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_llama_options_reach_megatron_cores_config():
+    from megascale.model.gpt import transformer_config
+
+    job = load("llama-tiny")
+    tconf = transformer_config(job, "cpu")
+    assert (tconf.normalization, tconf.add_bias_linear, tconf.gated_linear_unit) == (
+        "RMSNorm",
+        False,
+        True,
+    )
+    assert (tconf.recompute_granularity, tconf.recompute_method, tconf.recompute_num_layers) == (
+        "full",
+        "uniform",
+        1,
+    )
+    assert transformer_config(load("tiny"), "cpu").recompute_granularity is None

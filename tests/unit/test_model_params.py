@@ -28,6 +28,20 @@ CASES: dict[str, list[str]] = {
         "model.ffn_hidden_size=96",
         "model.vocab_size=300",
     ],
+    # Llama-style: RMSNorm (a weight only), no biases, an output layer of its own; both blocks.
+    "llama_serial": [
+        "model.normalization=RMSNorm",
+        "model.bias=false",
+        "model.tie_embeddings=false",
+        "model.swiglu=true",
+        "model.rotary_base=500000",
+    ],
+    "llama_parallel": [
+        "model.normalization=RMSNorm",
+        "model.bias=false",
+        "model.tie_embeddings=false",
+        "model.parallel_block=true",
+    ],
 }
 
 
@@ -116,8 +130,9 @@ def test_count_parameters_matches_the_built_model(built, case):
 
 
 def test_vocabulary_is_padded_and_tied(built):
-    for info in built.values():
-        assert info["share_embeddings"] and not info["output_layer_weight"]
+    for case, info in built.items():
+        untied = case.startswith("llama")  # model.tie_embeddings = false: its own output layer
+        assert info["share_embeddings"] is not untied and info["output_layer_weight"] is untied
         assert info["embedding_rows"] == info["padded_vocab_size"]
     # flops.padded_vocab restates gpt.padded_vocab_size (mfu must not import torch): same numbers.
     assert built["tiny"]["embedding_rows"] == 256 == padded_vocab(256)
