@@ -347,3 +347,18 @@ def test_on_cuda_the_recorder_gives_its_watcher_this_ranks_gpu(tmp_path, monkeyp
         assert recorder._watcher.device == 5 and recorder._watcher.notify is False
     finally:
         recorder.close()
+
+
+def test_a_coalescing_blocks_handle_stays_queued_until_its_op_starts(tmp_path):
+    """The distributed optimizer's overlapped gathers are coalescing blocks: their record must
+    say queued while the op waits on a halted communication thread, not started when issued."""
+    from megascale.parallel.async_comm import _CoalescedHandle
+
+    recorder, channel = _recorder(tmp_path)
+    handle = _CoalescedHandle()
+    handle.op = CommOp("coalesced", lambda: None, [])
+    recorder.track(_enter(recorder, channel), handle)
+    assert _device_states(recorder.path) == [Q]
+    handle.op.execute()
+    assert _device_states(recorder.path) == [C]
+    recorder.close()
