@@ -521,3 +521,29 @@ def test_etcd_is_per_job_authenticated_and_a_forged_command_is_ignored(reference
     assert password.stat().st_mode & 0o777 == 0o600 and len(password.read_text().strip()) >= 32
     agent_logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("agent_node-*.log"))
     assert agent_logs.count("generation beyond the controller's") == 2, agent_logs[-3000:]
+
+
+# The layout a new user tries first: TP2 x DP2 on 2 nodes of 2, NCCL-like, no pipeline. The
+# distributed optimizer's overlapped gathers are in flight when the rank's communication stops.
+TP2_DP2 = [
+    "--nproc-per-node", "2", "--set", "train.steps=12", "--set", "parallel.tp=2",
+    "--set", "parallel.async_collectives=true",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("rank", "node", "coords"), [(1, "node-0", "dp=0, pp=0, tp=1"),
+                                                      (2, "node-1", "dp=1, pp=0, tp=0")])  # fmt: skip
+def test_tp2_dp2_nccl_like_hang_names_the_rank_its_node_coordinates_group_and_op(
+    tmp_path, rank, node, coords
+):
+    run = Run(tmp_path, *TP2_DP2, "--inject", f"hang-comm:rank={rank},step=6")
+    assert run.rc == 0 and run.final["finished"] and run.final["final_step"] == 12, run.output
+    [fault] = run.faults()
+    assert fault.detail["fault"] == "stall" and (fault.node, fault.rank) == (node, rank)
+    assert fault.detail["suspects"] == [f"rank {rank} ({coords})"]
+    assert fault.detail["suspect_nodes"] == [node]
+    [culprit] = fault.detail["culprits"]
+    assert (culprit["rank"], culprit["reason"], culprit["node"]) == (rank, "not-started", node)
+    assert culprit["text"].startswith(f"rank {rank} ({coords}) on {node} not started in ")
+    assert culprit["group"] and culprit["op"] and culprit["seq"] > 0, culprit
+    assert f"FAULT stall node {node} rank {rank}" in run.output and culprit["text"] in run.output
