@@ -59,20 +59,31 @@ def _verdict(states, rank: int, kind: str) -> str:
 
 
 def test_every_cell_of_the_matrix_names_the_stopped_rank_alone(tmp_path, data_dir):
+    _matrix(LAYOUTS, True, tmp_path, data_dir)
+
+
+def test_in_the_blocking_gloo_mode_too(tmp_path, data_dir):
+    # the host call is the op there (untracked device states): the host view alone decides
+    _matrix((Layout("TP2xDP2", tp=2),), False, tmp_path, data_dir)
+
+
+def _matrix(layouts, nccl_like: bool, tmp_path, data_dir) -> None:
+    """Run every cell of ``layouts``, print the matrix and its score, and fail with each wrong
+    cell's evidence. NCCL-like cells run two side by side (a cell idles while its stall
+    settles); blocking gloo's ranks wait in gloo, which side by side slows both cells down."""
     started = time.monotonic()
     cells = [
         (layout, kind, rank)
-        for layout in LAYOUTS
+        for layout in layouts
         for kind, rank in itertools.product(KINDS, range(layout.world))
     ]
 
     def run(cell) -> str:
         layout, kind, rank = cell
         run_dir = tmp_path / f"{layout.name}-{kind}-{rank}".replace(" ", "_")
-        return _verdict(stall(layout, rank, kind, data_dir, run_dir), rank, kind)
+        return _verdict(stall(layout, rank, kind, data_dir, run_dir, nccl_like), rank, kind)
 
-    # Two cells side by side: a cell idles while it waits for its stall to settle.
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=2 if nccl_like else 1) as pool:
         verdicts = dict(zip(cells, pool.map(run, cells), strict=True))
     wrong = {f"{c[0].name} {c[1]} rank {c[2]}": why for c, why in verdicts.items() if why}
     rows = [
@@ -81,10 +92,11 @@ def test_every_cell_of_the_matrix_names_the_stopped_rank_alone(tmp_path, data_di
             "X" if verdicts[(layout, k, r)] else "."
             for k, r in itertools.product(KINDS, range(layout.world))
         )  # fmt: skip
-        for layout in LAYOUTS
+        for layout in layouts
     ]
+    mode = "NCCL-like" if nccl_like else "blocking gloo"
     print(
-        f"\nstall matrix ({', '.join(KINDS)}; one mark per rank, '.' named alone, 'X' not):\n"
+        f"\nstall matrix, {mode} ({', '.join(KINDS)}; a mark per rank, '.' named alone, 'X' not):\n"
         + "\n".join(rows)
         + f"\n{len(cells) - len(wrong)}/{len(cells)} cells named correctly in "
         + f"{time.monotonic() - started:.0f} s"
