@@ -124,8 +124,10 @@ _PEER_SOCKET = "unix://peer:2"
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
+    # Generous: adding a user hashes its password with bcrypt, which takes seconds on a loaded
+    # 2-core machine (a 2 s limit failed the start there).
     def __init__(self, path: Path) -> None:
-        super().__init__("localhost", timeout=2.0)
+        super().__init__("localhost", timeout=30.0)
         self._path = path
 
     def connect(self) -> None:
