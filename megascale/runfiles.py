@@ -97,21 +97,25 @@ def write_text(path: str | os.PathLike[str], text: str, mode: int = 0o644) -> Pa
     return write_bytes(path, text.encode("utf-8"), mode)
 
 
+def _open_nofollow(path: Path, flags: int) -> int:
+    """A descriptor of ``path`` opened with ``flags`` relative to its directory (itself opened
+    without following links); a symlink at the name is refused."""
+    dir_fd = _open_dir(path.parent)
+    try:
+        return os.open(path.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _refuse(path, "it is a symlink") from None
+        raise
+    finally:
+        os.close(dir_fd)
+
+
 def open_append(path: str | os.PathLike[str], binary: bool = False) -> IO:
     """``path`` opened for appending (created 0644 if missing); a symlink at the name, or as its
     directory, is refused."""
     path = Path(path)
-    dir_fd = _open_dir(path.parent)
-    try:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(path.name, flags, 0o644, dir_fd=dir_fd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise _refuse(path, "it is a symlink") from None
-            raise
-    finally:
-        os.close(dir_fd)
+    fd = _open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise _refuse(path, "it is not a regular file")
@@ -121,18 +125,7 @@ def open_append(path: str | os.PathLike[str], binary: bool = False) -> IO:
 def open_new(path: str | os.PathLike[str]) -> IO[bytes]:
     """``path`` created (or truncated) for reading and writing in binary; a symlink at the name,
     or as its directory, is refused."""
-    path = Path(path)
-    dir_fd = _open_dir(path.parent)
-    try:
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(path.name, flags, 0o644, dir_fd=dir_fd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise _refuse(path, "it is a symlink") from None
-            raise
-    finally:
-        os.close(dir_fd)
+    fd = _open_nofollow(Path(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC)
     return os.fdopen(fd, "w+b")
 
 
