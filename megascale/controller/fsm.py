@@ -77,10 +77,10 @@ from megascale.controller.neighbours import NeighbourTest, plan_neighbour_tests
 from megascale.controller.policy import ControllerPolicy
 from megascale.controller.recovery import RecoveryProtocol
 from megascale.controller.stall_analysis import (
-    FlightRecord,
     SectionTimeouts,
+    flight_suspects,
     mismatch_signature,
-    stall_suspects,
+    place_culprit,
 )
 from megascale.controller.states import (
     OBSERVATIONS,  # noqa: F401  (re-exported: controller/fsm.py offers every controller name)
@@ -462,22 +462,16 @@ class ControllerFSM(RecoveryProtocol):
         return self._stall(tuple(sorted(suspects)), dict(detail or {}))
 
     def _stall_suspects(self) -> list[int]:
-        """``stall_suspects`` over the ranks' last flight records (a malformed one counts as
-        missing: its rank is a suspect if it belongs to the awaited collective)."""
-        records = {}
-        for rank, record in self.flight.items():
-            try:
-                records[rank] = FlightRecord.from_json(record)
-            except (KeyError, TypeError, ValueError):
-                continue
-        return stall_suspects(records, ranks=range(self.world_size))
+        return flight_suspects(self.flight, self.world_size)
 
     def _stall(self, suspects: tuple[int, ...], detail: dict[str, Any]) -> list[Action]:
         layout = self.layout
         nodes = sorted({n for r in suspects if (n := self.node_of(r)) is not None})
         detail.update(suspects=[layout.describe(r) for r in suspects], suspect_nodes=nodes)
         if detail.get("culprits"):
-            detail["culprits"] = [self._placed(c) for c in detail["culprits"]]
+            detail["culprits"] = [
+                place_culprit(c, self.layout, self.node_of) for c in detail["culprits"]
+            ]
         node = nodes[0] if len(nodes) == 1 else None
         rank = suspects[0] if len(suspects) == 1 else None
         signature = mismatch_signature(detail.get("culprits") or (), detail.get("undecided") or ())
@@ -493,21 +487,6 @@ class ControllerFSM(RecoveryProtocol):
             fatal = {**detail, "reason": f"{signature} ({why})", "classified": why}
             return self._on_fault(Fault("job_fatal", node, rank, fatal, suspects, False))
         return self._on_fault(Fault("stall", node, rank, detail, suspects, False))
-
-    def _placed(self, culprit: Mapping[str, Any]) -> dict[str, Any]:
-        """A stall culprit (``Culprit.to_json`` and its text) with its node and (dp, pp, tp)
-        coordinates: ``text`` becomes "rank 5 (dp=0, pp=1, tp=1) on node-1 not started in ...".
-        """
-        rank, out = culprit.get("rank"), dict(culprit)
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            return out
-        node, where = self.node_of(rank), self.layout.describe(rank)
-        out.update(node=node, where=where)
-        text = str(culprit.get("text", ""))
-        on = f"{where} on {node}" if node is not None else where
-        if text.startswith(f"rank {rank} "):
-            out["text"] = on + text[len(f"rank {rank}") :]
-        return out
 
     def _on_fault(self, fault: Fault) -> list[Action]:
         self.fault = fault

@@ -7,9 +7,11 @@ collective waits for (``stall_suspects``), a stall caused by mismatched collecti
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from megascale.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -102,3 +104,34 @@ def mismatch_signature(
         return None
     odd = "; ".join(sorted(f"rank {rank} issued {op} on {group}" for rank, op, group in issued))
     return f"mismatched collective: {odd} while its group's other members issued another"
+
+
+def flight_suspects(flight: Mapping[int, Any], world_size: int) -> list[int]:
+    """``stall_suspects`` over the ranks' last flight records as heartbeats carry them (a
+    malformed one counts as missing: its rank is a suspect if it belongs to the awaited
+    collective)."""
+    records = {}
+    for rank, record in flight.items():
+        try:
+            records[rank] = FlightRecord.from_json(record)
+        except (KeyError, TypeError, ValueError):
+            continue
+    return stall_suspects(records, ranks=range(world_size))
+
+
+def place_culprit(
+    culprit: Mapping[str, Any], layout: Layout, node_of: Callable[[int], str | None]
+) -> dict[str, Any]:
+    """A stall culprit (``Culprit.to_json`` and its text) with its node and (dp, pp, tp)
+    coordinates: ``text`` becomes "rank 5 (dp=0, pp=1, tp=1) on node-1 not started in ...".
+    """
+    rank, out = culprit.get("rank"), dict(culprit)
+    if not isinstance(rank, int) or not 0 <= rank < layout.world_size:
+        return out
+    node, where = node_of(rank), layout.describe(rank)
+    out.update(node=node, where=where)
+    text = str(culprit.get("text", ""))
+    on = f"{where} on {node}" if node is not None else where
+    if text.startswith(f"rank {rank} "):
+        out["text"] = on + text[len(f"rank {rank}") :]
+    return out

@@ -13,15 +13,14 @@ from megascale.controller.fsm import (
     ControllerPolicy,
     Event,
     Evict,
-    FlightRecord,
     IllegalTransition,
     RecordEvent,
     SectionTimeouts,
     SendCommand,
     StartGeneration,
     State,
-    stall_suspects,
 )
+from megascale.controller.stall_analysis import FlightRecord, stall_suspects
 from megascale.etcd.keys import JobKeys, is_current, make_command
 from megascale.messages import Command, Heartbeat, MessageError
 
