@@ -101,7 +101,7 @@ class AgentOptions:
     """The address other nodes reach this node's rank-0 store at, when it runs rank 0."""
     faults: tuple[inject.FaultSpec, ...] = ()
     selfcheck: str = "auto"
-    """``builtin`` (``workers.selfcheck_rank``), ``full`` (``megascale.agent.selfcheck``),
+    """``builtin`` (``selfcheck.builtin.selfcheck_rank``), ``full`` (``megascale.agent.selfcheck``),
     or ``auto`` (full when importable)."""
     worker_nice: int = 0
     visible_devices: str | None = None

@@ -68,6 +68,8 @@ def run_train(argv: list[str]) -> int:
 
 def run_selfcheck(rank: int, world_size: int, port: int, run_dir: str, out: str) -> int:
     """One process of the node self-check; writes its result as JSON to ``out``; exit 0 = pass."""
+    from megascale.agent.selfcheck.builtin import selfcheck_rank
+
     result = selfcheck_rank(rank, world_size, port, Path(run_dir))
     runfiles.write_text(out, json.dumps(result))
     return 0 if result["ok"] else 1
@@ -490,7 +492,7 @@ class WorkerPool:
         tests: list[str] | None = None,
         env: Mapping[str, str] | None = None,
     ) -> tuple[bool, str]:
-        """Run the node self-check: the built-in one (``selfcheck_rank``) as ``nproc`` processes,
+        """Run the node self-check: the built-in one (``selfcheck.builtin.selfcheck_rank``) as ``nproc`` processes,
         with ``full`` the diagnostics one (``run_selfcheck_full``, held to the ``thresholds``
         file when given, of the checks ``tests`` selects), and with ``neighbours``
         (``run_selfcheck_neighbours``'s arguments but ``out``) the neighbour all-reduces, all
@@ -551,52 +553,3 @@ class WorkerPool:
             matches = worker.scanner.scan() if worker.alive else worker.scanner.flush()
             found += [(worker, m) for m in matches]
         return found
-
-
-# -- the minimal built-in node self-check -------------------------------------------------------
-
-
-def selfcheck_rank(rank: int, world_size: int, port: int, run_dir: Path) -> dict[str, Any]:
-    """One process of the node's minimal self-check (the full one is
-    ``megascale.agent.selfcheck``): a matmul checked against float64, a gloo all-reduce
-    among the node's own ``world_size`` processes over loopback, and a 1 MiB write + read-back
-    in the run directory. Returns ``{"ok", "detail", "seconds"}``."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    start, problems = time.perf_counter(), []
-    device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
-    a = torch.randn(256, 256, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
-    product = (a.float().to(device) @ a.float().to(device).T).double().cpu()
-    error = float((product - a @ a.T).abs().max())
-    if not error < 1e-2:
-        problems.append(f"matmul on {device} is off by {error}")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        t = torch.full((4096,), float(rank + 1))
-        dist.all_reduce(t)
-        expected = world_size * (world_size + 1) / 2
-        if not bool((t == expected).all()):
-            problems.append(f"all-reduce gave {float(t[0])}, expected {expected}")
-    finally:
-        dist.destroy_process_group()
-    scratch = Path(run_dir) / "selfcheck" / f"{socket.gethostname()}-{os.getpid()}.bin"
-    scratch.parent.mkdir(parents=True, exist_ok=True)
-    payload = os.urandom(1 << 20)
-    with open(scratch, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    if scratch.read_bytes() != payload:
-        problems.append(f"read back of {scratch} differs")
-    scratch.unlink()
-    seconds = round(time.perf_counter() - start, 3)
-    return {"ok": not problems, "detail": "; ".join(problems) or "passed", "seconds": seconds}
