@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
+from megascale import config as config_mod
 from megascale.config import JobConfig
-from megascale.config import loader as config_mod
 from megascale.launcher.local import free_port
 from megascale.logs import quiet_expected_noise
 from megascale.model.gpt import te_available, use_te_spec

@@ -189,7 +189,7 @@ class CommandRunner:
     def _job_config(self) -> Any:
         """The job's config (its ``diagnostics.selfcheck_thresholds`` file, relative to the run
         directory, and ``fault_tolerance.selfcheck_tests``)."""
-        from megascale.config import loader as config_mod
+        from megascale import config as config_mod
 
         return config_mod.load(self.opts.config, list(self.opts.overrides))
 

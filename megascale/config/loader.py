@@ -1,7 +1,7 @@
 """JobConfig: one small dataclass per subsystem, TOML presets, ``--set`` overrides.
 
 Precedence, highest first: ``--set section.key=value`` overrides > the TOML file > the defaults (the
-section dataclasses, ``megascale.config.sections``; every one of them is importable from here too).
+section dataclasses, ``megascale.config.sections``; all of them importable from ``megascale.config``).
 
 ``load`` reads and type-checks (every value against its field's annotation; unknown sections and keys
 are refused with a "did you mean"); ``validate`` checks the cross-field rules that need the world
@@ -23,7 +23,6 @@ import tomllib
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field  # noqa: F401 (kept importable from here)
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +34,7 @@ from megascale.config.compat import (
     move_deprecated,
 )
 from megascale.config.error import ConfigError
-
-# ``megascale.config`` is the import path users script against: every name it has held stays
-# importable from it, the section classes included.
-from megascale.config.sections import (  # noqa: F401
-    CheckpointConfig,
-    DataConfig,
-    DiagnosticsConfig,
-    FaultToleranceConfig,
-    JobConfig,
-    MetricsConfig,
-    ModelConfig,
-    OptimConfig,
-    OverlapConfig,
-    ParallelConfig,
-    TrainConfig,
-)
+from megascale.config.sections import JobConfig
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from megascale.k8s.job import (
 def resolve_training_config(toml_text: str, overrides: Sequence[str], world_size: int) -> str:
     """The fully resolved training config (``megascale.config``: defaults < TOML < overrides),
     validated for ``world_size`` ranks, as TOML. Raises ``ConfigError`` naming the field."""
-    from megascale.config import loader as config
+    from megascale import config
 
     with tempfile.TemporaryDirectory(prefix="megascale-k8s-") as tmp:
         path = Path(tmp) / "config.toml"

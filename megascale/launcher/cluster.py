@@ -109,7 +109,7 @@ class LaunchOptions:
 def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
     """Validate everything before anything starts. Returns the validated ``JobConfig`` and notes
     on what was filled in (for the log)."""
-    from megascale.config import loader as config_mod
+    from megascale import config as config_mod
 
     for name, low in (("nodes", 1), ("nproc_per_node", 1), ("spares", 0)):
         value = getattr(opts, name)

@@ -42,8 +42,8 @@ import sys
 from dataclasses import dataclass
 from fractions import Fraction
 
+from megascale import config
 from megascale.config import ModelConfig
-from megascale.config import loader as config
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,7 @@ import statistics
 from pathlib import Path
 from string import Template
 
-from megascale import runfiles
-from megascale.config import loader as config
+from megascale import config, runfiles
 from megascale.controller.events import EVENTS_FILE, read_events
 from megascale.messages import Event, StepMetrics, read_metrics
 from megascale.tools import straggler

@@ -234,7 +234,7 @@ def analyze_run(
     ``threshold``: None reads ``fault_tolerance.straggler_threshold`` from ``RUN_DIR/config.toml``
     (1.10 without one). ``peak_tflops`` overrides the peak looked up from the GPU's name.
     """
-    from megascale.config import loader as config_mod
+    from megascale import config as config_mod
 
     run_dir = Path(run_dir)
     job = None

@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> int:
     """``megascale train``: N local ranks, or this process as one rank under torchrun (its
     environment); 0 when training finished, 2 with one line when the checkpoints cannot be
     loaded or written or the data segment finds no room (``_one_line_failure``)."""
+    from megascale import config as config_mod
     from megascale import gpus
-    from megascale.config import loader as config_mod
     from megascale.launcher import runlock
     from megascale.machine_check import check_machine, resolve_device
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from megascale.config import loader as config
+from megascale import config
 from megascale.data.tokenizer import EOD
 
 pytestmark = pytest.mark.slow

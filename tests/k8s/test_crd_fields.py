@@ -11,7 +11,7 @@ from typing import Any
 
 from k8s_support import example_jobs
 
-from megascale.config import loader as config
+from megascale import config
 from megascale.controller import fault_tolerance_flags
 from megascale.controller.policy import policy_for
 from megascale.k8s import crd, launch

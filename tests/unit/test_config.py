@@ -7,8 +7,8 @@ import tomllib
 
 import pytest
 
+from megascale import config
 from megascale.config import ConfigError, JobConfig, load, to_dict, to_toml, validate
-from megascale.config import loader as config
 
 
 def write(tmp_path, text, name="job.toml"):

@@ -8,8 +8,8 @@ import json
 import pytest
 from test_controller_fsm import Clock, ack_all, commands, policy, records
 
+from megascale import config
 from megascale.config import ConfigError
-from megascale.config import loader as config
 from megascale.controller.elastic import RestartBudget, dp_of, shrink_nodes
 from megascale.controller.fsm import (
     ControllerFSM,

@@ -458,7 +458,7 @@ def _check_recorded(results: list[dict]) -> None:
 
 
 def _train_job(nprocs: int, *overrides: str):
-    from megascale.config import loader as config
+    from megascale import config
 
     job = config.load(
         "tiny", ["train.steps=2", "optim.warmup_steps=1", "train.log_interval=100", *overrides]

@@ -18,8 +18,8 @@ from fractions import Fraction
 
 import pytest
 
+from megascale import config
 from megascale.config import ModelConfig
-from megascale.config import loader as config
 from megascale.probes import flops as F
 from megascale.probes.flops import (
     PEAK_TFLOPS,

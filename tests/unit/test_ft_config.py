@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
+from megascale import config
 from megascale.cli import build_parser
-from megascale.config import loader as config
 from megascale.controller import fault_tolerance_flags
 from megascale.controller.policy import policy_for
 

@@ -14,7 +14,7 @@ import traceback
 
 import pytest
 
-from megascale.config import loader as config
+from megascale import config
 from megascale.probes.flops import count_parameters, padded_vocab
 
 CASES: dict[str, list[str]] = {

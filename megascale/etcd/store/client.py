@@ -65,7 +65,6 @@ from megascale.etcd.store.config import (
     _is_auth_error,
     _split_endpoint,
 )
-from megascale.etcd.store.values import TXN_MAX_OPS as TXN_MAX_OPS  # re-exported
 from megascale.etcd.store.values import (
     Compare,
     Delete,
@@ -85,7 +84,6 @@ from megascale.etcd.store.values import (
     missing,
     value_is,
 )
-from megascale.etcd.store.values import created_at as created_at  # re-exported
 from megascale.etcd.store.watch import KeepAlive, Watch
 
 logger = logging.getLogger(__name__)
