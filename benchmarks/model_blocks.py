@@ -231,13 +231,9 @@ def _mcore_version() -> str:
     return megatron.core.__version__
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    quiet_expected_noise()
-    device = resolve_device(args.device)
-    job, notes = base_job(args, device)
-    # One rank, torchrun-style; the same setup as megascale.train.run.run_rank.
+def join_as_one_rank(device: str) -> None:
+    """This process as the one rank of a job, torchrun-style: the same setup as
+    ``megascale.train.run.run_rank``."""
     for key, value in [
         ("RANK", "0"),
         ("WORLD_SIZE", "1"),
@@ -251,6 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(device)
     if device == "cpu":
         cpu_backend.activate()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    quiet_expected_noise()
+    device = resolve_device(args.device)
+    job, notes = base_job(args, device)
+    join_as_one_rank(device)
     try:
         with tempfile.TemporaryDirectory(prefix="megascale-bench-") as tmp:
             # The built-in corpus is built here unless data.path names a token file.

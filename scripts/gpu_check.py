@@ -9,13 +9,16 @@ own process with its own time limit, and keeps going when one fails:
    CUDA-event timers, per-collective timeline segments from the flight recorder's CUDA events
    (TP2 + SP over NCCL, ``tests/gpu/test_timeline_nccl.py``), the two-stage checkpoint from GPU
    memory, the self-check on the GPU.
-2. ``benchmarks/model_blocks.py`` on the ``h100-1b`` preset: serial vs parallel block, full vs
+2. ``benchmarks/mcore_loop.py`` on the ``h100-1b`` preset's layers (local spec): megascale's trainer
+   beside a plain megatron-core loop, and selective / full recomputation (tokens/s, MFU, HFU,
+   peak memory).
+3. ``benchmarks/model_blocks.py`` on the ``h100-1b`` preset: serial vs parallel block, full vs
    sliding-window attention (tokens/s, MFU).
-3. ``benchmarks/overlap.py --device cuda``: each overlap off vs on over NCCL (2+ GPUs), and TP
+4. ``benchmarks/overlap.py --device cuda``: each overlap off vs on over NCCL (2+ GPUs), and TP
    overlap off vs on with the TE spec (Transformer Engine's userbuffers, TP2 + SP, bf16).
-4. ``benchmarks/checkpoint.py --device cuda --stall-only``: the checkpoint stall with the state in
+5. ``benchmarks/checkpoint.py --device cuda --stall-only``: the checkpoint stall with the state in
    GPU memory (synchronous vs two-stage).
-5. ``megascale selfcheck --calibrate``: this node's self-check figures as a calibration file.
+6. ``megascale selfcheck --calibrate``: this node's self-check figures as a calibration file.
 
 It prints one Markdown block headed by the device, driver, CUDA, torch, Transformer Engine and
 megatron-core versions, the date, the commit and each command, ready to paste into
@@ -31,7 +34,7 @@ On a GPU machine without network or ``make install`` (an image with torch but no
 ``.gpu-bundle/``; there, ``scripts/gpu-check --bundle .gpu-bundle`` installs them into a scratch
 target (``pip install --no-index --no-deps --target``) and puts it on every step's
 ``PYTHONPATH``. ``--max-step-s`` caps each step's limit (a short GPU lease), ``--out DIR`` writes
-the block and the logs there.
+the block and the logs there, ``--only KEYS`` runs some steps (``STEP_KEYS``).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class Step:
     """The step prints Markdown itself: its output goes into the block as-is, not fenced."""
     attach: Path | None = None
     """A file the step writes, appended to its output (the calibration)."""
+    key: str = ""
+    """Its name for ``--only``."""
 
 
 @dataclass
@@ -120,12 +125,16 @@ def te_overlap_step(gpus: int, python: str) -> Step:
         skip = "needs 2 or more GPUs"
     elif importlib.util.find_spec("transformer_engine") is None:
         skip = "Transformer Engine is not installed (the gpu extra)"
-    return Step("TE spec: TP overlap off vs on (userbuffers)", argv, 1800, skip=skip, table=True)
+    title = "TE spec: TP overlap off vs on (userbuffers)"
+    return Step(title, argv, 1800, skip=skip, table=True, key="te-overlap")
 
 
-QUICK_BLOCKS = ["--steps", "8", "--warmup", "2", "--rounds", "2"]
-"""``--quick``: fewer timed steps per model-blocks variant (a short GPU lease)."""
+QUICK_BLOCKS = ["--steps", "5", "--warmup", "2", "--rounds", "1"]
+QUICK_BATCH = ["--set", "train.global_batch_size=16"]
+"""``--quick``: fewer timed steps per variant and 16 sequences per step (a short GPU lease)."""
 QUICK_CHECKPOINT = ["--rounds", "2"]
+LOCAL_SPEC = ["--set", "model.spec=local"]
+"""The plain megatron-core loop builds megatron-core's local spec: megascale's rows do too."""
 
 
 def plan(gpus: int, python: str, out_dir: Path, quick: bool = False) -> list[Step]:
@@ -139,6 +148,7 @@ def plan(gpus: int, python: str, out_dir: Path, quick: bool = False) -> list[Ste
         1800,
         skip="needs 2 or more GPUs" if layout is None else None,
         table=True,
+        key="overlap",
     )
     if layout is not None:
         ranks, extra = layout
@@ -147,18 +157,31 @@ def plan(gpus: int, python: str, out_dir: Path, quick: bool = False) -> list[Ste
             [*overlap.argv, "--nproc", str(ranks), *sets(OVERLAP_GPU_SETS + extra)],
             overlap.timeout_s,
             table=True,
+            key=overlap.key,
         )
     calibration = out_dir / "selfcheck-calibration.toml"
     return [
         Step(
-            "GPU test tier", [python, "-m", "pytest", "-q", "-rs", "-m", "gpu", "tests/gpu"], 3600
+            "GPU test tier",
+            [python, "-m", "pytest", "-q", "-rs", "-m", "gpu", "tests/gpu"],
+            3600,
+            key="tier",
+        ),
+        Step(
+            "megascale vs a plain megatron-core loop; recomputation's memory (h100-1b, local spec)",
+            [python, "benchmarks/mcore_loop.py", "--config", "h100-1b", *LOCAL_SPEC]
+            + (QUICK_BLOCKS + QUICK_BATCH if quick else []),
+            1800,
+            table=True,
+            key="mcore-loop",
         ),
         Step(
             "model blocks: serial vs parallel block, full vs window (the h100-1b preset)",
             [python, "benchmarks/model_blocks.py", "--config", "h100-1b"]
-            + (QUICK_BLOCKS if quick else []),
+            + (QUICK_BLOCKS + QUICK_BATCH if quick else []),
             3600,
             table=True,
+            key="blocks",
         ),
         overlap,
         te_overlap_step(gpus, python),
@@ -169,6 +192,7 @@ def plan(gpus: int, python: str, out_dir: Path, quick: bool = False) -> list[Ste
             + (QUICK_CHECKPOINT if quick else []),
             1800,
             table=True,
+            key="checkpoint",
         ),
         Step(
             "self-check calibration",
@@ -185,8 +209,12 @@ def plan(gpus: int, python: str, out_dir: Path, quick: bool = False) -> list[Ste
             ],
             900,
             attach=calibration,
+            key="calibration",
         ),  # fmt: skip
     ]
+
+
+STEP_KEYS = ("tier", "mcore-loop", "blocks", "overlap", "te-overlap", "checkpoint", "calibration")
 
 
 def install_bundle(bundle: Path, target: Path) -> str | None:
@@ -326,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="directory for the block and the step logs")
     parser.add_argument("--quick", action="store_true", help="fewer rounds in the benchmarks")
     parser.add_argument(
+        "--only",
+        metavar="KEYS",
+        help="comma-separated steps to run, in plan order: " + ", ".join(STEP_KEYS),
+    )
+    parser.add_argument(
         "--rehearse",
         type=int,
         metavar="GPUS",
@@ -333,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         "--help, test collection), as the GPU machine will run them",
     )
     args = parser.parse_args(argv)
+    only = [k.strip() for k in (args.only or "").split(",") if k.strip()]
+    unknown = [k for k in only if k not in STEP_KEYS]
+    if unknown:
+        parser.error(f"--only {args.only!r}: unknown step {unknown[0]!r}; expected {STEP_KEYS}")
     if args.bundle is not None:
         target = Path(os.environ.get("TMPDIR", "/tmp")) / "megascale-gpu-site"
         failed = install_bundle(args.bundle, target)
@@ -360,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     out_dir = args.out or REPO / "runs" / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
-    steps = plan(gpus, sys.executable, out_dir, quick=args.quick)
+    steps = [
+        step
+        for step in plan(gpus, sys.executable, out_dir, quick=args.quick)
+        if not only or step.key in only
+    ]
     if args.dry_run:
         for step in steps:
             print(f"{step.title}: {step.skip or shlex.join(step.argv)}")

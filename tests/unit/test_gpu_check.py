@@ -36,6 +36,20 @@ def test_dry_run_lists_the_steps_for_eight_gpus(monkeypatch, capsys):
     assert "benchmarks/overlap.py --device cuda --cost fixed --latency-ms 0 --nproc 8" in out
     assert "benchmarks/checkpoint.py --device cuda --stall-only" in out
     assert "selfcheck --calibrate --output" in out
+    assert "benchmarks/mcore_loop.py --config h100-1b --set model.spec=local" in out
+
+
+def test_only_runs_the_named_steps_in_plan_order(monkeypatch, capsys):
+    monkeypatch.setattr(gpus, "visible_gpu_count", lambda: 1)
+    assert gpu_check.main(["--dry-run", "--quick", "--only", "checkpoint,mcore-loop"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2, lines
+    assert "mcore_loop.py" in lines[0] and "train.global_batch_size=16" in lines[0]
+    assert "checkpoint.py" in lines[1]
+    assert {s.key for s in gpu_check.plan(8, "python", REPO)} == set(gpu_check.STEP_KEYS)
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry-run", "--only", "tier,nonsense"])
+    assert "--only 'tier,nonsense': unknown step 'nonsense'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
