@@ -132,9 +132,9 @@ def open_new(path: str | os.PathLike[str]) -> IO[bytes]:
 JOB_WRITTEN = (
     ".lock", "config.toml", "etcd.password", "events.jsonl", "final.json", "job.toml",
     "metrics.jsonl", "report.html", "wandb_run_id",
-    "faults", "fatal", "flight", "logs", "metrics", "progress", "selfcheck", "timeline",
+    "faults", "fatal", "flight", "logs", "metrics", "profile", "progress", "selfcheck", "timeline",
 )  # fmt: skip
-"""The names a job writes at the top of its run directory (the last eight are directories). The
+"""The names a job writes at the top of its run directory (the last nine are directories). The
 checkpoint and data directories are not among them: they may be links to other disks."""
 
 

@@ -246,6 +246,7 @@ _EXPECTED = {
     float: "a number",
     str: "a string",
     list[str]: "a list of strings and numbers, or a table {name = number}",
+    list[int]: "a list of integers",
 }
 
 
@@ -265,6 +266,10 @@ def _check_type(name: str, value: Any, hint: Any, source: str = "") -> Any:
         strings = _string_list(value)
         ok = strings is not None
         value = strings if ok else value
+    elif base == list[int]:
+        ok = isinstance(value, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in value
+        )
     else:
         raise TypeError(f"unsupported config annotation {hint} on {name}")
     if ok or (value is None and nullable):

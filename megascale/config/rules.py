@@ -175,6 +175,7 @@ def _ranges(cfg: JobConfig) -> list[str]:
     if m.rotary_base < 1:
         problems.append(f"model.rotary_base = {m.rotary_base}: must be a positive integer")
     one_of("train.device", t.device, DEVICES)
+    problems += _profile_window(t.profile_steps, t.steps)
     one_of("data.loader", cfg.data.loader, DATA_LOADERS)
     one_of("metrics.wandb_mode", cfg.metrics.wandb_mode, WANDB_MODES)
     board = cfg.metrics.tensorboard_dir
@@ -261,6 +262,16 @@ def fault_tolerance_problems(
             "(wait for ever)"
         )
     return problems
+
+
+def _profile_window(window: list[int], steps: int) -> list[str]:
+    """``train.profile_steps``: [] or [first, last] with 1 <= first <= last <= train.steps."""
+    if not window or (len(window) == 2 and 1 <= window[0] <= window[1] <= steps):
+        return []
+    return [
+        f"train.profile_steps = {window}: must be [first, last] with 1 <= first <= last <= "
+        f"train.steps = {steps} (optimizer steps, inclusive), or [] for no profile"
+    ]
 
 
 def _data_parallel_size(cfg: JobConfig, world_size: int, problems: list[str]) -> int | None:
@@ -386,6 +397,11 @@ def _backend(cfg: JobConfig, backend: str) -> list[str]:
     if backend == "nccl" and t.device == "cpu":
         problems.append(
             "train.device = 'cpu': backend nccl needs CUDA; use 'cuda' or 'auto', or backend gloo"
+        )
+    if t.memory_history and t.device == "cpu":
+        problems.append(
+            "train.memory_history = true: needs train.device = 'cuda' (or 'auto' on a GPU "
+            "machine); the CPU has no CUDA allocator to record, set it to false"
         )
     return problems
 

@@ -187,6 +187,15 @@ class TrainConfig:
     dense bf16 peak of its name (an unknown GPU reports no MFU); on CPU a peak measured at start by
     a short matmul benchmark in ``model.params_dtype``, cached per machine
     (``megascale.probes.peak``). Every MFU figure is labelled with where its peak came from."""
+    profile_steps: list[int] = field(default_factory=list)
+    """``[first, last]``: record optimizer steps first to last (1-based, inclusive) with
+    ``torch.profiler`` on every rank, a Chrome trace in ``RUN_DIR/profile/rank_NNNNN.json``
+    (``megascale.probes.profiling``); a resumed run records the steps still ahead. []: off."""
+    memory_history: bool = False
+    """CUDA only: record the caching allocator's history from the first step and dump it to
+    ``RUN_DIR/profile/memory_rank_NNNNN.pickle`` (https://pytorch.org/memory_viz) at the end of the
+    profile window, else after the first logged step. Refused with device "cpu"; skipped (with a
+    warning) when "auto" finds no GPU."""
 
 
 @dataclass

@@ -52,7 +52,7 @@ import msgspec
 
 logger = logging.getLogger("megascale.messages")  # the name users configure
 
-SCHEMA = (1, 0)
+SCHEMA = (1, 1)
 """(major, minor) of this module's messages: a new field bumps the minor, a changed meaning or a
 removed field the major."""
 SCHEMA_KEY = "schema"
@@ -419,9 +419,12 @@ class StepMetrics(Message):
     ``tokens_per_s``/``mfu`` are job-wide; ``mfu`` is None when no peak is known. The timing
     figures are rank 0's (see the module docstring); ``checkpoint_stall_s`` is set on a step
     that ended with a save; ``time`` is the wall clock when the line was written. ``val_loss``
-    and ``checkpoint_stall_s`` are absent from the line on the other steps."""
+    and ``checkpoint_stall_s`` are absent from the line on the other steps, the ``mem_*`` figures
+    off CUDA."""
 
-    OMIT_NONE: ClassVar = ("val_loss", "checkpoint_stall_s")
+    OMIT_NONE: ClassVar = (
+        "val_loss", "checkpoint_stall_s", "mem_max_allocated_gib", "mem_max_reserved_gib"
+    )  # fmt: skip
 
     step: int
     loss: float
@@ -441,6 +444,12 @@ class StepMetrics(Message):
     compute_time_s: float | None = None
     comm_time_s: dict[str, float] = field(default_factory=dict)
     checkpoint_stall_s: float | None = None
+    mem_max_allocated_gib: float | None = None
+    """Rank 0's peak CUDA memory held by tensors during this step, GiB (2**30 bytes): the peak
+    statistics are reset at the step's start (``probes.profiling``). None off CUDA."""
+    mem_max_reserved_gib: float | None = None
+    """The same for memory the caching allocator reserved from the device (what an OOM runs
+    out of)."""
     time: float | None = None
 
 

@@ -31,6 +31,7 @@ from megascale.parallel.groups import build_groups, destroy_groups, init_distrib
 from megascale.probes import inject
 from megascale.probes.fatal import RUN_DIR_ENV, fail_job
 from megascale.probes.peak import Peak, peak_label, run_peak
+from megascale.probes.profiling import open_profiling
 from megascale.probes.progress import WorkerSignals
 from megascale.probes.sinks import Sinks, open_sinks
 from megascale.probes.timers import build_timeline
@@ -53,9 +54,12 @@ class Progress:
         if m.mfu is not None:  # labelled: a measured CPU peak is not a data-sheet GPU peak
             mfu = f" mfu {m.mfu:.1%} [peak {peak_label(m.mfu_peak_tflops, m.mfu_peak_source)}]"
         val = f" val_loss {m.val_loss:.4f}" if m.val_loss is not None else ""
+        mem = ""  # CUDA only: the step's peak reserved memory
+        if m.mem_max_reserved_gib is not None:
+            mem = f" mem {m.mem_max_reserved_gib:.1f} GiB"
         text = (
             f"step {m.step}/{self.total} loss {m.loss:.4f}{val} grad_norm {m.grad_norm:.3f} "
-            f"lr {m.lr:.2e} {m.step_time_s * 1e3:.0f} ms {m.tokens_per_s:,.0f} tok/s{mfu}"
+            f"lr {m.lr:.2e} {m.step_time_s * 1e3:.0f} ms {m.tokens_per_s:,.0f} tok/s{mem}{mfu}"
         )
         if self.tty:
             filled = int(30 * m.step / self.total)
@@ -215,7 +219,7 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     # here on) and RUN_DIR/progress/ (section "init" until the first step). Null when disabled.
     signals = WorkerSignals.open(run_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     faults = inject.worker_faults(int(os.environ["RANK"]), run_dir)  # $MEGASCALE_INJECT, or none
-    trainer, _device = start_rank(job, run_dir)
+    trainer, device = start_rank(job, run_dir)
     signals.stage(trainer.groups.pp_rank)
     trainer.compute.stretch(faults.slow)  # slow-rank / slow-node: compute takes factor x as long
     is_rank0 = trainer.groups.rank == 0
@@ -229,8 +233,11 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     interval = job.checkpoint.interval
     saver = checkpoint.Checkpointer(job.checkpoint, run_dir, trainer, trainer.resumed_from)
     history: list[StepMetrics] = []
+    # train.profile_steps / train.memory_history; null when off
+    profiling = open_profiling(job, run_dir, trainer.groups.rank, device, trainer.step_num)
     try:
         while trainer.step_num < last:
+            profiling.step_begin(trainer.step_num + 1)
             signals.step_started(trainer.step_num + 1)
             faults.before_step(trainer.step_num + 1)  # kill-worker / hang-worker fire here, once
             metrics = trainer.step()
@@ -251,11 +258,13 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
             if log is not None and progress is not None:
                 log.write(metrics)
                 progress.update(metrics)
+            profiling.step_end(step)
         with signals.section("checkpoint"):
             saver.finalize()  # the last save's files and manifest are written
         report_checkpoint(saver, signals)  # its time until durable, with the "done" write
         signals.checkpoint_durable(saver.durable)
     finally:
+        profiling.close()  # a window or memory history the run stopped inside
         trainer.timeline.close()  # writes the last steps' segments
         if log is not None:
             log.close()

@@ -30,6 +30,7 @@ from megascale.parallel.parallelize import forward_backward_func, parallelize
 from megascale.probes.compute_time import ComputeMeter
 from megascale.probes.flops import flops_per_token
 from megascale.probes.peak import Peak
+from megascale.probes.profiling import peak_memory_gib, reset_peak_memory
 from megascale.probes.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.train.optimizer import build_optimizer, build_scheduler
 
@@ -91,6 +92,7 @@ class Trainer:
     def step(self) -> StepMetrics:
         """One optimizer step: data -> forward/backward schedule -> grad sync -> clip -> update."""
         self.timeline.step_begin(self.step_num + 1)
+        reset_peak_memory(self.device)  # the step's peak: mem_max_*_gib
         start = time.perf_counter()
         for chunk in self.model:
             chunk.zero_grad_buffer()
@@ -122,6 +124,7 @@ class Trainer:
         if self.peak is not None:
             world = self.groups.layout.world_size
             mfu = tokens_per_s * self.flops_per_token / (world * self.peak.tflops * 1e12)
+        mem_allocated, mem_reserved = peak_memory_gib(self.device)
         return StepMetrics(
             step=self.step_num,
             loss=loss,
@@ -133,6 +136,8 @@ class Trainer:
             data_wait_s=data_wait,
             mfu_peak_tflops=None if self.peak is None else self.peak.tflops,
             mfu_peak_source=None if self.peak is None else self.peak.source,
+            mem_max_allocated_gib=mem_allocated,
+            mem_max_reserved_gib=mem_reserved,
         )
 
     def evaluate(self) -> float:

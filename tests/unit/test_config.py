@@ -168,6 +168,9 @@ def test_unknown_preset_names_the_presets():
         ("optim.name=3", ["optim.name = 3 (int)", "expected a string"]),
         ("model.window_size=1.5", ["model.window_size = 1.5", "an integer or none"]),
         ("model.num_query_groups=[2]", ["model.num_query_groups = [2] (list)", "an integer"]),
+        ("train.profile_steps=[2.5, 3]", ["train.profile_steps = [2.5, 3]", "list of integers"]),
+        ("train.profile_steps=3", ["train.profile_steps = 3 (int)", "a list of integers"]),
+        ("train.memory_history=1", ["train.memory_history = 1 (int)", "true or false"]),
     ],
 )
 def test_wrong_types_are_refused(override, fragments):
@@ -444,6 +447,36 @@ def test_model_options_and_recomputation_are_checked_in_one_line(sets, message):
     with pytest.raises(ConfigError) as err:
         validate(load("tiny", sets), 1, "gloo")
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+PROFILE_STEPS_RULE = "must be [first, last] with 1 <= first <= last <= train.steps = 50"
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["train.profile_steps=[3]"], f"train.profile_steps = [3]: {PROFILE_STEPS_RULE}"),
+        (["train.profile_steps=[1, 2, 3]"], "train.profile_steps = [1, 2, 3]: must be [first, "),
+        (["train.profile_steps=[0, 2]"], f"train.profile_steps = [0, 2]: {PROFILE_STEPS_RULE}"),
+        (["train.profile_steps=[4, 3]"], f"train.profile_steps = [4, 3]: {PROFILE_STEPS_RULE}"),
+        (["train.profile_steps=[49, 51]"], "train.profile_steps = [49, 51]: must be [first, "),
+        (["train.memory_history=true"], "train.memory_history = true: needs train.device = 'cuda'"),
+    ],
+)
+def test_profiling_options_are_checked_in_one_line(sets, message):
+    with pytest.raises(ConfigError) as err:
+        validate(load("tiny", sets), 1, "gloo")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_profiling_options_that_are_accepted(tmp_path):
+    assert load("tiny").train.profile_steps == [] and not load("tiny").train.memory_history
+    for window in ("[]", "[1, 1]", "[2, 50]"):
+        validate(load("tiny", [f"train.profile_steps={window}"]), 1, "gloo")
+    # "auto" may find a GPU where the job runs; on CPU the run skips the history with a warning
+    validate(load("tiny", ["train.device=auto", "train.memory_history=true"]), 1, "gloo")
+    job = load("tiny", ["train.profile_steps=[2, 3]"])
+    assert load(write(tmp_path, to_toml(job))).train.profile_steps == [2, 3]
 
 
 def test_llama_options_reach_megatron_cores_config():
