@@ -1,10 +1,12 @@
-"""A real training run on one GPU (``megascale.train.run.run_rank``): the CUDA-event timeline, and
-the two-stage checkpoint copied out of GPU memory while training goes on."""
+"""A real training run on one GPU (``megascale.train.run.run_rank``): the CUDA-event timeline, the
+two-stage checkpoint copied out of GPU memory while training goes on, the per-step peak memory,
+the torch profiler window and the allocator's memory snapshot."""
 
 from __future__ import annotations
 
 import json
 import math
+import pickle
 import shutil
 from collections import defaultdict
 
@@ -20,10 +22,11 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
-    """4 steps on one GPU, a two-stage checkpoint every 2 steps, the timeline on."""
+    """4 steps on one GPU, a two-stage checkpoint every 2 steps, the timeline on, steps 2 and 3
+    profiled, the allocator's history recorded."""
     run_dir = tmp_path_factory.mktemp("run-a")
     job = small_job(
-        train={"steps": 4},
+        train={"steps": 4, "profile_steps": [2, 3], "memory_history": True},
         checkpoint={"interval": 2, "async_save": True, "keep": 2},
         diagnostics={"timeline": True, "flush_interval_steps": 2},
     )
@@ -47,6 +50,34 @@ def test_cuda_event_timeline_has_device_segments_within_each_step(run_a):
         # forward and backward (CUDA events) fit inside it.
         device = durations["megascale::model::forward"] + durations["megascale::model::backward"]
         assert device <= durations["megascale::train::step"], dict(durations)
+
+
+def test_every_step_reports_its_peak_cuda_memory(run_a):
+    _job, run_dir, history = run_a
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [m.step for m in history]
+    for line in lines:
+        allocated, reserved = line["mem_max_allocated_gib"], line["mem_max_reserved_gib"]
+        assert 0 < allocated <= reserved < 80, line
+
+
+def test_the_profile_window_holds_its_steps_gpu_kernels(run_a):
+    _job, run_dir, _history = run_a
+    trace = json.loads((run_dir / "profile" / "rank_00000.json").read_text())
+    events = trace["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("megascale::train::step#")}
+    assert steps == {"megascale::train::step#2", "megascale::train::step#3"}, steps
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    assert kernels, sorted({e.get("cat") for e in events})
+    assert any("gemm" in e["name"].lower() or "cutlass" in e["name"].lower() for e in kernels)
+
+
+def test_the_memory_snapshot_is_the_allocators(run_a):
+    _job, run_dir, _history = run_a
+    with open(run_dir / "profile" / "memory_rank_00000.pickle", "rb") as f:
+        snapshot = pickle.load(f)
+    assert snapshot["segments"], snapshot.keys()
+    assert any(trace for trace in snapshot["device_traces"]), "no allocator events recorded"
 
 
 def test_progress_carries_a_steps_compute_time_from_cuda_events(run_a):
