@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
 import shlex
 import shutil
@@ -44,7 +45,8 @@ from megascale import gpus
 # without a driver) before megatron-core's import asks torch whether CUDA is there.
 gpus.prefer_nvml_checks()
 
-import megatron.core  # noqa: F401  (import once, before forking the ranks)
+import megatron.core  # import once, before forking the ranks
+import megatron.core.dist_checkpointing
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -79,6 +81,13 @@ DEFAULT_SETS = [
     "optim.warmup_steps=0",
     "parallel.distributed_optimizer=true",
 ]
+MCORE_ASYNC = (
+    {"async_strategy": "mcore"}
+    if "async_strategy" in inspect.signature(megatron.core.dist_checkpointing.save).parameters
+    else {}
+)
+"""megatron-core's own asynchronous writer: from 0.17 on ``save`` defaults to nvidia-resiliency-
+ext's ("nvrx"), which is a separate package."""
 METHODS = ("megascale two-stage", "megascale synchronous", "DCP async_save", "megatron-core async")
 
 
@@ -180,6 +189,7 @@ class _MCoreAsync:
             sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1),
             async_sharded_save=True,
             validate_access_integrity=r == 0,
+            **MCORE_ASYNC,
         )
         self.queue.schedule_async_request(request)
 

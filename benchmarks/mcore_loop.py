@@ -208,6 +208,7 @@ def run_plain(job: JobConfig, device: str, warmup: int, steps: int) -> Measured:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()  # the megascale variants' groups
@@ -225,6 +226,10 @@ def run_plain(job: JobConfig, device: str, warmup: int, steps: int) -> Measured:
         position_embedding_type="rope",
         rotary_base=m.rotary_base,
     ).to(device)
+    if config.bf16 or config.fp16:
+        # Megatron-LM's own wrapping: every parameter and buffer in bf16, inputs cast on entry
+        # (megatron-core's local norms are built in fp32).
+        model = Float16Module(config, model)
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),

@@ -133,6 +133,9 @@ QUICK_BLOCKS = ["--steps", "5", "--warmup", "2", "--rounds", "1"]
 QUICK_BATCH = ["--set", "train.global_batch_size=16"]
 """``--quick``: fewer timed steps per variant and 16 sequences per step (a short GPU lease)."""
 QUICK_CHECKPOINT = ["--rounds", "2"]
+QUICK_WINDOW = ["--set", "train.micro_batch_size=2"]
+"""The sliding window on the local spec materialises every layer's [s, s] scores and mask (no
+flash attention): 4 x 2048-token micro-batches of h100-1b need more than an 80 GB GPU."""
 LOCAL_SPEC = ["--set", "model.spec=local"]
 """The plain megatron-core loop builds megatron-core's local spec: megascale's rows do too."""
 
@@ -178,7 +181,7 @@ def plan(gpus: int, python: str, out_dir: Path, quick: bool = False) -> list[Ste
         Step(
             "model blocks: serial vs parallel block, full vs window (the h100-1b preset)",
             [python, "benchmarks/model_blocks.py", "--config", "h100-1b"]
-            + (QUICK_BLOCKS + QUICK_BATCH if quick else []),
+            + (QUICK_BLOCKS + QUICK_BATCH + QUICK_WINDOW if quick else []),
             3600,
             table=True,
             key="blocks",
