@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import logging
 import math
 import shlex
@@ -42,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +87,8 @@ class Measured:
     step_times: list[float] = dataclasses.field(default_factory=list)
     peak_bytes: list[int] = dataclasses.field(default_factory=list)
     losses: list[float] = dataclasses.field(default_factory=list)
+    model: weakref.ref | None = None
+    """The variant's model, once freed: it must be gone before the next variant's peak counts."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -135,10 +137,12 @@ def _peak_bytes(device: str) -> int:
     return torch.cuda.max_memory_allocated() if device == "cuda" else 0
 
 
-def _timed(step: Callable[[], float], device: str, warmup: int, steps: int) -> Measured:
+def _timed(
+    step: Callable[[], float], model: torch.nn.Module, device: str, warmup: int, steps: int
+) -> Measured:
     """``warmup`` untimed and ``steps`` timed calls of ``step`` (each returns the loss as a float,
     which waits for the device); the peak memory of the timed ones."""
-    out = Measured(job=None)  # type: ignore[arg-type]
+    out = Measured(job=None, model=weakref.ref(model))  # type: ignore[arg-type]
     for _ in range(warmup):
         step()
     _peak_reset(device)
@@ -155,10 +159,10 @@ def run_megascale(job: JobConfig, device: str, data_dir: Path, warmup: int, step
     seed_everything(job.train.seed, groups.tp_rank, device)
     trainer = Trainer(job, groups, device, data_cache_dir=data_dir)
     try:
-        return _timed(lambda: trainer.step().loss, device, warmup, steps)
+        return _timed(lambda: trainer.step().loss, trainer.model[0], device, warmup, steps)
     finally:
         trainer = None  # the closure's reference too: frees the model before the next variant
-        _free(device)
+        model_blocks.free_models(device)
 
 
 def plain_transformer_config(job: JobConfig, device: str):
@@ -287,17 +291,11 @@ def run_plain(job: JobConfig, device: str, warmup: int, steps: int) -> Measured:
         return float(torch.stack([d["lm loss"] for d in losses]).mean())
 
     try:
-        return _timed(step, device, warmup, steps)
+        return _timed(step, ddp, device, warmup, steps)
     finally:
         ddp = model = optimizer = None  # the closure's references too
         parallel_state.destroy_model_parallel()
-        _free(device)
-
-
-def _free(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+        model_blocks.free_models(device)
 
 
 def measure(
@@ -313,6 +311,8 @@ def measure(
                 got = run_plain(m.job, device, args.warmup, args.steps)
             else:
                 got = run_megascale(m.job, device, data_dir, args.warmup, args.steps)
+            if got.model() is not None:
+                raise RuntimeError(f"{variant.name}: its model is still alive after it was freed")
             m.step_times += got.step_times
             m.peak_bytes += got.peak_bytes
             m.losses += got.losses

@@ -47,7 +47,7 @@ from megascale import config as config_mod
 from megascale.config import JobConfig
 from megascale.launcher.local import free_port
 from megascale.logs import quiet_expected_noise
-from megascale.model.gpt import te_available, use_te_spec
+from megascale.model.gpt import release_model_caches, te_available, use_te_spec
 from megascale.parallel import cpu_backend
 from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
 from megascale.probes.flops import flops_per_token
@@ -140,9 +140,15 @@ def run_variant(
         return [trainer.step().step_time_s for _ in range(steps)]
     finally:
         del trainer
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        free_models(device)
+
+
+def free_models(device: str) -> None:
+    """Free the models dropped so far (megatron-core's caches hold them: release_model_caches)."""
+    release_model_caches()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def measure(

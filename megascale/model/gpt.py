@@ -96,6 +96,21 @@ def use_masked_softmax_fusion(
     return on_cuda and kernels_available and window_size is None
 
 
+def release_model_caches() -> None:
+    """Let go of every model this process built (call after dropping the last reference to one).
+
+    megatron-core caches ``RotaryEmbedding.forward`` with a class-level ``functools.lru_cache``,
+    whose keys hold ``self``: the rotary module, and through DDP's forward pre-hooks on every
+    submodule the whole wrapped model, its gradient buffers and (on a GPU) their memory, stay
+    alive after the trainer is gone. A process that builds a second model (a benchmark's
+    variants, a rebuild after a fault) would carry the first one's memory."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
+    if clear is not None:
+        clear()
+
+
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     """Pad the vocabulary so the embedding splits evenly over TP ranks (Megatron's convention)."""
     step = multiple * tp
