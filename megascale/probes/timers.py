@@ -40,8 +40,12 @@ everywhere. On a GPU a NCCL call returns to the host at once, so host-side timin
 nothing: a collective's segment there is its run on the device, from the flight recorder's timing
 events recorded on the stream before and after it (``flight.watcher.DeviceSpan``), placed on the
 host clock at the time the recorder's watcher first saw its start event complete, with the
-duration the events measured (exact; the placement is late by at most the watcher's polling
-interval). So TP collectives inside a layer show as segments of their own within forward/backward;
+duration the events measured (exact for a synchronous call; the placement is late by at most the
+watcher's polling interval). An asynchronous NCCL call (``async_op=True``: every chunked TP
+collective, DP buckets) has no event after it: its end is the poll that saw its ``Work`` complete
+(late by up to ``flight.watcher.MAX_INTERVAL_S``, 20 ms) and its start the moment the compute
+stream reached the call, not the moment NCCL's kernel began, so such a segment is an upper bound
+on the op's run, quantised to the polling interval. So TP collectives inside a layer show as segments of their own within forward/backward;
 comm records with no device times (ops in a coalescing block or a p2p batch, ops not yet seen
 complete at the step boundary) are not drawn on a GPU.
 
