@@ -16,6 +16,9 @@ megascale_step_time_seconds                 gauge      node, rank               
 megascale_compute_time_seconds              gauge      node, rank                  agent
 megascale_data_wait_seconds                 gauge      node, rank                  agent
 megascale_comm_time_seconds                 gauge      node, rank, group           agent
+megascale_memory_rss_bytes                  gauge      node, rank                  agent
+megascale_memory_max_allocated_bytes        gauge      node, rank                  agent
+megascale_memory_max_reserved_bytes         gauge      node, rank                  agent
 megascale_tokens_per_second                 gauge      node                        agent
 megascale_mfu_ratio                         gauge      node                        agent
 megascale_validation_loss                   gauge      node                        agent
@@ -48,6 +51,9 @@ Tokens/s and MFU are job-wide figures (global batch / step time) exported once: 
 the node running rank 0 (``messages.Heartbeat``), the figure of ``metrics.jsonl``; dashboards
 aggregate with ``avg`` so that a series left by a previous rank-0 node does not add up. The straggler score of a rank is its
 step (or compute) time over the median of its peers (1.0 = median, 1.1 = 10% slow).
+Memory, per rank, in bytes (from the GiB of the progress record, so to about 1 MiB): the resident
+host memory at the last step's end (every device), and that step's peak CUDA memory held by
+tensors and reserved by the caching allocator (CUDA only: no series on CPU).
 """
 
 from __future__ import annotations
@@ -74,6 +80,13 @@ FAULT_KINDS = (
     "heartbeat_timeout",
 )
 """The controller's ``Fault.kind`` values; pre-set to 0 so that ``increase()`` sees the first."""
+GIB = 2**30
+MEMORY_GAUGES = (
+    "megascale_memory_rss_bytes",
+    "megascale_memory_max_allocated_bytes",
+    "megascale_memory_max_reserved_bytes",
+)
+"""The per-rank memory gauges (``AgentMetrics.set_memory``)."""
 STALL_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -127,6 +140,25 @@ METRICS: dict[str, MetricSpec] = {
             Gauge,
             "Communication time not overlapped with compute in the last step, by group.",
             ("node", "rank", "group"),
+        ),
+        MetricSpec(
+            "megascale_memory_rss_bytes",
+            Gauge,
+            "Resident host memory of the rank's process at the end of its last step.",
+            ("node", "rank"),
+        ),
+        MetricSpec(
+            "megascale_memory_max_allocated_bytes",
+            Gauge,
+            "Peak CUDA memory held by tensors during the rank's last step (CUDA only).",
+            ("node", "rank"),
+        ),
+        MetricSpec(
+            "megascale_memory_max_reserved_bytes",
+            Gauge,
+            "Peak CUDA memory reserved by the caching allocator during the rank's last step "
+            "(CUDA only).",
+            ("node", "rank"),
         ),
         MetricSpec(
             "megascale_tokens_per_second",
@@ -331,6 +363,23 @@ class AgentMetrics(_Exporter):
                         seconds
                     )
 
+    def set_memory(
+        self,
+        rank: int,
+        rss_gib: float | None,
+        max_allocated_gib: float | None = None,
+        max_reserved_gib: float | None = None,
+    ) -> None:
+        """One rank's memory at its last step, in GiB as the progress record has it (exported
+        in bytes); a figure that is None (CUDA's, off CUDA) leaves its gauge unset."""
+        r, n = str(rank), self.node
+        with self._lock:
+            for name, gib in zip(
+                MEMORY_GAUGES, (rss_gib, max_allocated_gib, max_reserved_gib), strict=True
+            ):
+                if gib is not None:
+                    self._metric(name, node=n, rank=r).set(gib * GIB)
+
     def set_throughput(self, tokens_per_s: float | None, mfu: float | None = None) -> None:
         """The job-wide tokens/s and MFU (a fraction) as this node's ranks computed them."""
         with self._lock:
@@ -388,6 +437,9 @@ class AgentMetrics(_Exporter):
                 info.comm_time_s or None,
                 info.data_wait_s,
             )
+            self.set_memory(
+                int(rank), info.mem_rss_gib, info.mem_max_allocated_gib, info.mem_max_reserved_gib
+            )
 
     def remove_rank(self, rank: int) -> None:
         """Forget a rank that left this node (its series disappear from the next scrape)."""
@@ -399,6 +451,7 @@ class AgentMetrics(_Exporter):
                 "megascale_step_time_seconds",
                 "megascale_compute_time_seconds",
                 "megascale_data_wait_seconds",
+                *MEMORY_GAUGES,
             ):
                 try:
                     self._m[name].remove(self.job, n, r)

@@ -45,6 +45,7 @@ from megascale.agent.commands import (  # noqa: F401  (ack_message: re-exported)
     _Reported,
     ack_message,
 )
+from megascale.agent.identity import INSTANCE, NameTaken, claim_node, config_hash
 from megascale.agent.logscan import DEVICE_ERRORS, error_kind
 from megascale.agent.nodeinfo import gpu_status, hardware_info, network_counters
 from megascale.agent.workers import WorkerPool, Zygote
@@ -164,6 +165,9 @@ def progress_figures(progress: dict[int, RankProgress]) -> dict[str, Any]:
                 stage=p.stage,
                 comm_time_s=p.comm_time_s,
                 data_wait_s=p.data_wait_s,
+                mem_rss_gib=p.mem_rss_gib,
+                mem_max_allocated_gib=p.mem_max_allocated_gib,
+                mem_max_reserved_gib=p.mem_max_reserved_gib,
             )
             for r, p in progress.items()
         },
@@ -193,6 +197,7 @@ class Agent(CommandRunner):
         self._lock = threading.Lock()
         self._etcd_ok = True
         self.hardware = hardware_info()
+        self.config_hash = config_hash(opts.config, opts.overrides)
         self.selfchecks = 0
         self.neighbour_port = neighbour_check.reserve_ports(opts.addr)
         self.metrics: Any = None
@@ -221,7 +226,11 @@ class Agent(CommandRunner):
         try:
             while not self.stopping.is_set():
                 if self._need_register.is_set():
-                    self._register()
+                    try:
+                        self._register()
+                    except NameTaken as e:
+                        logger.error("agent %s refused: %s", self.opts.node, e)
+                        return 2
                 if not self._need_register.is_set():
                     self._beat()
                 if self._job_state in TERMINAL_STATES and not self.pool.running():
@@ -236,13 +245,14 @@ class Agent(CommandRunner):
     def _register(self) -> None:
         """Take a lease, publish ``nodes/<node>``, watch commands and the job status."""
         try:
-            if not self._watches:
-                self._watch_commands()
             if self._keepalive is not None:
                 self._keepalive.stop()
             self._lease = self.store.grant(self.opts.lease_ttl)
             self._keepalive = self.store.keep_alive(self._lease, on_lost=self._lease_lost)
-            self.store.put(self.keys.node(self.opts.node), self.registration(), lease=self._lease)
+            key, wait_s = self.keys.node(self.opts.node), self.opts.lease_ttl + 1.0
+            claim_node(self.store, key, self.registration(), self._lease.id, wait_s)  # NameTaken
+            if not self._watches:  # this node's commands: only once the name is this agent's
+                self._watch_commands()
         except StoreError as e:
             self._etcd_failed(e)
             return
@@ -268,6 +278,8 @@ class Agent(CommandRunner):
             "metrics_url": self.metrics_url,
             "topology": self.opts.topology,
             "neighbour_port": self.neighbour_port,
+            "config_hash": self.config_hash,
+            "instance": INSTANCE,
         }
 
     def _watch_commands(self) -> None:

@@ -48,6 +48,7 @@ def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:
     if not problems:
         dp = _data_parallel_size(cfg, world_size, problems)
         problems += _model_shape(cfg)
+        problems += _profile_ranks_in_world(cfg.train.profile_ranks, world_size)
         problems += _backend(cfg, backend)
         problems += _overlap(cfg)
         if dp is not None:
@@ -176,6 +177,7 @@ def _ranges(cfg: JobConfig) -> list[str]:
         problems.append(f"model.rotary_base = {m.rotary_base}: must be a positive integer")
     one_of("train.device", t.device, DEVICES)
     problems += _profile_window(t.profile_steps, t.steps)
+    problems += _profile_ranks(t.profile_ranks)
     one_of("data.loader", cfg.data.loader, DATA_LOADERS)
     one_of("metrics.wandb_mode", cfg.metrics.wandb_mode, WANDB_MODES)
     board = cfg.metrics.tensorboard_dir
@@ -271,6 +273,27 @@ def _profile_window(window: list[int], steps: int) -> list[str]:
     return [
         f"train.profile_steps = {window}: must be [first, last] with 1 <= first <= last <= "
         f"train.steps = {steps} (optimizer steps, inclusive), or [] for no profile"
+    ]
+
+
+def _profile_ranks(ranks: list[int]) -> list[str]:
+    """``train.profile_ranks``: distinct global ranks >= 0 ([] = every rank)."""
+    if all(r >= 0 for r in ranks) and len(set(ranks)) == len(ranks):
+        return []
+    return [
+        f"train.profile_ranks = {ranks}: must be distinct global ranks >= 0 "
+        f"(e.g. [0] or [0, 8]), or [] for every rank"
+    ]
+
+
+def _profile_ranks_in_world(ranks: list[int], world_size: int) -> list[str]:
+    """``train.profile_ranks`` against the world size, known at start."""
+    outside = [r for r in ranks if r >= world_size]
+    if not outside:
+        return []
+    return [
+        f"train.profile_ranks = {ranks}: rank {outside[0]} is not in this job (global ranks "
+        f"0 to {world_size - 1}); drop it, or use [] for every rank"
     ]
 
 
@@ -402,6 +425,11 @@ def _backend(cfg: JobConfig, backend: str) -> list[str]:
         problems.append(
             "train.memory_history = true: needs train.device = 'cuda' (or 'auto' on a GPU "
             "machine); the CPU has no CUDA allocator to record, set it to false"
+        )
+    if t.nvtx and t.device == "cpu":
+        problems.append(
+            "train.nvtx = true: needs train.device = 'cuda' (or 'auto' on a GPU machine); "
+            "NVTX ranges are for Nsight Systems on CUDA, set it to false"
         )
     return problems
 

@@ -189,13 +189,25 @@ class TrainConfig:
     (``megascale.probes.peak``). Every MFU figure is labelled with where its peak came from."""
     profile_steps: list[int] = field(default_factory=list)
     """``[first, last]``: record optimizer steps first to last (1-based, inclusive) with
-    ``torch.profiler`` on every rank, a Chrome trace in ``RUN_DIR/profile/rank_NNNNN.json``
-    (``megascale.probes.profiling``); a resumed run records the steps still ahead. []: off."""
+    ``torch.profiler`` on the ranks of ``profile_ranks``, a Chrome trace in
+    ``RUN_DIR/profile/rank_NNNNN.json`` (``megascale.probes.profiling``); a resumed run records
+    the steps still ahead. []: off."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """The global ranks ``profile_steps`` records (Megatron-LM's ``--profile-ranks`` default:
+    rank 0 only; one trace per rank is tens of MB). [] records every rank. Each must be below the
+    world size (checked at start)."""
     memory_history: bool = False
     """CUDA only: record the caching allocator's history from the first step and dump it to
     ``RUN_DIR/profile/memory_rank_NNNNN.pickle`` (https://pytorch.org/memory_viz) at the end of the
-    profile window, else after the first logged step. Refused with device "cpu"; skipped (with a
-    warning) when "auto" finds no GPU."""
+    profile window, else after the first logged step, on every rank; a rank that runs out of CUDA
+    memory dumps it to ``memory_rank_NNNNN_oom.pickle`` before the error propagates. Refused with
+    device "cpu"; skipped (with a warning) when "auto" finds no GPU."""
+    nvtx: bool = False
+    """CUDA only: NVTX ranges for Nsight Systems (``nsys profile``) around each step
+    (``megascale::train::step``), its forward/backward schedule
+    (``megascale::schedule::forward_backward``) and its optimizer step
+    (``megascale::optim::step``), the timeline's span names. Refused with device "cpu"; skipped
+    (with a warning) when "auto" finds no GPU."""
 
 
 @dataclass

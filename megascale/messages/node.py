@@ -31,7 +31,9 @@ Figures and their one meaning at every hop (the dashboards, the report and the s
   backward compute of step ``compute_step``, measured on the device; ``stage`` is the rank's
   pipeline stage, the straggler model's peer group), ``comm_time_s`` (exposed communication,
   i.e. time blocked in it, by group ``dp``/``pp``/``tp``/``other``, same period), ``data_wait_s``
-  (time reading the step's batches);
+  (time reading the step's batches), ``mem_rss_gib`` (the process's resident host memory at the
+  step's end) and, on CUDA only, ``mem_max_allocated_gib``/``mem_max_reserved_gib`` (the step's
+  peak CUDA memory held by tensors / reserved by the caching allocator), all in GiB (2**30 bytes);
 * per save: ``CheckpointFigures``: ``stall_s`` (training blocked, stage 1) and ``durable_s``
   (from the save's start until its files were written; None while in flight);
 * per job: ``tokens_per_s`` and ``mfu`` are job-wide (global batch / rank 0's step time), as
@@ -52,7 +54,7 @@ import msgspec
 
 logger = logging.getLogger("megascale.messages")  # the name users configure
 
-SCHEMA = (1, 1)
+SCHEMA = (1, 2)
 """(major, minor) of this module's messages: a new field bumps the minor, a changed meaning or a
 removed field the major."""
 SCHEMA_KEY = "schema"
@@ -298,6 +300,10 @@ class RankProgress(Message):
     mfu_peak: str | None = None
     """The peak ``mfu`` is against, in words (``probes.peak.peak_label``)."""
     durable: DurableCheckpoint | None = None
+    mem_rss_gib: float | None = None
+    mem_max_allocated_gib: float | None = None
+    """None off CUDA, as ``mem_max_reserved_gib``."""
+    mem_max_reserved_gib: float | None = None
     NESTED: ClassVar = {
         "checkpoint": (CheckpointFigures, "one"),
         "durable": (DurableCheckpoint, "one"),
@@ -334,6 +340,10 @@ class RankFigures(Message):
     data_wait_s: float | None = None
     compute_step: int | None = None
     stage: int | None = None
+    mem_rss_gib: float | None = None
+    mem_max_allocated_gib: float | None = None
+    """None off CUDA, as ``mem_max_reserved_gib``."""
+    mem_max_reserved_gib: float | None = None
 
 
 @declare
@@ -419,11 +429,12 @@ class StepMetrics(Message):
     ``tokens_per_s``/``mfu`` are job-wide; ``mfu`` is None when no peak is known. The timing
     figures are rank 0's (see the module docstring); ``checkpoint_stall_s`` is set on a step
     that ended with a save; ``time`` is the wall clock when the line was written. ``val_loss``
-    and ``checkpoint_stall_s`` are absent from the line on the other steps, the ``mem_*`` figures
-    off CUDA."""
+    and ``checkpoint_stall_s`` are absent from the line on the other steps, the ``mem_max_*``
+    figures off CUDA."""
 
     OMIT_NONE: ClassVar = (
-        "val_loss", "checkpoint_stall_s", "mem_max_allocated_gib", "mem_max_reserved_gib"
+        "val_loss", "checkpoint_stall_s", "mem_rss_gib", "mem_max_allocated_gib",
+        "mem_max_reserved_gib",
     )  # fmt: skip
 
     step: int
@@ -450,6 +461,9 @@ class StepMetrics(Message):
     mem_max_reserved_gib: float | None = None
     """The same for memory the caching allocator reserved from the device (what an OOM runs
     out of)."""
+    mem_rss_gib: float | None = None
+    """Rank 0's resident host memory (RSS) at the step's end, GiB, on every device: the RSS
+    when the step finished, not a peak within it (``probes.profiling.rss_gib``)."""
     time: float | None = None
 
 

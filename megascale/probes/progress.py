@@ -86,12 +86,15 @@ class ProgressFile:
         mfu: float | None = None,
         mfu_peak: str | None = None,
         data_wait_s: float | None = None,
+        memory_gib: tuple[float | None, float | None, float | None] = (None, None, None),
     ) -> None:
         """After step ``step``: its time and throughput (and validation loss if it evaluated;
-        ``mfu`` with its peak in words when a peak is known)."""
+        ``mfu`` with its peak in words when a peak is known; ``memory_gib``: RSS, peak allocated
+        and peak reserved CUDA memory, as ``messages.StepMetrics`` has them)."""
         record = self.record
         record.step, record.step_time_s, record.tokens_per_s = step, step_time_s, tokens_per_s
         record.mfu, record.mfu_peak, record.data_wait_s = mfu, mfu_peak, data_wait_s
+        record.mem_rss_gib, record.mem_max_allocated_gib, record.mem_max_reserved_gib = memory_gib
         if val_loss is not None:
             record.val_loss = val_loss
         record.durations["step"] = step_time_s
@@ -261,6 +264,11 @@ class WorkerSignals:
             mfu=metrics.mfu,
             mfu_peak=mfu_peak,
             data_wait_s=metrics.data_wait_s,
+            memory_gib=(
+                metrics.mem_rss_gib,
+                metrics.mem_max_allocated_gib,
+                metrics.mem_max_reserved_gib,
+            ),
         )
 
     def checkpoint_durable(self, record: dict[str, Any] | None) -> None:

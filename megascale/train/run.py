@@ -31,7 +31,7 @@ from megascale.parallel.groups import build_groups, destroy_groups, init_distrib
 from megascale.probes import inject
 from megascale.probes.fatal import RUN_DIR_ENV, fail_job
 from megascale.probes.peak import Peak, peak_label, run_peak
-from megascale.probes.profiling import open_profiling
+from megascale.probes.profiling import open_nvtx, open_profiling
 from megascale.probes.progress import WorkerSignals
 from megascale.probes.sinks import Sinks, open_sinks
 from megascale.probes.timers import build_timeline
@@ -233,14 +233,16 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     interval = job.checkpoint.interval
     saver = checkpoint.Checkpointer(job.checkpoint, run_dir, trainer, trainer.resumed_from)
     history: list[StepMetrics] = []
-    # train.profile_steps / train.memory_history; null when off
+    # train.profile_steps / train.memory_history / train.nvtx; null when off
     profiling = open_profiling(job, run_dir, trainer.groups.rank, device, trainer.step_num)
+    trainer.nvtx = open_nvtx(job, trainer.groups.rank, device)
     try:
         while trainer.step_num < last:
             profiling.step_begin(trainer.step_num + 1)
             signals.step_started(trainer.step_num + 1)
             faults.before_step(trainer.step_num + 1)  # kill-worker / hang-worker fire here, once
-            metrics = trainer.step()
+            with trainer.nvtx.range("megascale::train::step"):
+                metrics = trainer.step()
             if is_eval_step(job, trainer.step_num):
                 metrics.val_loss = trainer.evaluate()  # collective: every rank evaluates
             step = trainer.step_num
@@ -263,6 +265,9 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
             saver.finalize()  # the last save's files and manifest are written
         report_checkpoint(saver, signals)  # its time until durable, with the "done" write
         signals.checkpoint_durable(saver.durable)
+    except torch.cuda.OutOfMemoryError:
+        profiling.out_of_memory()  # the allocator's history up to the OOM, when recorded
+        raise
     finally:
         profiling.close()  # a window or memory history the run stopped inside
         trainer.timeline.close()  # writes the last steps' segments

@@ -30,7 +30,7 @@ from megascale.parallel.parallelize import forward_backward_func, parallelize
 from megascale.probes.compute_time import ComputeMeter
 from megascale.probes.flops import flops_per_token
 from megascale.probes.peak import Peak
-from megascale.probes.profiling import peak_memory_gib, reset_peak_memory
+from megascale.probes.profiling import NULL_NVTX, peak_memory_gib, reset_peak_memory, rss_gib
 from megascale.probes.timers import NULL_TIMELINE, NullTimeline, Timeline
 from megascale.train.optimizer import build_optimizer, build_scheduler
 
@@ -88,6 +88,9 @@ class Trainer:
         # Forward and backward compute per step, on the device (the straggler signal); it stands
         # in front of the timeline's timers and leaves them working.
         self.compute = ComputeMeter(device, blocked_s=_blocked_seconds()).install(self.config)
+        # NVTX ranges for Nsight Systems around the schedule and the optimizer (train.nvtx, set by
+        # the run loop, which puts the step's own range around step()); null by default.
+        self.nvtx = NULL_NVTX
 
     def step(self) -> StepMetrics:
         """One optimizer step: data -> forward/backward schedule -> grad sync -> clip -> update."""
@@ -105,12 +108,14 @@ class Trainer:
             micro_batches = self.data.next_step()
         data_wait = time.perf_counter() - data_start
         self.compute.begin(self.step_num + 1)
-        losses = self._schedule(micro_batches, forward_only=False)
+        with self.nvtx.range("megascale::schedule::forward_backward"):
+            losses = self._schedule(micro_batches, forward_only=False)
         self.compute.end()
         # finalize_model_grads (registered by apply_ddp) has synced grads over DP, SP and the tied
         # embedding; step() clips by the global norm and updates (all-gathering params if sharded).
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step runs at
-        with self.timeline.span("megascale::optim::step"):
+        optim_span = "megascale::optim::step"
+        with self.timeline.span(optim_span), self.nvtx.range(optim_span):
             updated, grad_norm, _ = self.optimizer.step()
         if not updated:
             raise FloatingPointError(f"step {self.step_num + 1}: non-finite gradients")
@@ -138,6 +143,7 @@ class Trainer:
             mfu_peak_source=None if self.peak is None else self.peak.source,
             mem_max_allocated_gib=mem_allocated,
             mem_max_reserved_gib=mem_reserved,
+            mem_rss_gib=rss_gib(),
         )
 
     def evaluate(self) -> float:
