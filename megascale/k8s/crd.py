@@ -396,30 +396,54 @@ def spec_schema() -> dict[str, Any]:
 
 
 def open_api_schema() -> dict[str, Any]:
-    """The whole object's openAPIV3Schema (root rules may read ``self.metadata.name``)."""
-    return {
-        "type": "object",
-        "description": "MegaScaleJob: fault-tolerant LLM pretraining on megatron-core.",
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": spec_schema(),
-            "status": status_schema(),
-        },
-        "required": ["spec"],
-        "x-kubernetes-validations": [
-            _rule(
-                f"size(self.metadata.name) <= {MAX_NAME}",
-                f"metadata.name must be at most {MAX_NAME} characters (worker pods are "
-                "<name>-worker-<index>, a 63-character DNS label)",
-            ),
-            _rule(
-                "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
-                "metadata.name must be a DNS-1035 label (it names Services)",
-            ),
-        ],
-    }
+    """The whole object's openAPIV3Schema (root rules may read ``self.metadata.name``); every
+    object's ``default`` holds its nested defaults too (``with_full_defaults``)."""
+    return with_full_defaults(
+        {
+            "type": "object",
+            "description": "MegaScaleJob: fault-tolerant LLM pretraining on megatron-core.",
+            "properties": {
+                "apiVersion": {"type": "string"},
+                "kind": {"type": "string"},
+                "metadata": {"type": "object"},
+                "spec": spec_schema(),
+                "status": status_schema(),
+            },
+            "required": ["spec"],
+            "x-kubernetes-validations": [
+                _rule(
+                    f"size(self.metadata.name) <= {MAX_NAME}",
+                    f"metadata.name must be at most {MAX_NAME} characters (worker pods are "
+                    "<name>-worker-<index>, a 63-character DNS label)",
+                ),
+                _rule(
+                    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+                    "metadata.name must be a DNS-1035 label (it names Services)",
+                ),
+            ],
+        }
+    )
+
+
+def with_full_defaults(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with each object's ``default`` completed by its properties' defaults, nested.
+
+    The API server checks a CRD's defaults when it is created: it evaluates the object's CEL rules
+    on the ``default`` value as written, without defaulting inside it, so ``default: {}`` fails
+    any rule that reads a field (``no such key: managed``) and the CRD is refused (422). Spelled
+    out, a default is what a job that omits the object gets anyway (the server would default
+    inside it on a real object). Modifies and returns ``schema``.
+    """
+    for sub in schema.get("properties", {}).values():
+        with_full_defaults(sub)
+    if isinstance(schema.get("items"), dict):
+        with_full_defaults(schema["items"])
+    default = schema.get("default")
+    if isinstance(default, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name not in default and "default" in sub:
+                default[name] = copy.deepcopy(sub["default"])
+    return schema
 
 
 def crd() -> dict[str, Any]:

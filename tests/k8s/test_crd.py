@@ -252,3 +252,73 @@ def test_fault_policy_and_restart_window_are_checked():
     errors = "\n".join(validation.validate(job))
     assert "faultTolerance.policy" in errors and "shrink" in errors
     assert "faultTolerance.restartWindowSeconds" in errors
+
+
+# -- defaults against the CEL rules, as the API server checks them when the CRD is created --------
+
+
+def _defaults_with_rules(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict, Any]]:
+    """Every ``(path, schema, default)`` in ``schema`` whose node has both a ``default`` and
+    ``x-kubernetes-validations``, anywhere (properties, items, additionalProperties)."""
+    found = []
+    if "default" in schema and schema.get("x-kubernetes-validations"):
+        found.append((path, schema, schema["default"]))
+    for name, sub in schema.get("properties", {}).items():
+        found += _defaults_with_rules(sub, f"{path}.{name}")
+    for key, suffix in (("items", "[]"), ("additionalProperties", "{}")):
+        if isinstance(schema.get(key), dict):
+            found += _defaults_with_rules(schema[key], path + suffix)
+    return found
+
+
+def _rule_errors_on_raw_default(schema: dict[str, Any], default: Any) -> list[str]:
+    """The server's check of a default: each rule (transition rules have no ``oldSelf`` on create
+    and are skipped) evaluated on the ``default`` exactly as written, no nested defaulting."""
+    env = celpy.Environment()
+    errors = []
+    for rule in schema["x-kubernetes-validations"]:
+        if "oldSelf" in rule["rule"]:
+            continue
+        try:
+            result = env.program(env.compile(rule["rule"])).evaluate(
+                {"self": validation._to_cel(default, schema)}
+            )
+        except celpy.CELEvalError as error:  # cel-python raises some errors, returns others
+            result = error
+        if isinstance(result, celpy.CELEvalError) or not bool(result):
+            errors.append(f"{rule['rule']}: {result}")
+    return errors
+
+
+def test_every_default_passes_its_cel_rules_unexpanded():
+    checked = _defaults_with_rules(crd.open_api_schema())
+    assert {p for p, _, _ in checked} >= {
+        ".spec.etcd",
+        ".spec.faultTolerance.straggler",
+        ".spec.faultTolerance.checkpoint",
+        ".spec.runPolicy.scheduling",
+    }
+    for path, schema, default in checked:
+        assert _rule_errors_on_raw_default(schema, default) == [], path
+        # and the default is itself a valid value of its schema
+        jsonschema.Draft7Validator(validation.json_schema(schema)).validate(default)
+
+
+def test_the_default_check_catches_an_empty_default():
+    etcd = copy.deepcopy(crd.open_api_schema()["properties"]["spec"]["properties"]["etcd"])
+    etcd["default"] = {}
+    assert any("managed" in e for e in _rule_errors_on_raw_default(etcd, etcd["default"]))
+
+
+def test_every_object_default_is_complete():
+    """An object's default holds its properties' defaults, so the raw value the server checks
+    is the value a job gets."""
+
+    def walk(schema: dict[str, Any], path: str) -> None:
+        default = schema.get("default")
+        if isinstance(default, dict):
+            assert validation.apply_defaults(default, schema) == default, path
+        for name, sub in schema.get("properties", {}).items():
+            walk(sub, f"{path}.{name}")
+
+    walk(crd.open_api_schema(), "")
