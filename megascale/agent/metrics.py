@@ -87,6 +87,8 @@ MEMORY_GAUGES = (
     "megascale_memory_max_reserved_bytes",
 )
 """The per-rank memory gauges (``AgentMetrics.set_memory``)."""
+CUDA_ONLY = frozenset(MEMORY_GAUGES[1:])
+"""Metrics that have no series on CPU (a dashboard query of them is empty there)."""
 STALL_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 

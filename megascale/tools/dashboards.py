@@ -13,7 +13,8 @@ every query of every panel (``panel_queries``) against a real Prometheus scrapin
 - ``megascale-mfu``: MFU, tokens/s, step, last durable checkpoint, effective training time,
   restarts (stats: the controller's job-wide series, one per job); MFU and tokens/s over time
   (rank 0's node's agent series); step time (median and slowest rank); the step-time breakdown (compute, exposed
-  communication by group); checkpoint stall; faults by kind; heartbeats per node.
+  communication by group); memory (the highest rank's host RSS and peak CUDA memory); checkpoint
+  stall; faults by kind; heartbeats per node.
 - ``megascale-stragglers``: heat maps of rank x time of step time, compute time, and compute time
   over the job median; the top slow machines (straggler score and compute slowdown by node);
   straggler score by rank over time.
@@ -180,7 +181,7 @@ def _job_stats() -> list[stat.Panel]:
 
 
 def _throughput_series() -> list[timeseries.Panel]:
-    """MFU, tokens/s, step time and its breakdown over time."""
+    """MFU, tokens/s, step time and its breakdown, and memory over time."""
     return [
         _series(
             "MFU over time",
@@ -212,6 +213,24 @@ def _throughput_series() -> list[timeseries.Panel]:
                 ref="B",
             ),
             _q("avg by (megascale_job) (megascale_data_wait_seconds{JOB})", "data", ref="C"),
+        ),
+        _series(
+            "Memory (highest rank)",
+            "bytes",
+            "The largest over ranks of: host memory (RSS) at the step's end, and the step's peak "
+            "CUDA memory reserved by the caching allocator (what an OOM runs out of) and held by "
+            "tensors. The CUDA series are absent on CPU. Per rank: the metrics' rank label.",
+            _q("max by (megascale_job) (megascale_memory_rss_bytes{JOB})", "host RSS"),
+            _q(
+                "max by (megascale_job) (megascale_memory_max_reserved_bytes{JOB})",
+                "CUDA reserved (peak)",
+                ref="B",
+            ),
+            _q(
+                "max by (megascale_job) (megascale_memory_max_allocated_bytes{JOB})",
+                "CUDA allocated (peak)",
+                ref="C",
+            ),
         ),
     ]
 

@@ -4,7 +4,8 @@ What a person sees, top to bottom: a summary (layout, device, steps, loss, throu
 straggler verdict); training loss; throughput and MFU (on CPU the page says why MFU is absent);
 the straggler heat map (rank x step, each cell the rank's compute time over its pipeline-stage
 peers' median); slow machines; the step-time breakdown per rank (compute vs time blocked in DP,
-PP, TP communication); faults and recoveries from ``RUN_DIR/events.jsonl`` on the run's time axis.
+PP, TP communication); memory per step (rank 0's host RSS, and its peak CUDA memory on a GPU);
+faults and recoveries from ``RUN_DIR/events.jsonl`` on the run's time axis.
 
 The figures are inline SVG drawn by ``report_charts``; the page loads nothing from the network and needs no
 JavaScript. Inputs: ``metrics.jsonl`` (rank 0's per-step loss), ``timeline/`` (the straggler and
@@ -215,6 +216,51 @@ def _figures_section(metrics: list[StepMetrics]) -> str:
     )
 
 
+_MEMORY_SERIES = (
+    ("host RSS", _BLUE, "mem_rss_gib"),
+    ("CUDA reserved (peak)", _ORANGE, "mem_max_reserved_gib"),
+    ("CUDA allocated (peak)", _GREEN, "mem_max_allocated_gib"),
+)
+"""The memory figures of ``metrics.jsonl`` the report draws: (legend, colour, field)."""
+
+
+def _memory_section(metrics: list[StepMetrics]) -> str:
+    """Rank 0's memory per step: host RSS at the step's end, and on CUDA the step's peak
+    reserved and allocated memory (``probes.profiling``); a note when the run has none."""
+    series = [
+        (name, colour, [(m.step, getattr(m, key)) for m in metrics if getattr(m, key) is not None])
+        for name, colour, key in _MEMORY_SERIES
+    ]
+    series = [s for s in series if s[2]]
+    if not series:
+        content = '<div class="note" id="memory-absent">No memory figures in metrics.jsonl.</div>'
+    else:
+        content = line_chart(
+            series,
+            label="memory per step",
+            x_label="step",
+            y_label="GiB",
+            y_format="{:.2f}",
+            width=1020,
+            height=260,
+        )
+        peaks = "".join(
+            f"<tr><td>{esc(name)}</td><td class=num>{max(y for _, y in points):.3f} GiB</td></tr>"
+            for name, _c, points in series
+        )
+        content += (
+            f'<table id="memory-table"><tr><th>figure</th><th class=num>highest</th></tr>'
+            f"{peaks}</table>"
+        )
+    return _section(
+        "Memory (rank 0)",
+        "Host memory (RSS) of rank 0's process at each step's end, and on CUDA the step's peak "
+        "memory reserved by the caching allocator and held by tensors (metrics.jsonl).",
+        content,
+        "memory",
+    )
+
+
 def _events_section(events: list[Event], metrics: list[StepMetrics]) -> str:
     title = "Faults and recoveries"
     if not events:
@@ -317,6 +363,7 @@ def build(run_dir: str | Path, peak_tflops: float | None = None) -> str:
         _loss_section(metrics),
         _throughput_section(report),
         _figures_section(metrics),
+        _memory_section(metrics),
     ]
     if report is not None:
         parts.append(
