@@ -8,6 +8,10 @@
 #                in headless Chromium through Playwright (the `playwright` Python package, in the
 #                dev extra; never `playwright install`, which downloads a browser build)
 #   chromium-driver  /usr/bin/chromedriver, for WebDriver-based checks of the same pages
+#   nftables     /usr/sbin/nft: tests/cluster's network faults (partition, cut, loss) between hosts
+#                made of network namespaces (tests/cluster/netns_hosts.py)
+#   iptables     /usr/sbin/iptables: tests/cluster's delay fault (the xt NFQUEUE target; this
+#                kernel's nftables has no queue expression)
 #
 # Add a package as "BINARY:PACKAGE" to NEEDED. --no-install-recommends keeps prometheus to one
 # package (its recommends pull ~35 more: node exporter, ipmitool, smartmontools, JS libraries).
@@ -19,13 +23,16 @@ NEEDED=(
     "prometheus:prometheus"
     "chromium:chromium"
     "chromedriver:chromium-driver"
+    "nft:nftables"
+    "iptables:iptables"
 )
 
 missing=()
 for entry in "${NEEDED[@]}"; do
     binary=${entry%%:*}
     package=${entry#*:}
-    if ! command -v "$binary" >/dev/null 2>&1 && [ ! -x "/usr/bin/$binary" ]; then
+    if ! command -v "$binary" >/dev/null 2>&1 && [ ! -x "/usr/bin/$binary" ] \
+        && [ ! -x "/usr/sbin/$binary" ]; then
         missing+=("$package")
     fi
 done
