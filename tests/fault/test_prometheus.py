@@ -8,8 +8,9 @@ controller found through ``RUN_DIR/metrics/*.url``. While the job trains it runs
 PromQL through the HTTP API (``query_range`` for time series and heat maps, ``query`` for
 instant tables) and fails on any query error or empty result; then it checks what a person would
 read off the dashboards: the slow node first in the straggler table, the slow rank's compute time
-highest, MFU in (0, 1), tokens/s equal to ``metrics.jsonl``'s, and the controller's job-wide
-series (step, tokens/s, MFU, last durable checkpoint) once per job. The same live run proves the
+highest, MFU in (0, 1), tokens/s equal to ``metrics.jsonl``'s, the controller's job-wide
+series (step, tokens/s, MFU, last durable checkpoint) once per job, and each rank's host memory
+(the CUDA memory series, and their queries, are empty on CPU). The same live run proves the
 message contract (every field of the heartbeat, the progress record, the metrics line, the
 controller's commands, acks, state, status, generation and summary in etcd, and its events, that
 a consumer reads is produced) and, in headless Chromium, that its HTML report shows MFU and the
@@ -233,6 +234,13 @@ def _panel_failures(base: str, job: str) -> dict[str, str]:
             pending.append((f"{uid} / {title} / {ref}", rendered, instant))
     assert len(pending) >= 20
     failures: dict[str, str] = {}
+    # CPU: no CUDA memory series; those queries must run, and may be empty
+    cuda_only = [(w, e, i) for w, e, i in pending if _only_cuda_metrics(e)]
+    for where, expr, instant in cuda_only:
+        result = _run(base, expr, instant)
+        if result.get("status") != "success":
+            failures[where] = f"query error {result.get('error')!r}: {expr}"
+    pending = [q for q in pending if q not in cuda_only]
     deadline = time.monotonic() + 60  # rate() needs a few scrapes: retry empty results a while
     while pending:
         still = []
@@ -249,6 +257,13 @@ def _panel_failures(base: str, job: str) -> dict[str, str]:
         if pending:
             time.sleep(0.5)
     return failures
+
+
+def _only_cuda_metrics(expr: str) -> bool:
+    from megascale.agent.metrics import CUDA_ONLY
+
+    used = set(re.findall(r"\b(megascale_[a-z_]+)\s*\{", expr))
+    return bool(used) and used <= CUDA_ONLY
 
 
 def _instant(base: str, expr: str) -> list[dict]:
@@ -311,6 +326,11 @@ def test_every_dashboard_query_returns_data_from_a_live_launch(prometheus, live)
     assert 0 < float(saved["value"][1]) <= float(step["value"][1]) and (
         float(saved["value"][1]) % 5 == 0  # checkpoint.interval
     ), (saved, step)
+    # Memory: one host-RSS series per rank, in bytes; no CUDA series on CPU.
+    rss = _instant(base, f"megascale_memory_rss_bytes{job_sel}")
+    assert {s["metric"]["rank"] for s in rss} == {"0", "1", "2", "3"}, rss
+    assert all(5e7 < float(s["value"][1]) < 64 * 2**30 for s in rss), rss
+    assert _instant(base, f"megascale_memory_max_reserved_bytes{job_sel}") == []
     # Our job label survives scraping untouched: nothing was renamed to exported_job.
     assert _get(base, "/api/v1/label/exported_job/values")["data"] == []
 
@@ -336,6 +356,7 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
         store.close()
     assert {b.node for b in beats} == {"node-0", "node-1"}
     absent_on_cpu = {"gpus"}  # NVML only
+    cuda_memory = {"mem_max_allocated_gib", "mem_max_reserved_gib"}  # CUDA's allocator only
     quiet = {"errors", "error_events", "notices"}  # none in this generation unless a fault
     # carried by rank 0's node only: rank 0 writes the manifest that makes a checkpoint durable
     job_wide = {"tokens_per_s", "mfu", "mfu_peak", "durable"}
@@ -344,15 +365,15 @@ def test_every_field_a_consumer_reads_is_produced_by_the_live_run(live):
         if "0" not in beat.ranks:
             assert beat.tokens_per_s is None and beat.mfu is None, beat
         for figures in beat.ranks.values():
-            _assert_produced(figures, set())
+            _assert_produced(figures, cuda_memory)
             assert {"dp", "tp"} <= set(figures.comm_time_s)
     for path in sorted((run_dir / "progress").glob("rank_*.json")):
         record: RankProgress = read_progress(path)
-        _assert_produced(record, set() if record.rank == 0 else {"durable"})
+        _assert_produced(record, cuda_memory | (set() if record.rank == 0 else {"durable"}))
     lines = read_metrics((run_dir / "metrics.jsonl").read_text().splitlines())
     for field in ("val_loss", "checkpoint_stall_s"):  # on their steps only
         assert any(getattr(m, field) is not None for m in lines), field
-    _assert_produced(lines[-1], {"val_loss", "checkpoint_stall_s"})
+    _assert_produced(lines[-1], {"val_loss", "checkpoint_stall_s"} | cuda_memory)
 
 
 def _assert_controller_messages_produced(store, keys, run_dir: Path) -> None:

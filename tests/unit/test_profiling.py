@@ -1,5 +1,6 @@
-"""Per-step memory figures and the profile window (``megascale.probes.profiling``): the pure parts,
-and one-rank CPU runs of the tiny preset with ``train.profile_steps``, fresh and resumed."""
+"""Per-step memory figures, the profile window, profiled ranks, NVTX and the OOM snapshot
+(``megascale.probes.profiling``): the pure parts and their rules, and one-rank CPU runs of the tiny
+preset with ``train.profile_steps`` (fresh and resumed) and with an out-of-memory error."""
 
 from __future__ import annotations
 
@@ -7,10 +8,20 @@ import io
 import json
 import re
 
+import pytest
+
 from megascale import config
 from megascale.launcher.local import run_local
 from megascale.messages import StepMetrics
-from megascale.probes.profiling import first_logged_step, peak_gib, trace_path, window_ahead
+from megascale.probes.profiling import (
+    NULL_NVTX,
+    first_logged_step,
+    open_nvtx,
+    peak_gib,
+    profiles_rank,
+    trace_path,
+    window_ahead,
+)
 from megascale.train.run import Progress, run_rank
 
 STEP_SPAN = re.compile(r"^megascale::train::step#(\d+)$")
@@ -78,3 +89,76 @@ def test_resumed_run_profiles_only_the_steps_still_ahead(tmp_path):
     history = run_local(run_rank, 1, (job, tmp_path), timeout_s=300)
     assert [m.step for m in history[0]] == [3, 4]
     assert _profiled_steps(tmp_path) == {3}
+
+
+def test_rss_is_the_process_resident_set_in_gib():
+    import psutil
+
+    from megascale.probes.profiling import rss_gib
+
+    assert rss_gib() == pytest.approx(psutil.Process().memory_info().rss / 2**30, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    ("sets", "world", "message"),
+    [
+        (["train.profile_ranks=[-1]"], 1, "train.profile_ranks = [-1]: must be distinct global"),
+        (["train.profile_ranks=[0, 0]"], 2, "train.profile_ranks = [0, 0]: must be distinct"),
+        (
+            ["train.profile_ranks=[0, 2]"],
+            2,
+            "train.profile_ranks = [0, 2]: rank 2 is not in this job (global ranks 0 to 1)",
+        ),
+        (["train.nvtx=true"], 1, "train.nvtx = true: needs train.device = 'cuda'"),
+    ],
+)
+def test_profile_ranks_and_nvtx_are_checked_in_one_line(sets, world, message):
+    with pytest.raises(config.ConfigError) as err:
+        config.validate(config.load("tiny", sets), world, "gloo")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_profile_ranks_default_to_rank_0_and_empty_means_every_rank():
+    assert config.load("tiny").train.profile_ranks == [0] and not config.load("tiny").train.nvtx
+    assert [profiles_rank([0], r) for r in (0, 1)] == [True, False]
+    assert [profiles_rank([], r) for r in (0, 5)] == [True, True]
+    config.validate(config.load("tiny", ["train.profile_ranks=[1]"]), 2, "gloo")
+    job = config.load("tiny", ["train.device=auto", "train.nvtx=true"])  # may find a GPU
+    assert open_nvtx(config.validate(job, 1, "gloo"), 0, "cpu") is NULL_NVTX  # it did not
+
+
+def test_a_cuda_oom_in_a_real_run_dumps_the_memory_history_first(tmp_path, monkeypatch):
+    """A one-rank CPU run whose second step raises ``torch.cuda.OutOfMemoryError``, with the
+    allocator's recording functions faked (the CPU has none): the history is dumped to the
+    ``_oom`` snapshot before the error ends the run, and not dumped again at close."""
+    import pickle
+
+    import torch
+
+    from megascale.launcher.local import RankFailed
+    from megascale.probes import profiling
+    from megascale.train import run as run_module
+    from megascale.train.trainer import Trainer
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": ["recorded"]})
+    monkeypatch.setattr(
+        run_module,
+        "open_profiling",
+        lambda job, run_dir, rank, device, resumed: profiling.Profiling(
+            run_dir, rank, device, None, memory_history=True, dump_after=None
+        ),
+    )
+    real_step = Trainer.step
+
+    def step(self):
+        if self.step_num == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "step", step)  # the forked rank inherits the patches
+    with pytest.raises(RankFailed, match="OutOfMemoryError"):
+        run_local(run_rank, 1, (_job(), tmp_path), timeout_s=300)
+    oom = profiling.snapshot_path(tmp_path, 0, oom=True)
+    assert pickle.loads(oom.read_bytes()) == {"segments": ["recorded"]}
+    assert not profiling.snapshot_path(tmp_path, 0).exists()
