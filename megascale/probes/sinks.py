@@ -3,7 +3,9 @@
 Rank 0 writes every step's ``metrics.jsonl`` record (``train.run.MetricsLog``) and hands the same
 record to ``Sinks.write``: each enabled sink gets every numeric field of it (``loss``,
 ``grad_norm``, ``lr``, ``step_time_s``, ``tokens_per_s``, ``mfu``, ``mfu_peak_tflops``,
-``val_loss`` on steps that evaluated) under ``train/<field>`` at the record's ``step``, and its text
+``val_loss`` on steps that evaluated, the memory figures ``mem_rss_gib`` and, on CUDA,
+``mem_max_allocated_gib``/``mem_max_reserved_gib``) under ``train/<field>`` at the record's
+``step``, and its text
 fields (``mfu_peak_source``: where MFU's peak came from) once. Both are off by default
 (``[metrics]`` in the config); disabled, ``open_sinks`` returns a sink that does nothing.
 
