@@ -1,0 +1,201 @@
+"""One fault-tolerant megascale job across the hosts of a ``netns_hosts.Cluster``.
+
+The processes are those ``megascale launch`` forks on one machine, started here as their own
+commands, each inside its host (``Cluster.run``), every one pointed at the etcd host's bridge
+address and listening on its own host's address:
+
+    ctl      etcd (the server binary ``megascale.etcd.server`` finds; client and peer URLs on
+             ctl's address, no auth) and ``megascale controller``
+    nodeN    ``megascale agent CONFIG --node nodeN --addr <nodeN's address>``: heartbeats to etcd,
+             and its workers (``megascale train`` ranks) rendezvous at the master node's address
+
+The agents run in the order given; the first ``nodes`` to register form the first generation and
+the rest wait as spares. The run directory (config, checkpoints, logs, ``events.jsonl``) is on the
+file system every host shares, as a job's shared file system would be.
+
+Each agent gets ``GLOO_SOCKET_IFNAME=eth0``: gloo otherwise picks its device by resolving the
+host name, which resolves nowhere in a host namespace, and falls back to loopback (connect to a
+peer on another host then fails).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from netns_hosts import Cluster
+
+REPO = Path(__file__).resolve().parents[2]
+ETCD_PORT = 2379
+
+
+@dataclass
+class MultiHostJob:
+    cluster: Cluster
+    run_dir: Path
+    workers: list[str]
+    """Hosts with an agent, in start order: the first ``nodes`` train, the others are spares."""
+    nodes: int
+    overrides: list[str]
+    etcd_host: str = "ctl"
+    job_id: str = "multihost"
+    heartbeat_interval: float = 0.5
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.cluster.addr(self.etcd_host)}:{ETCD_PORT}"
+
+    def env(self) -> dict[str, str]:
+        return {
+            **{k: v for k, v in os.environ.items() if not k.startswith("MEGASCALE_")},
+            "PYTHONPATH": str(REPO),
+            "GLOO_SOCKET_IFNAME": "eth0",
+        }
+
+    def log(self, name: str) -> Path:
+        return self.run_dir / "logs" / f"{name}.out"
+
+    # -- start ----------------------------------------------------------------------------------
+
+    def start(self, wait_s: float = 120.0) -> None:
+        """etcd, then every agent (each registered before the next starts), then the controller."""
+        from megascale import config
+
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        job = config.validate(config.load("tiny", self.overrides), self.nodes, "gloo")
+        (self.run_dir / "job.toml").write_text(config.to_toml(job))
+        self.start_etcd()
+        for host in self.workers:
+            self.start_agent(host)
+            self.wait_registered(host, wait_s)
+        self.start_controller()
+
+    def start_etcd(self, wait_s: float = 20.0) -> None:
+        from megascale.etcd.server import find_etcd_binary
+
+        a, host = self.cluster.addr(self.etcd_host), self.etcd_host
+        client, peer = f"http://{a}:{ETCD_PORT}", f"http://{a}:{ETCD_PORT + 1}"
+        argv = [
+            find_etcd_binary(), "--name", host, "--data-dir", str(self.run_dir / "etcd-data"),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{host}={peer}", "--heartbeat-interval", "10",
+            "--election-timeout", "100", "--unsafe-no-fsync", "--log-level", "warn",
+        ]  # fmt: skip
+        self.procs["etcd"] = self.cluster.run(host, argv, log=self.log("etcd"))
+        deadline = time.monotonic() + wait_s
+        while True:
+            probe = self.cluster.exec(
+                host, ["curl", "-s", "-m", "1", f"{client}/health"], check=False
+            ) if _have_curl() else self._health_py(host, client)  # fmt: skip
+            if '"health":"true"' in probe.replace(" ", ""):
+                return
+            if self.procs["etcd"].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"etcd on {host} did not start: {self.tail('etcd')}")
+            time.sleep(0.1)
+
+    def _health_py(self, host: str, url: str) -> str:
+        code = f"import urllib.request as u; print(u.urlopen('{url}/health', timeout=1).read().decode())"
+        return self.cluster.exec(host, [sys.executable, "-c", code], check=False)
+
+    def megascale(self, host: str, name: str, args: list[str]) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "megascale.cli", *args, "--endpoints", self.endpoint]
+        proc = self.cluster.run(host, argv, env=self.env(), log=self.log(name))
+        self.procs[name] = proc
+        return proc
+
+    def start_agent(self, host: str) -> subprocess.Popen:
+        a = self.cluster.addr(host)
+        return self.megascale(host, f"agent-{host}", [
+            "agent", str(self.run_dir / "job.toml"), "--job", self.job_id, "--node", host,
+            "--nproc-per-node", "1", "--run-dir", str(self.run_dir),
+            "--heartbeat-interval", str(self.heartbeat_interval), "--addr", a,
+            "--selfcheck", "builtin", "--metrics-port", "0", "--metrics-addr", a,
+        ])  # fmt: skip
+
+    def start_controller(self) -> subprocess.Popen:
+        a = self.cluster.addr(self.etcd_host)
+        return self.megascale(self.etcd_host, "controller", [
+            "controller", "--job", self.job_id, "--run-dir", str(self.run_dir),
+            "--nodes", str(self.nodes), "--nproc-per-node", "1",
+            "--heartbeat-interval", str(self.heartbeat_interval), "--init-timeout", "120",
+            "--metrics-port", "0", "--metrics-addr", a, "--id", "controller-0",
+        ])  # fmt: skip
+
+    def wait_registered(self, host: str, wait_s: float) -> None:
+        from megascale.etcd.keys import JobKeys
+
+        key = JobKeys(self.job_id).node(host)
+        deadline = time.monotonic() + wait_s
+        while not self.etcdctl("get", key, "--keys-only").strip():
+            proc = self.procs[f"agent-{host}"]
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"agent {host} did not register: {self.tail(f'agent-{host}')}")
+            time.sleep(0.2)
+
+    def etcdctl(self, *args: str) -> str:
+        """``etcdctl`` run in the etcd host (v3 API)."""
+        from megascale.etcd.server import find_etcd_binary
+
+        ctl = str(Path(find_etcd_binary()).with_name("etcdctl"))
+        argv = [ctl, "--endpoints", self.endpoint, "--command-timeout=2s", *args]
+        return self.cluster.exec(self.etcd_host, argv, check=False)
+
+    # -- run and stop ---------------------------------------------------------------------------
+
+    def wait(self, timeout_s: float) -> int:
+        """The controller's exit status (0: the job finished); TimeoutError after ``timeout_s``."""
+        try:
+            return self.procs["controller"].wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"the job did not end within {timeout_s:.0f} s: {self.tail('controller')}"
+            ) from None
+
+    def stop(self) -> None:
+        """SIGTERM agents and controller (agents stop their workers), then etcd; SIGKILL what is
+        left after 15 s. The cluster's ``kill_all`` is the backstop for anything they forked."""
+        agents_first = [p for n, p in self.procs.items() if n != "etcd"]
+        for group in (agents_first, [self.procs[n] for n in self.procs if n == "etcd"]):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.terminate()
+            deadline = time.monotonic() + 15
+            for proc in group:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+
+    def tail(self, name: str, chars: int = 3000) -> str:
+        try:
+            return self.log(name).read_text(errors="replace")[-chars:]
+        except OSError as e:
+            return f"(no log: {e})"
+
+    def steps(self) -> list[dict]:
+        """``metrics.jsonl`` records so far (one per logged step)."""
+        try:
+            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line being written
+        return out
+
+
+def _have_curl() -> bool:
+    from shutil import which
+
+    return which("curl") is not None

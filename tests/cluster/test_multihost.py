@@ -1,0 +1,77 @@
+"""The control plane across hosts: etcd and the controller on ``ctl``, one agent on each of
+``node1`` and ``node2``, their ranks rendezvousing and training over gloo across the bridge, the
+checkpoints in the shared run directory. The job must end with the parameters of the same job
+run on one host (``megascale launch --nodes 2``, loopback), and every listener of every host must
+be bound to that host's own address."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from multihost_job import REPO, MultiHostJob
+
+from megascale.config import load
+from megascale.launcher.outcome import parameter_digest, read_final
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+OVERRIDES = [f"train.steps={STEPS}", "checkpoint.interval=4", "train.log_interval=1"]
+
+
+def single_host_digest(run_dir: Path, overrides: list[str]) -> str:
+    """The final parameter digest of the same job (2 nodes x 1 rank, every rank with the same
+    thread count) run by ``megascale launch`` on this one host, over loopback."""
+    sets = [a for o in overrides for a in ("--set", o)]
+    cmd = [sys.executable, "-m", "megascale.cli", "launch", "tiny", *sets, "--nodes", "2",
+           "--nproc-per-node", "1", "--heartbeat-interval", "0.5", "--selfcheck", "builtin",
+           "--timeout", "240", "--run-dir", str(run_dir)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGASCALE_")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    final = read_final(run_dir)
+    assert final.finished and final.digest_step == int(overrides[0].split("=")[1]), final
+    return final.param_digest
+
+
+class ListenerWatch(threading.Thread):
+    """Every listening TCP socket of every host, sampled until ``stop``."""
+
+    def __init__(self, cluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.seen, self.done = cluster, {}, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            for host in self.cluster.names:
+                self.seen.setdefault(host, set()).update(self.cluster.listeners(host))
+
+
+def test_job_across_hosts_matches_the_single_host_run(net, tmp_path):
+    reference = single_host_digest(tmp_path / "single", OVERRIDES)
+    job = MultiHostJob(net, tmp_path / "multi", ["node1", "node2"], nodes=2, overrides=OVERRIDES)
+    watch = ListenerWatch(net)
+    try:
+        job.start()
+        watch.start()
+        rc = job.wait(240)
+    finally:
+        watch.done.set()
+        job.stop()
+    assert rc == 0, job.tail("controller")
+    digest, step = parameter_digest(job.run_dir, load("tiny", OVERRIDES))
+    assert (digest, step) == (reference, STEPS)
+    wrong = {
+        host: sorted(a for a in seen if a[0] != net.addr(host))
+        for host, seen in watch.seen.items()
+    }
+    assert not any(wrong.values()), f"listeners not on their host's address: {wrong}"
+    print("listeners seen:", {h: sorted(s) for h, s in watch.seen.items()})
+    # etcd's client and peer URLs, and on each node at least its agent's /metrics
+    assert {(net.addr("ctl"), 2379), (net.addr("ctl"), 2380)} <= watch.seen["ctl"]
+    assert watch.seen["node1"] and watch.seen["node2"]
