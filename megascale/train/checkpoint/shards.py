@@ -154,20 +154,40 @@ def to_dcp(entries: list[Entry], rank: int, world: int) -> dict[str, ShardedTens
 
 
 def _model_tensors(trainer: Trainer) -> Iterator:
-    """megatron-core ShardedTensors of every model chunk (keys are global across chunks)."""
+    """(parameter, [(megatron-core ShardedTensor, its flat offset in the parameter)]) of every
+    model chunk (keys are global across chunks).
+
+    A SwiGLU fc1 weight comes as megatron-core's ``ShardedTensorFactory``: its local rows are this
+    TP rank's gate rows then its up rows, which lie in two places of the global ``[gate; up]``
+    tensor; the factory's two ShardedTensors (one key, views of the parameter's two halves)
+    describe them."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
 
     for chunk in trainer.model:
         for sh in nested_values(chunk.sharded_state_dict()):
             if isinstance(sh, ShardedObject):
                 continue  # ``_extra_state`` of local modules: empty (TE's fp8 state is not kept)
+            if isinstance(sh, ShardedTensorFactory) and sh.flattened_range is None:
+                parts, offset = [], 0
+                for part in sh.build():
+                    if not isinstance(part, ShardedTensor) or part.key != sh.key:
+                        break
+                    parts.append((part, offset))
+                    offset += part.data.numel()
+                if offset == sh.data.numel():
+                    yield sh.data, parts
+                    continue
             if not isinstance(sh, ShardedTensor):
                 raise LayoutError(
                     f"model state {getattr(sh, 'key', sh)!r} is a {type(sh).__name__}; this "
                     "checkpoint format places plain sharded tensors only"
                 )
-            yield sh
+            yield sh.data, [(sh, 0)]
 
 
 def _is_main(replica_id) -> bool:
@@ -212,30 +232,41 @@ def training_entries(trainer: Trainer, *, saving: bool = False) -> list[Entry]:
     sharded = {id(p): r for inner, p, r, _ in optimizer if saving and hasattr(inner, "gbuf_ranges")}
     by_range = saving and any(hasattr(inner, "gbuf_ranges") for inner in inners)
     params, entries = {}, []
-    for sh in _model_tensors(trainer):
-        params[sh.data] = sh
-        local = tuple(sh.local_shape)
+    for data, parts in _model_tensors(trainer):
+        params[data] = parts
         if by_range:  # no range of this parameter here: other DP ranks save it
-            start, end = sharded.get(id(sh.data), (0, 0))
-            view = sh.data.detach().view(-1)[start:end]
-            main = _is_main(tuple(sh.replica_id)[:2])
-            entries.append(_box_entry(sh, sh.key, view, flat_range_boxes(local, start, end), main))
-            continue
-        whole = [((0,) * len(local), local)]
-        entries.append(_box_entry(sh, sh.key, sh.data.detach(), whole, _is_main(sh.replica_id)))
+            start, end = sharded.get(id(data), (0, 0))
+            flat = data.detach().view(-1)
+        else:
+            start, end, flat = 0, data.numel(), data.detach().view(-1)
+        for sh, lo, hi, at in _part_ranges(parts, start, end):
+            main = _is_main(tuple(sh.replica_id)[:2] if by_range else sh.replica_id)
+            boxes = flat_range_boxes(tuple(sh.local_shape), lo, hi)
+            entries.append(_box_entry(sh, sh.key, flat[start + at : end], boxes, main))
     for _inner, param, (start, end), states in optimizer:
-        sh = params.get(param)
-        if sh is None:
+        parts = params.get(param)
+        if parts is None:
             raise LayoutError(
                 f"an optimizer parameter of shape {tuple(param.shape)} is not "
                 "in the model's sharded state dict"
             )
-        boxes = flat_range_boxes(tuple(sh.local_shape), start, end)
-        main = _is_main(tuple(sh.replica_id)[:2])  # DP ranks hold different ranges
-        for name, tensor in states.items():
-            key = f"optimizer.state.{name}.{sh.key}"
-            entries.append(_box_entry(sh, key, tensor.detach(), boxes, main))
+        for sh, lo, hi, at in _part_ranges(parts, start, end):
+            main = _is_main(tuple(sh.replica_id)[:2])  # DP ranks hold different ranges
+            boxes = flat_range_boxes(tuple(sh.local_shape), lo, hi)
+            for name, tensor in states.items():
+                key = f"optimizer.state.{name}.{sh.key}"
+                view = tensor.detach().view(-1)[at:]
+                entries.append(_box_entry(sh, key, view, boxes, main))
     return _merge(entries)
+
+
+def _part_ranges(parts: list, start: int, end: int) -> Iterator[tuple]:
+    """For the flat range ``[start, end)`` of a parameter: (ShardedTensor, its own flat range lo,
+    hi, where that part begins in the range) for each part the range touches."""
+    for sh, offset in parts:
+        lo, hi = max(start, offset), min(end, offset + sh.data.numel())
+        if lo < hi:
+            yield sh, lo - offset, hi - offset, lo - start
 
 
 def _merge(entries: list[Entry]) -> list[Entry]:
