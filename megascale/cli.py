@@ -87,6 +87,23 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import(args: argparse.Namespace) -> int:
+    from megascale.tools import hf_import
+
+    try:
+        done = hf_import.import_hf(args.hf_dir, args.out, args.config, args.overrides)
+    except hf_import.ConversionError as e:
+        print(f"megascale import: {e}", file=sys.stderr)
+        return 2
+    print(hf_import.model_section(done["job"]))
+    print(
+        f"imported {args.hf_dir} to {done['out']} (logits checked: max |diff| "
+        f"{done['max_abs_diff']:.1e} <= {hf_import.TOLERANCE}); train it with: megascale train "
+        f"{done['out']}/config.toml --run-dir {done['out']}"
+    )
+    return 0
+
+
 def _data(args: argparse.Namespace) -> int:
     """``megascale data build|convert``: 0, or 1 with a one-line error naming the file/option."""
     from megascale.data import build, convert
@@ -158,6 +175,11 @@ def _add_tool_commands(sub: Any) -> None:
 
     export.add_arguments(export_p)
     export_p.set_defaults(func=_export)
+    import_p = sub.add_parser("import", help="a Hugging Face Llama model to a megascale run")
+    from megascale.tools import hf_import
+
+    hf_import.add_arguments(import_p)
+    import_p.set_defaults(func=_import)
 
     from megascale.tools import report, timeline_command
 

@@ -6,22 +6,27 @@ reader of checkpoint files), maps the model's ``state_dict()`` onto a ``transfor
 that computes the same function, and writes ``config.json`` + ``model.safetensors`` (+ the files
 of ``RUN_DIR/tokenizer/``) for ``AutoModelForCausalLM.from_pretrained`` (no custom code).
 
-megascale's GPT is pre-LN with LayerNorm (with bias), biased linears, GeLU (erf), RoPE (not
-interleaved), tied embeddings, a final LayerNorm and optional GQA. Its serial block is
-``Starcoder2ForCausalLM`` (``model.window_size`` is its ``sliding_window``: both let a token see
-itself and the ``window_size - 1`` tokens before it, in every layer); the parallel block, one
-LayerNorm shared by both branches, is ``PhiForCausalLM`` (its ``lm_head`` bias written as zeros).
-Refused, naming the feature: ``model.swiglu``, the parallel block with a sliding window, bf16
-runs, and any parameter or model setting the mapping does not know.
+A SwiGLU + RMSNorm model (Llama-style: biases or none, tied or untied, GQA) is
+``LlamaForCausalLM``, mapped by ``hf_llama`` (its vocabulary cut to ``model.vocab_size``). The GeLU
+GPT is pre-LN with LayerNorm (with bias), biased linears, GeLU (erf), RoPE (not interleaved), tied
+embeddings, a final LayerNorm and optional GQA. Its serial block is ``Starcoder2ForCausalLM``
+(``model.window_size`` is its ``sliding_window``: both let a token see itself and the
+``window_size - 1`` tokens before it, in every layer); the parallel block, one LayerNorm shared by
+both branches, is ``PhiForCausalLM`` (its ``lm_head`` bias written as zeros), both at megatron's
+padded vocabulary (a multiple of 128), so the logits match megascale's over every id. Refused,
+naming the feature: what these architectures cannot express (e.g. the parallel block with a sliding
+window, LayerNorm with SwiGLU), and any parameter or model setting the mapping does not know.
 
-The vocabulary is exported at megatron's padded size (a multiple of 128), so the logits match
-megascale's over every id. The export is written to a temporary directory next to ``output`` and
-renamed into place at the end: ``output`` is absent or complete.
+A bf16 run is loaded into the fp32 CPU model and its weights rounded to bf16 (the values its bf16
+model computed with); they are written in bf16, and the check runs both sides in fp32. The export
+is written to a temporary directory next to ``output`` and renamed into place at the end:
+``output`` is absent or complete.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -30,11 +35,14 @@ import shutil
 import socket
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megascale.config import JobConfig, ModelConfig, load
 from megascale.data.tokenizer import EOD
+from megascale.tools import hf_llama
+from megascale.tools.hf_llama import ConversionError, split_qkv
 
 if TYPE_CHECKING:
     import torch
@@ -47,8 +55,8 @@ TOLERANCE = 1e-4
 """Largest |logit difference| (fp32) the written model may show against megascale's forward."""
 
 
-class ExportError(ValueError):
-    """The run cannot be exported as asked; the message names what and why, on one line."""
+ExportError = ConversionError
+"""The run cannot be exported as asked; the message names what and why, on one line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,13 +144,27 @@ def hf_config_fields(arch: Architecture, m: ModelConfig, facts: dict) -> dict:
     }
 
 
+LLAMA = Architecture(
+    name=hf_llama.ARCHITECTURE,
+    model_type=hf_llama.MODEL_TYPE,
+    layer={},  # mapped by hf_llama.to_hf (QKV and SwiGLU's fc1 split, vocabulary cut)
+    final_norm="model.norm",
+    fields={},  # hf_llama.config_fields
+    dropout_fields=("", ""),
+    eps_field="rms_norm_eps",
+    lm_head_bias=False,
+    partial_rotary=False,
+)
+
+
 def choose_architecture(m: ModelConfig) -> Architecture:
-    """The architecture that computes what ``m`` does; ExportError naming the feature otherwise."""
-    if m.swiglu:
-        raise ExportError(
-            "model.swiglu = true: the export maps megascale's LayerNorm + biased-linear GPT onto "
-            "Starcoder2 or Phi, whose MLP is GeLU; SwiGLU has no counterpart there (not exported)"
-        )
+    """The architecture that computes what ``m`` does; ExportError naming the feature otherwise.
+
+    SwiGLU models are Llama (``hf_llama.check_exportable``); the GeLU GPT is Starcoder2 (serial
+    block) or Phi (parallel block), both with LayerNorm, biases and tied embeddings."""
+    if hf_llama.is_llama(m):
+        hf_llama.check_exportable(m)
+        return LLAMA
     for field, value, default in (
         ("normalization", m.normalization, "LayerNorm"),
         ("bias", m.bias, True),
@@ -150,41 +172,16 @@ def choose_architecture(m: ModelConfig) -> Architecture:
     ):
         if value != default:
             raise ExportError(
-                f"model.{field} = {value!r}: the export maps megascale's LayerNorm + biased-linear "
-                f"GPT with tied embeddings onto Starcoder2 or Phi; only {default!r} is exported"
+                f"model.{field} = {value!r} with model.swiglu = false: the GeLU GPT exports to "
+                f"Starcoder2 or Phi (LayerNorm, biased linears, tied embeddings); only {default!r} "
+                "is exported (a SwiGLU + RMSNorm model exports to Llama)"
             )
-    if m.params_dtype != "fp32":
-        raise ExportError(
-            f"model.params_dtype = {m.params_dtype!r}: the export loads the checkpoint into a "
-            "CPU model, which megascale builds in fp32 only; export a run trained with 'fp32'"
-        )
     if m.parallel_block and m.window_size is not None:
         raise ExportError(
             f"model.window_size = {m.window_size} with model.parallel_block = true: Phi (the "
             "parallel block's counterpart) has no sliding-window attention; not exported"
         )
     return PHI if m.parallel_block else STARCODER2
-
-
-def split_qkv(
-    fused: torch.Tensor, heads: int, groups: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron's fused QKV weight ``[(heads + 2 * groups) * d, ...]`` (or bias) -> q, k, v.
-
-    Rows are grouped per query group ``g``: its ``heads // groups`` query heads, then its key head,
-    then its value head. Query head ``g * (heads // groups) + i`` attends with key/value head ``g``,
-    which is ``transformers``' ``repeat_kv`` convention.
-    """
-    per_group = heads // groups
-    head_dim = fused.shape[0] // (heads + 2 * groups)
-    rest = fused.shape[1:]
-    grouped = fused.reshape(groups, (per_group + 2) * head_dim, *rest)
-    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
-    return (
-        q.reshape(heads * head_dim, *rest),
-        k.reshape(groups * head_dim, *rest),
-        v.reshape(groups * head_dim, *rest),
-    )
 
 
 _LAYER = "decoder.layers."
@@ -256,7 +253,9 @@ def _one_rank_job(job: JobConfig) -> JobConfig:
         parallel=dataclasses.replace(
             job.parallel, tp=1, pp=1, vpp=1, dp=None, sequence_parallel=False, batch_p2p_comm=None
         ),
-        model=dataclasses.replace(job.model, spec="local"),
+        # The CPU model is fp32: a bf16 checkpoint loads into it (its fp32 main parameters), and
+        # ``load_model`` rounds the weights to the bf16 values the run computed with.
+        model=dataclasses.replace(job.model, spec="local", params_dtype="fp32"),
         train=dataclasses.replace(job.train, device="cpu"),
         data=dataclasses.replace(job.data, path=None),
     )
@@ -286,21 +285,19 @@ def _probe(trainer) -> tuple[torch.Tensor, torch.Tensor]:
         return tokens, model(tokens, torch.arange(tokens.shape[1]).unsqueeze(0), None)
 
 
-def load_model(job: JobConfig, run_dir: Path, step: int | None) -> LoadedModel:
-    """Build a 1-rank CPU trainer and load checkpoint ``step`` (None: the newest) through
-    ``checkpoint.load.load_latest``.
+@contextlib.contextmanager
+def one_rank_trainer(job: JobConfig) -> Iterator:
+    """A 1-rank CPU trainer of ``job`` (``_one_rank_job``), its parameters freshly initialised.
 
     ``parallel.tp = pp = dp = 1``, in this process's own world-size-1 gloo group (a FileStore, no
-    listening store; gloo bound to the loopback interface), torn down after; refused if a process
-    group already exists. The trainer reads the built-in corpus from a temporary directory: the
-    export never reads the run's training data.
-    """
-    import torch
+    listening store; gloo bound to the loopback interface), torn down on exit; refused if a process
+    group already exists. The trainer reads the built-in corpus from a temporary directory: no
+    run's training data is read. Used by the export (to load a checkpoint) and the import (to
+    write one)."""
     import torch.distributed as dist
 
     from megascale.parallel import cpu_backend
     from megascale.parallel.groups import build_groups, destroy_groups
-    from megascale.train.checkpoint.storage import location
     from megascale.train.run import seed_everything
     from megascale.train.trainer import Trainer
 
@@ -311,24 +308,38 @@ def load_model(job: JobConfig, run_dir: Path, step: int | None) -> LoadedModel:
     try:
         if saved_ifname is None and (loopback := _loopback_ifname()):
             os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo listens on this interface only
-        with tempfile.TemporaryDirectory(prefix="megascale-export-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="megascale-hf-") as scratch:
             store = dist.FileStore(str(Path(scratch) / "store"), 1)  # no listening socket
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)
             cpu_backend.activate()
             groups = build_groups(one.parallel)
             seed_everything(one.train.seed, groups.tp_rank, "cpu")
-            trainer = Trainer(one, groups, "cpu", data_cache_dir=Path(scratch) / "data")
-            loaded = _load(trainer, location(job.checkpoint, run_dir), step)
-            with torch.no_grad():
-                state = trainer.model[0].module.state_dict()
-                state = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
-            return LoadedModel(loaded, state, model_facts(trainer), *_probe(trainer))
+            yield Trainer(one, groups, "cpu", data_cache_dir=Path(scratch) / "data")
     finally:
         destroy_groups()
         if not backend_was_active:
             cpu_backend.deactivate()
         if saved_ifname is None:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
+def load_model(job: JobConfig, run_dir: Path, step: int | None) -> LoadedModel:
+    """Load checkpoint ``step`` (None: the newest) into a ``one_rank_trainer`` through
+    ``checkpoint.load.load_latest``; a bf16 run's weights are rounded to bf16 (what its bf16
+    model held: megatron-core rounds the fp32 main parameters so)."""
+    import torch
+
+    from megascale.train.checkpoint.storage import location
+
+    with one_rank_trainer(job) as trainer:
+        loaded = _load(trainer, location(job.checkpoint, run_dir), step)
+        with torch.no_grad():
+            model = trainer.model[0].module
+            if job.model.params_dtype == "bf16":
+                for param in model.parameters():
+                    param.copy_(param.to(torch.bfloat16))
+            state = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        return LoadedModel(loaded, state, model_facts(trainer), *_probe(trainer))
 
 
 def _load(trainer, where: str, step: int | None) -> int:
@@ -417,10 +428,10 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> 
     transformers, safetensors_torch = _import_hf()
     loaded = load_model(job, run_dir, step)
     facts = {**loaded.facts, "eos_token_id": None if (run_dir / "tokenizer").is_dir() else EOD}
+    fields, tensors = _hf_model(arch, job.model, facts, loaded.state)
     hf_config = transformers.AutoConfig.for_model(
-        arch.model_type, architectures=[arch.name], **hf_config_fields(arch, job.model, facts)
+        arch.model_type, architectures=[arch.name], **fields
     )
-    tensors = convert(loaded.state, job.model, arch, facts["vocab_size"])
     loaded.state.clear()  # converted: hold one copy of the weights, not two
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.parent / f".{output.name}.partial-{uuid.uuid4().hex[:12]}"
@@ -448,6 +459,23 @@ def export(run_dir: str | Path, output: str | Path, step: int | None = None) -> 
     }
 
 
+def _hf_model(
+    arch: Architecture, m: ModelConfig, facts: dict, state: dict[str, torch.Tensor]
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``arch``'s config fields and tensors (bf16 for a bf16 run: ``load_model`` rounded them)."""
+    import torch
+
+    if arch is LLAMA:
+        fields, tensors = hf_llama.config_fields(m, facts), hf_llama.to_hf(state, m)
+    else:
+        fields = hf_config_fields(arch, m, facts)
+        tensors = convert(state, m, arch, facts["vocab_size"])
+    if m.params_dtype == "bf16":
+        fields["dtype"] = "bfloat16"
+        tensors = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
+    return fields, tensors
+
+
 def _add_pre_v5_rope_fields(path: Path) -> None:
     """transformers < 5 reads ``rope_theta`` / ``partial_rotary_factor`` as top-level fields (and
     Phi's default factor is 0.5): write them next to ``rope_parameters``, which 5.x reads."""
@@ -466,7 +494,8 @@ def _verify(transformers, directory: Path, arch: Architecture, loaded: LoadedMod
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=loaded.probe).logits
-    diff = float((logits - loaded.probe_logits).abs().max())
+    # A Llama export cuts the vocabulary's padding rows: compare the ids it kept.
+    diff = float((logits - loaded.probe_logits[..., : logits.shape[-1]]).abs().max())
     if not diff <= TOLERANCE:
         raise ExportError(
             f"the written {arch.name} computes other logits than megascale's model (max |diff| "
