@@ -13,8 +13,8 @@ series (step, tokens/s, MFU, last durable checkpoint) once per job, and each ran
 (the CUDA memory series, and their queries, are empty on CPU). The same live run proves the
 message contract (every field of the heartbeat, the progress record, the metrics line, the
 controller's commands, acks, state, status, generation and summary in etcd, and its events, that
-a consumer reads is produced) and, in headless Chromium, that its HTML report shows MFU and the
-communication breakdown.
+a consumer reads is produced) and, in headless Chromium, that its HTML report shows MFU, the
+communication breakdown and the memory chart.
 """
 
 from __future__ import annotations
@@ -468,6 +468,7 @@ def test_the_live_runs_report_shows_mfu_and_the_comm_breakdown(live, tmp_path):
                 assert float(rows[f"exposed comm {group}"].removesuffix(" ms")) >= 0, rows
             assert float(rows["compute"].removesuffix(" ms")) > 0, rows
             assert 0 < float(rows["MFU"].removesuffix("%")) < 100, rows
+            assert page.locator("#memory svg").is_visible()  # rank 0's host RSS per step
             events = page.locator("#events")
             assert events.locator("svg line[stroke-dasharray]").count() >= 1
             assert "fault" in events.inner_text()
