@@ -158,15 +158,15 @@ class MultiHostJob:
                 f"the job did not end within {timeout_s:.0f} s: {self.tail('controller')}"
             ) from None
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM agents and controller (agents stop their workers), then etcd; SIGKILL what is
-        left after 15 s. The cluster's ``kill_all`` is the backstop for anything they forked."""
+        left after ``grace_s``. The cluster's ``kill_all`` is the backstop for anything they forked."""
         agents_first = [p for n, p in self.procs.items() if n != "etcd"]
         for group in (agents_first, [self.procs[n] for n in self.procs if n == "etcd"]):
             for proc in group:
                 if proc.poll() is None:
                     proc.terminate()
-            deadline = time.monotonic() + 15
+            deadline = time.monotonic() + grace_s
             for proc in group:
                 try:
                     proc.wait(max(0.1, deadline - time.monotonic()))

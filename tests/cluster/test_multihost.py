@@ -10,17 +10,19 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 from multihost_job import REPO, MultiHostJob
 
 from megascale.config import load
+from megascale.controller.events import read_events
 from megascale.launcher.outcome import parameter_digest, read_final
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
+STEPS = 20
 OVERRIDES = [f"train.steps={STEPS}", "checkpoint.interval=4", "train.log_interval=1"]
 
 
@@ -52,8 +54,12 @@ class ListenerWatch(threading.Thread):
                 self.seen.setdefault(host, set()).update(self.cluster.listeners(host))
 
 
-def test_job_across_hosts_matches_the_single_host_run(net, tmp_path):
-    reference = single_host_digest(tmp_path / "single", OVERRIDES)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    return single_host_digest(tmp_path_factory.mktemp("single"), OVERRIDES)
+
+
+def test_job_across_hosts_matches_the_single_host_run(net, tmp_path, reference):
     job = MultiHostJob(net, tmp_path / "multi", ["node1", "node2"], nodes=2, overrides=OVERRIDES)
     watch = ListenerWatch(net)
     try:
@@ -67,11 +73,44 @@ def test_job_across_hosts_matches_the_single_host_run(net, tmp_path):
     digest, step = parameter_digest(job.run_dir, load("tiny", OVERRIDES))
     assert (digest, step) == (reference, STEPS)
     wrong = {
-        host: sorted(a for a in seen if a[0] != net.addr(host))
-        for host, seen in watch.seen.items()
+        host: sorted(a for a in seen if a[0] != net.addr(host)) for host, seen in watch.seen.items()
     }
     assert not any(wrong.values()), f"listeners not on their host's address: {wrong}"
     print("listeners seen:", {h: sorted(s) for h, s in watch.seen.items()})
     # etcd's client and peer URLs, and on each node at least its agent's /metrics
     assert {(net.addr("ctl"), 2379), (net.addr("ctl"), 2380)} <= watch.seen["ctl"]
     assert watch.seen["node1"] and watch.seen["node2"]
+
+
+def test_partitioned_worker_host_is_replaced_by_the_spare(net, tmp_path, reference):
+    """node2 (rank 1) is partitioned mid-run: its agent's lease lapses, the controller evicts it,
+    the spare node3 takes its ranks, the job resumes from the last checkpoint and ends with the
+    fault-free parameters. Prints the detection and fault-to-resumed times."""
+    workers = ["node1", "node2", "node3"]
+    job = MultiHostJob(net, tmp_path / "multi", workers, nodes=2, overrides=OVERRIDES)
+    try:
+        job.start()
+        deadline = time.monotonic() + 180
+        while not any(r["step"] >= 6 for r in job.steps()):
+            assert job.procs["controller"].poll() is None, job.tail("controller")
+            assert time.monotonic() < deadline, "the job did not reach step 6"
+            time.sleep(0.02)
+        net.partition("node2")
+        fault_time = time.time()
+        rc = job.wait(240)
+    finally:
+        job.stop(grace_s=5)
+    assert rc == 0, job.tail("controller")
+    assert parameter_digest(job.run_dir, load("tiny", OVERRIDES)) == (reference, STEPS)
+    after = [e for e in read_events(job.run_dir) if e.time >= fault_time]
+    lost = next(e for e in after if e.node == "node2")
+    assert lost.kind == "fault" and lost.detail["fault"] == "node_lost", lost
+    restart = next(e for e in after if e.kind == "generation_start")
+    assert restart.detail["replaced"] == {"node2": "node3"}, restart
+    resumed = next(r for r in job.steps() if r["time"] > restart.time)
+    print(
+        f"partition node2 at step >= 6: {lost.kind} after {lost.time - fault_time:.2f} s, "
+        f"generation {restart.generation} on {restart.detail['nodes']} after "
+        f"{restart.time - fault_time:.2f} s, first step (step {resumed['step']}) after "
+        f"{resumed['time'] - fault_time:.2f} s; events: {[e.kind for e in after]}"
+    )
