@@ -1,8 +1,8 @@
 """Reading the workers' output: error keywords, a peer's failure, notices.
 
-Error keywords (``ERROR_PATTERNS``: CUDA error, NCCL error, segfault, OOM, Python traceback) are
-looked for only where an error can be (``error_text``): tracebacks, exception lines, what the
-runtime prints, ERROR/CRITICAL log lines; never the job's own DEBUG/INFO/WARNING log lines (they
+Error keywords (``ERROR_PATTERNS``: CUDA error, NCCL error, segfault, OOM, a full disk, Python
+traceback) are looked for only where an error can be (``error_text``): tracebacks, exception
+lines, what the runtime prints, ERROR/CRITICAL log lines; never the job's own DEBUG/INFO/WARNING log lines (they
 name the run directory, the data, the config), and never inside a path or a name (a run directory
 ``repro-OOM-fix`` is no fault). Notices (``NOTICE_PATTERNS``: a checkpoint that failed
 verification) are read from every line. A line saying that a *peer* went away (``PEER_PATTERNS``:
@@ -32,10 +32,15 @@ ERROR_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         ),
         ("segfault", rf"{_B}(Segmentation fault|SIGSEGV|Fatal Python error){_E}"),
         ("oom", rf"{_B}([Oo]ut of memory|OOM){_E}|(?<![\w-])OutOfMemoryError{_E}"),
+        ("storage_full", r"No space left on device|ENOSPC|\[Errno 28\]|Disk quota exceeded"),
         ("traceback", r"Traceback \(most recent call last\)"),
     )
 )
 """Scanned only in lines that can carry an error (``error_text``), paths taken out first."""
+STORAGE_FULL = dict(ERROR_PATTERNS)["storage_full"]
+"""A full disk or quota (ENOSPC, EDQUOT): the job's storage, never evidence against a node; a
+traceback whose exception says so is this kind too (``LogScanner``), and the controller ends the
+job with it (a job-level fault: a spare would write to the same storage)."""
 DEVICE_ERRORS = frozenset({"cuda_error", "nccl_error", "segfault", "oom"})
 """The ``ERROR_PATTERNS`` that are evidence against the node (its device, its memory)."""
 PEER_PATTERNS = re.compile(
@@ -67,6 +72,11 @@ def error_text(line: str, paths: tuple[str, ...] = ()) -> str | None:
         if path:
             line = line.replace(path, " ")
     return _PATH.sub(" ", line)
+
+
+def storage_full(text: str) -> bool:
+    """Whether an error's text says its storage is full (``STORAGE_FULL``)."""
+    return STORAGE_FULL.search(text) is not None
 
 
 def error_kind(line: str, paths: tuple[str, ...] = ()) -> str | None:
@@ -126,6 +136,7 @@ class LogScanner:
             if kind is not None:
                 if kind == "traceback":  # say which exception, if it is in this chunk
                     line = next((x for x in lines[i + 1 :] if EXCEPTION.match(x)), line)
+                    kind = "storage_full" if storage_full(line) else kind
                 matches.append(LogMatch(kind, line.strip()[:500]))
             for kind, pattern in NOTICE_PATTERNS:
                 if pattern.search(line):

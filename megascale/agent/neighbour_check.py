@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megascale import runfiles
-from megascale.controller.neighbours import NeighbourResult, NeighbourTest, judge
+from megascale.controller.neighbours import ABSENT, NeighbourResult, NeighbourTest, judge
 from megascale.messages.job import NeighbourEntry
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def _one_test(
     if down:
         return NeighbourResult(peer, False, down)
     if test["host"] is None:
-        return NeighbourResult(peer, False, "not registered (no endpoint)")
+        return NeighbourResult(peer, False, ABSENT)
     mine, theirs = f"{host}:{port + channel}", f"{test['host']}:{int(test['port']) + channel}"
     try:
         bw = neighbour_allreduce(mine, [theirs], NBYTES, timeout_s)

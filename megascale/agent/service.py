@@ -195,6 +195,8 @@ class Agent(CommandRunner):
         self._job_state: str | None = None
         self._reported = _Reported()
         self._lock = threading.Lock()
+        self._claim_revision: int | None = None  # the store's revision at this agent's claim
+        self._early: list[WatchEvent] = []  # commands seen before it (run if written after)
         self._etcd_ok = True
         self.hardware = hardware_info()
         self.config_hash = config_hash(opts.config, opts.overrides)
@@ -249,10 +251,11 @@ class Agent(CommandRunner):
                 self._keepalive.stop()
             self._lease = self.store.grant(self.opts.lease_ttl)
             self._keepalive = self.store.keep_alive(self._lease, on_lost=self._lease_lost)
-            key, wait_s = self.keys.node(self.opts.node), self.opts.lease_ttl + 1.0
-            claim_node(self.store, key, self.registration(), self._lease.id, wait_s)  # NameTaken
-            if not self._watches:  # this node's commands: only once the name is this agent's
+            if not self._watches:
                 self._watch_commands()
+            key, wait_s = self.keys.node(self.opts.node), self.opts.lease_ttl + 1.0
+            revision = claim_node(self.store, key, self.registration(), self._lease.id, wait_s)
+            self._claimed(revision)
         except StoreError as e:
             self._etcd_failed(e)
             return
@@ -304,10 +307,26 @@ class Agent(CommandRunner):
         self.wake()
 
     def _on_command(self, event: WatchEvent) -> None:
-        if event.kind == "put":
+        """A command for this node: run once the name is this agent's, only if written after
+        its first claim (before it, the commands are another agent's: ``claim_node``)."""
+        if event.kind != "put":
+            return
+        with self._lock:
+            if self._claim_revision is None:
+                self._early.append(event)
+                return
+        if event.revision > self._claim_revision:
             command = decoded(Command, event)
             if command is not None:
                 self._commands.put(command)
+
+    def _claimed(self, revision: int) -> None:
+        with self._lock:
+            if self._claim_revision is not None:
+                return
+            self._claim_revision, early, self._early = revision, self._early, []
+        for event in early:
+            self._on_command(event)
 
     def _on_status(self, event: WatchEvent) -> None:
         if event.kind == "put":

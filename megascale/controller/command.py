@@ -59,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--micro-batch-size", type=int, default=1, help="train.micro_batch_size")
     parser.add_argument("--init-timeout", type=float, default=600.0, help="start-up stall (s)")
+    parser.add_argument(
+        "--train-steps", type=int, default=None, help="train.steps (a heartbeat beyond is dropped)"
+    )
+    parser.add_argument(
+        "--config-hash",
+        default=None,
+        help="the job's config hash (agents of another are refused; none: not checked)",
+    )
     add_metrics_arguments(parser)
     add_controller_fault_tolerance_arguments(parser)
     add_store_arguments(parser)
@@ -96,6 +104,8 @@ def main(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
         **straggler_options(ft),
+        train_steps=args.train_steps,
+        config_hash=args.config_hash,
     )
     return serve(opts, store_config(args), console_level=logging.INFO)
 

@@ -63,6 +63,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from megascale.agent.logscan import storage_full
 from megascale.controller import snapshot as controller_snapshot
 from megascale.controller.actions import (  # noqa: F401  (every name re-exported)
     Action,
@@ -117,6 +118,7 @@ class ControllerFSM(RecoveryProtocol):
         self.fault: Fault | None = None
         self.faults: list[Fault] = []
         self.culprits: Counter[str] = Counter()
+        self.counted: dict[str, int] = {}  # node -> the generation it was last counted culprit in
         self.budget = RestartBudget(policy.max_restarts, policy.restart_window_s)
         self.failure: str | None = None  # why the job failed, once it has
         self.error_signatures: dict[str, int] = {}  # exception signature -> generation first seen
@@ -219,6 +221,16 @@ class ControllerFSM(RecoveryProtocol):
         fsm = cls(policy, now)
         controller_snapshot.restore(fsm, snapshot, now)
         return fsm
+
+    def extend_deadlines(self, seconds: float) -> None:
+        """The controller itself was away ``seconds`` (starved of CPU, blocked on etcd): every
+        deadline it keeps moves on by as much, so its own absence is never read as a node's
+        silence, a stall, a late ack or a replacement that did not come. No state changes."""
+        self.phase_since += seconds
+        self.step_at += seconds
+        self.last_seen = {n: t + seconds for n, t in self.last_seen.items()}
+        if self.checkpoint_since is not None:
+            self.checkpoint_since += seconds
 
     # -- transitions ---------------------------------------------------------------------------
 
@@ -416,6 +428,8 @@ class ControllerFSM(RecoveryProtocol):
             detail: dict[str, Any] = {"exit_code": code}
             if error is not None:
                 detail.update(error=error["text"], signature=error["signature"])
+                if storage_full(error["text"]):
+                    return self.on_storage_full(node, rank, error["text"], now)
                 reason = self._job_error(error, everywhere)
                 if reason is not None:
                     return self._on_fault(Fault("job_fatal", node, rank, {**detail, **reason}))
@@ -448,6 +462,19 @@ class ControllerFSM(RecoveryProtocol):
         if self.state not in (S.STARTING, S.RUNNING) or node not in self._in_order:
             return []
         return self._on_fault(Fault("error_keyword", node, rank, {"text": text[:500]}))
+
+    def on_storage_full(
+        self, node: str, rank: int | None, text: str, now: float | None = None
+    ) -> list[Action]:
+        """A rank's storage is full (ENOSPC, a quota): the job's storage, not the node's fault
+        (a spare writes to the same place). The job is stopped and fails with the cause; nobody
+        is evicted."""
+        self._begin(E.ERROR_KEYWORD, now)
+        if self.state not in (S.STARTING, S.RUNNING) or node not in self._in_order:
+            return []
+        why = "storage full: a job-level fault, no node is evicted (free space and resume)"
+        detail = {"reason": f"{text[:400]} ({why})", "classified": why}
+        return self._on_fault(Fault("job_fatal", node, rank, detail))
 
     def on_stall_detected(
         self,
@@ -491,10 +518,7 @@ class ControllerFSM(RecoveryProtocol):
     def _on_fault(self, fault: Fault) -> list[Action]:
         self.fault = fault
         self.faults.append(fault)
-        if fault.blames_nodes:
-            culprits = {fault.node} if fault.node and fault.kind != "job_fatal" else set()
-            culprits |= {n for r in fault.suspects if (n := self.node_of(r)) is not None}
-            self.culprits.update(culprits)
+        self._count_culprits(fault)
         where = self.layout.describe(fault.rank) if fault.rank is not None else None
         detail = {**fault.detail, "fault": fault.kind, "where": where, "step": self.step}
         actions: list[Action] = [

@@ -24,6 +24,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 MIN_RING = 3
+ABSENT = "not registered (no endpoint)"
+"""A neighbour test's detail when the neighbour has no registration to reach it at: its
+absence, never evidence against the node that tested (``judge`` leaves it out)."""
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,20 @@ def judge(results: Sequence[NeighbourResult]) -> tuple[bool, str]:
     """This node's verdict from its neighbour all-reduces: (ok, one line naming the neighbours).
 
     Fails when every neighbour test failed (the node itself is the common factor) or when its only
-    neighbour failed (a pair cannot tell which side is broken). Passes when it failed with some
+    neighbour failed (a pair cannot tell which side is broken). A neighbour that is not registered
+    (``ABSENT``) is left out: its absence is no evidence about this node. Passes when it failed with some
     neighbours and passed with another: those neighbours are named as suspects.
     """
     if not results:
         return True, "no neighbours to all-reduce with"
+    absent = [r for r in results if not r.ok and r.detail == ABSENT]
+    if absent:  # a neighbour that is not there says nothing about this node
+        gone = ", ".join(r.node for r in absent)
+        present = [r for r in results if r not in absent]
+        if not present:
+            return True, f"no verdict: every neighbour ({gone}) is {ABSENT}"
+        ok, detail = judge(present)
+        return ok, f"{detail}; not tested: {gone} ({ABSENT})"
     failed = [r for r in results if not r.ok]
     passed = [r for r in results if r.ok]
     names = ", ".join(r.node for r in results)

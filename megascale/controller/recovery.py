@@ -97,6 +97,21 @@ class RecoveryProtocol:
             actions += self._evict(node, f"self-check failed: {detail}")
         return actions + self._maybe_phase_done()
 
+    def _fault_culprits(self, fault: Fault) -> set[str]:
+        """The nodes ``fault`` names culprit: its node (unless job-fatal) and its suspects'."""
+        if not fault.blames_nodes:
+            return set()
+        nodes = {fault.node} if fault.node and fault.kind != "job_fatal" else set()
+        return nodes | {n for r in fault.suspects if (n := self.node_of(r)) is not None}
+
+    def _count_culprits(self, fault: Fault) -> None:
+        """Count ``fault``'s culprits (``evict_repeat_culprit``) once per node and generation: a
+        generation ends at its first fault, so the same fault seen again (heartbeats replayed
+        after an etcd outage or a takeover) is one recorded fault, never two."""
+        fresh = {n for n in self._fault_culprits(fault) if self.counted.get(n) != self.generation}
+        self.counted.update(dict.fromkeys(fresh, self.generation))
+        self.culprits.update(fresh)
+
     def _evict(self, node: str, reason: str) -> list[Action]:
         self.blocklist[node] = reason
         self.registered.pop(node, None)

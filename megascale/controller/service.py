@@ -64,6 +64,7 @@ from megascale.controller.fsm import (
     StartGeneration,
     State,
 )
+from megascale.controller.intake_checks import StepMemory, registration_problem
 from megascale.controller.job_summary import JobSummary
 from megascale.controller.policy import (  # noqa: F401  (policy_for: re-exported)
     ControllerPolicy,
@@ -110,6 +111,10 @@ class ServiceOptions:
     tick_s: float = 0.25
     """How often the FSM's clock advances (``on_tick``)."""
     check_s: float = 1.0
+    starved_s: float = 1.0
+    """A turn of the controller's loop this much later than its tick extends the FSM's
+    deadlines by the delay (``ControllerFSM.extend_deadlines``): its own absence is not the
+    nodes'."""
     """How often leadership (and so etcd) is confirmed with a read."""
     snapshot_s: float = 0.25
     """The ``state`` snapshot (O(nodes) bytes) is written at most this often when nothing else
@@ -131,6 +136,12 @@ class ServiceOptions:
     straggler_action: str = FaultToleranceConfig.straggler_action
     """``"report"``: a ``straggler`` event and the metrics; ``"evict"``: also replace the node
     with a spare (``ControllerFSM.on_straggler``)."""
+    train_steps: int | None = None
+    """The job's ``train.steps``: a heartbeat claiming a step beyond it is dropped (None: no
+    upper bound is checked)."""
+    config_hash: str | None = None
+    """The job's config hash (``agent.identity.config_hash``): a node registered with another
+    is refused and never counted (None: not checked)."""
 
     def __post_init__(self) -> None:
         if self.straggler_action not in STRAGGLER_ACTIONS:
@@ -188,7 +199,9 @@ class ControllerService(HeartbeatIntake):
         self._snapshot_at = -math.inf
         self._fed_exits: dict[tuple[int, int], int] = {}  # (generation, rank) -> code
         self._seen: dict[tuple[str, str, int], int] = {}  # (what, node, generation) -> last seq
-        self._unreadable: set[tuple[str, str]] = set()  # (message, node) logged as unreadable
+        self._unreadable: set[tuple[str, ...]] = set()  # (message, node, ...) logged once
+        self._refused: set[str] = set()  # registered nodes that are never counted
+        self._steps = StepMemory()  # the steps heartbeats reported (progress never goes back)
         self._held: list[tuple[float, Evidence]] = []
         self._errors: dict[tuple[int, int], str] = {}  # (generation, rank) -> exit's signature
         self._outage_since: float | None = None
@@ -286,6 +299,8 @@ class ControllerService(HeartbeatIntake):
         self._flight.clear()
         self._fed_exits.clear()
         self._seen.clear()
+        self._steps.clear()
+        self._refused.clear()
         self._held.clear()
         self._errors.clear()
         self._outbox.clear()  # an earlier term's writes: the snapshot below is the truth
@@ -334,17 +349,20 @@ class ControllerService(HeartbeatIntake):
             if node not in present_set:
                 self._act(self.fsm.on_node_lost(node, "not registered at takeover", now))
         labels = {self.keys.name_of(kv.key): _topology(kv) for kv in listed}
+        refused = {self.keys.name_of(kv.key) for kv in listed if self._refuse(kv)}
         for node in present:
-            self._act(self.fsm.on_node_registered(node, now, labels.get(node)))
+            if node not in refused:
+                self._act(self.fsm.on_node_registered(node, now, labels.get(node)))
 
     def _loop(self) -> State | None:
         assert self.fsm is not None
-        next_tick = next_check = self.clock()
+        next_tick = next_check = turn = self.clock()
         while not self.stopping.is_set():
             try:
                 item = self._inbox.get(timeout=max(0.0, next_tick - self.clock()))
             except Empty:
                 item = None
+            turn = self._own_gap(turn)
             if item is not None:
                 self._dispatch(*item)
                 for _ in range(self.opts.drain - 1):  # the burst that came with it
@@ -365,6 +383,25 @@ class ControllerService(HeartbeatIntake):
                 return self.fsm.state
         return None
 
+    def _own_gap(self, turn: float) -> float:
+        """Deadlines measured against the controller's own progress: a turn of the loop that
+        came over ``starved_s`` late (this process starved of CPU, or blocked on an etcd that
+        did not answer) extends every deadline of the FSM by the delay, so the time the
+        controller was away is never blamed on a node. Returns this turn's time."""
+        assert self.fsm is not None
+        now = self.clock()
+        late = now - turn - self.opts.tick_s
+        if late > self.opts.starved_s:
+            self.fsm.extend_deadlines(late)
+            logger.warning("controller was away %.1f s: its deadlines are extended", late)
+            if late > self.opts.policy.heartbeat_timeout_s / 2:
+                self.events.append(
+                    "controller_starved",
+                    generation=self.fsm.generation,
+                    detail={"late_s": round(late, 3)},
+                )
+        return now
+
     # -- inputs --------------------------------------------------------------------------------
 
     def _dispatch(self, what: str, event: WatchEvent) -> None:
@@ -373,9 +410,13 @@ class ControllerService(HeartbeatIntake):
         node = self.keys.name_of(event.key)
         if what == "node":
             if event.kind == "put":
-                self._act(self.fsm.on_node_registered(node, now, _topology(event)))
+                if not self._refuse(event):
+                    self._act(self.fsm.on_node_registered(node, now, _topology(event)))
             else:
+                self._refused.discard(node)
                 self._act(self.fsm.on_node_lost(node, "lease expired", now))
+        elif node in self._refused:
+            return  # a refused node's heartbeats and acks are never read
         elif what == "hb" and event.kind == "put":
             heartbeat = self._decode(Heartbeat, node, event)
             if heartbeat is not None:
@@ -384,6 +425,28 @@ class ControllerService(HeartbeatIntake):
             ack = self._decode(Ack, node, event)
             if ack is not None:
                 self._act(self.fsm.on_ack(node, ack.id, ack.ok, ack.detail, now))
+
+    def _refuse(self, kv: Any) -> bool:
+        """True when the ``nodes/<node>`` value ``kv`` must not be counted (another config's
+        agent, a value naming another node): logged in one line and recorded as a
+        ``node_refused`` event once per node, its heartbeats and acks ignored."""
+        assert self.fsm is not None
+        node = self.keys.name_of(kv.key)
+        try:
+            value = kv.json()
+        except ValueError:
+            value = None
+        problem = registration_problem(value, node, self.opts.config_hash)
+        if problem is None:
+            self._refused.discard(node)
+            return False
+        if node not in self._refused:
+            self._refused.add(node)
+            logger.error("node %s refused: %s", node, problem)
+            self.events.append(
+                "node_refused", generation=self.fsm.generation, node=node, detail={"text": problem}
+            )
+        return True
 
     def _decode(self, kind: type, node: str, event: WatchEvent):
         """``event``'s value as message ``kind``; None (logged once per node and kind) when this

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megascale.controller.fsm import State
+from megascale.controller.intake_checks import heartbeat_problem
 from megascale.messages import Heartbeat, Reported
 from megascale.probes.flight.culprits import analyse_stall
 from megascale.probes.flight.format import RankState
@@ -47,6 +48,12 @@ class HeartbeatIntake:
 
     def _heartbeat(self, node: str, payload: Heartbeat, now: float) -> None:
         assert self.fsm is not None
+        world = self.fsm.policy.world_size
+        problem = heartbeat_problem(payload, node, self.opts.train_steps, world, self._steps)
+        if problem is not None:
+            self._drop(node, "Heartbeat", payload.generation, problem)
+            return
+        self._steps.remember(node, payload)
         before = self.fsm.step
         if self.metrics is not None:
             self.metrics.observe_heartbeat(node, payload)
@@ -80,6 +87,9 @@ class HeartbeatIntake:
             )
             self._evidence(ev, now)
         for error in self._new(payload.error_events, "error", node, generation):
+            if error.kind == "storage_full":  # the job's storage: never the node's evidence
+                self._act(self.fsm.on_storage_full(node, error.rank, error.text, now))
+                continue
             if error.kind == "traceback" and (generation, error.rank) in self._errors:
                 continue  # the exception its exit reported, with its signature
             text = f"{error.kind}: {error.text}"
@@ -95,6 +105,14 @@ class HeartbeatIntake:
                 rank=notice.rank,
                 detail={"text": notice.text},
             )
+
+    def _drop(self, node: str, kind: str, generation: Any, problem: str) -> None:
+        """Log a message the controller does not believe (each problem once per node and
+        generation); the message is dropped whole."""
+        key = (kind, node, str(generation), problem)
+        if key not in self._unreadable:
+            self._unreadable.add(key)
+            logger.error("node %s: dropping its %s: %s", node, kind, problem)
 
     def _learn_step_time(self, payload: Heartbeat, before: int | None) -> None:
         """Teach the FSM's step timeout the workers' own step times (the slowest rank's, from

@@ -82,6 +82,8 @@ def restore(fsm: ControllerFSM, snapshot: Mapping[str, Any], now: float) -> None
     if saved.fault is not None:
         f = saved.fault
         fsm.fault = Fault(f.kind, f.node, f.rank, f.detail, tuple(f.suspects), f.blames_nodes)
+        if fsm.state in (State.STOPPING, State.DIAGNOSING):  # this generation's: counted already
+            fsm.counted = dict.fromkeys(fsm._fault_culprits(fsm.fault), fsm.generation)
     fsm._reset_generation_tracking()
     fsm.step = saved.step
     fsm.stepped = saved.section != "init"

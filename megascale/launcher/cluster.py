@@ -307,6 +307,7 @@ class LocalCluster:
 
     def spawn_controller(self, name: str) -> None:
         """Fork controller ``name``; it leads once elected, resuming from the state in etcd."""
+        from megascale.agent.identity import config_hash
         from megascale.controller.policy import straggler_options
         from megascale.controller.service import ServiceOptions
 
@@ -319,6 +320,8 @@ class LocalCluster:
             o.heartbeat_interval,
             metrics_port=0,
             **straggler_options(self.job.fault_tolerance),
+            train_steps=self.job.train.steps,
+            config_hash=config_hash(str(self.run_dir / "job.toml")),  # as each agent hashes it
         )
         proc = self.ctx.Process(
             target=_controller_process, args=(service_opts, self.store_cfg, os.getpid()), name=name
