@@ -184,10 +184,10 @@ def _write_checkpoint(job: JobConfig, hf_dir: Path, tensors: dict, run_dir: Path
     from megascale.train.checkpoint.save import Checkpointer
 
     transformers, _ = _import_hf()
+    state = hf_llama.from_hf(tensors, job.model, padded_vocab_size(job.model.vocab_size, 1))
+    tensors.clear()  # mapped: hold one copy of the weights, not two
     scratch = _scratch_job(job)
     with one_rank_trainer(scratch) as trainer:
-        state = hf_llama.from_hf(tensors, job.model, padded_vocab_size(job.model.vocab_size, 1))
-        tensors.clear()  # mapped: hold one copy of the weights, not two
         _load_weights(trainer, state)
         del state
         diff = _check_logits(transformers, hf_dir, trainer)

@@ -246,13 +246,15 @@ def model_fields(config: dict) -> dict:
             f"model_type {model_type!r} (architectures {archs}): import reads {ARCHITECTURE} "
             "(model_type 'llama') only"
         )
-    rope = dict(config.get("rope_scaling") or {})
-    rope.update(config.get("rope_parameters") or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ConversionError(
-            f"rope scaling {kind!r}: megascale's RoPE has no scaling (only 'default' is imported)"
-        )
+    rope = {}
+    for field in ("rope_scaling", "rope_parameters"):
+        rope.update(config.get(field) or {})
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ConversionError(
+                f"{field} type {kind!r}: megascale's RoPE has no scaling (only 'default' is "
+                "imported)"
+            )
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     if theta != int(theta):
         raise ConversionError(f"rope_theta = {theta}: megascale's model.rotary_base is an integer")

@@ -55,8 +55,8 @@ def test_serial_block_is_starcoder2_and_parallel_block_is_phi():
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [
-        ({"swiglu": True}, "model.swiglu = true"),
-        ({"params_dtype": "bf16"}, "model.params_dtype = 'bf16'"),
+        ({"swiglu": True}, "model.normalization = 'LayerNorm' with model.swiglu = true"),
+        ({"normalization": "RMSNorm"}, "model.normalization = 'RMSNorm' with model.swiglu = false"),
         ({"parallel_block": True, "window_size": 8}, "model.window_size = 8"),
     ],
 )
