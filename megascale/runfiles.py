@@ -14,6 +14,12 @@ Rule: neither the final name nor its directory may be a symlink; such a write ra
 ``UnsafePathError`` (an ``OSError``) naming the path, and nothing is written anywhere. The
 directory is opened with ``O_NOFOLLOW | O_DIRECTORY`` and every operation is relative to that
 descriptor, so swapping the directory for a link between the check and the write does not help.
+
+A run directory is also pinned by identity (``pin_run_dir``: its device and inode when the job
+took its lock): a job whose directory was moved aside (``mv run run.old``) writes nothing at the
+old path any more (``RunDirMovedError``), so a new job started there never gets the old one's
+files. The check is made before each write, so a move in the middle of one write may let that
+one write land in the moved directory (never in another job's).
 """
 
 from __future__ import annotations
@@ -40,7 +46,61 @@ def _refuse(path: Path, what: str) -> UnsafePathError:
     )  # fmt: skip
 
 
+class RunDirMovedError(UnsafePathError):
+    """The run directory at the job's path is no longer the one the job started in (moved
+    aside, replaced by another job's): the job writes nothing there."""
+
+
+_PINNED: dict[str, tuple[int, int]] = {}
+"""Run directory (absolute path) -> (st_dev, st_ino) of the directory the job started in; set by
+``pin_run_dir`` in the process that owns the job and inherited by the processes it forks."""
+
+
+def pin_run_dir(run_dir: str | os.PathLike[str]) -> tuple[int, int]:
+    """Remember ``run_dir``'s identity (its device and inode, now): from then on every writer
+    of this module refuses to write under that path once another directory is there
+    (``RunDirMovedError``), so a job whose run directory was moved aside never writes into a
+    directory made at its old path (another job's). Returns the identity."""
+    st = os.stat(run_dir, follow_symlinks=False)
+    _PINNED[os.path.abspath(run_dir)] = identity = (st.st_dev, st.st_ino)
+    return identity
+
+
+def run_dir_moved(run_dir: str | os.PathLike[str]) -> str | None:
+    """Why ``run_dir`` (pinned) is no longer the job's, in one line; None while it is (or when
+    it was never pinned)."""
+    root = os.path.abspath(run_dir)
+    pinned = _PINNED.get(root)
+    if pinned is None:
+        return None
+    try:
+        st = os.stat(root, follow_symlinks=False)
+    except FileNotFoundError:
+        return f"the run directory {root} is gone (moved or removed since the job started)"
+    if (st.st_dev, st.st_ino) != pinned:
+        return (
+            f"the run directory {root} is another directory than the job started in (moved "
+            f"aside and replaced: device/inode {pinned[0]}/{pinned[1]}, now "
+            f"{st.st_dev}/{st.st_ino})"
+        )
+    return None
+
+
+def _check_pinned(path: Path) -> None:
+    """``RunDirMovedError`` when ``path`` lies under a pinned run directory that moved."""
+    text = os.path.abspath(path)
+    for root in _PINNED:
+        if text == root or text.startswith(root + os.sep):
+            why = run_dir_moved(root)
+            if why is not None:
+                raise RunDirMovedError(
+                    errno.ESTALE, f"refusing to write {path}: {why}; the job writes nothing "
+                    "there", str(path),
+                )  # fmt: skip
+
+
 def _open_dir(directory: Path) -> int:
+    _check_pinned(directory)
     try:
         return os.open(directory, _DIR_FLAGS)
     except OSError as e:
@@ -178,6 +238,7 @@ def check_dir_path(flag: str, path: str | os.PathLike[str]) -> Path:
 def make_dir(path: str | os.PathLike[str]) -> Path:
     """Create the directory ``path`` (and missing parents); a symlink at ``path`` is refused."""
     path = Path(path)
+    _check_pinned(path)  # never re-creates a moved run directory at its old path
     if path.is_symlink():
         raise _refuse(path, "the directory is a symlink")
     path.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megascale import runfiles
 from megascale.launcher.outcome import current_step
 from megascale.launcher.supervise import Supervisor
 from megascale.messages import Event, read_metrics
@@ -137,6 +138,11 @@ class Monitor:
                     return state
                 self.reason = self.supervisor.check()  # etcd or controller restarted, or why not
                 if self.reason:  # logged by the supervisor
+                    return "failed"
+                moved = runfiles.run_dir_moved(self.run_dir)
+                if moved:  # the job stops; nothing more is written at the path
+                    logger.error("stopping the job: %s", moved)
+                    self.reason = moved
                     return "failed"
             time.sleep(0.05)
         logger.error("timed out")

@@ -94,6 +94,7 @@ def prepare_run_dir(run_dir: Path, flag: str = "--run-dir", wait_s: float = 0.0)
     if previous:
         logger.info("run directory lock taken over from a process that exited (%s)", previous)
     _write(fd, {"pid": os.getpid(), "host": socket.gethostname(), "started": _now()})
+    runfiles.pin_run_dir(run_dir)  # a job whose directory is moved aside stops writing there
     return RunLock(run_dir / LOCK_NAME, fd)
 
 
