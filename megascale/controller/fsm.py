@@ -429,7 +429,7 @@ class ControllerFSM(RecoveryProtocol):
             if error is not None:
                 detail.update(error=error["text"], signature=error["signature"])
                 if storage_full(error["text"]):
-                    return self.on_storage_full(node, rank, error["text"], now)
+                    return self._storage_full(node, rank, error["text"], detail)
                 reason = self._job_error(error, everywhere)
                 if reason is not None:
                     return self._on_fault(Fault("job_fatal", node, rank, {**detail, **reason}))
@@ -472,8 +472,13 @@ class ControllerFSM(RecoveryProtocol):
         self._begin(E.ERROR_KEYWORD, now)
         if self.state not in (S.STARTING, S.RUNNING) or node not in self._in_order:
             return []
+        return self._storage_full(node, rank, text, {})
+
+    def _storage_full(
+        self, node: str, rank: int | None, text: str, detail: dict[str, Any]
+    ) -> list[Action]:
         why = "storage full: a job-level fault, no node is evicted (free space and resume)"
-        detail = {"reason": f"{text[:400]} ({why})", "classified": why}
+        detail = {**detail, "reason": f"{text[:400]} ({why})", "classified": why}
         return self._on_fault(Fault("job_fatal", node, rank, detail))
 
     def on_stall_detected(

@@ -15,10 +15,10 @@ from megascale.controller.fsm import ControllerFSM, Evict, State
 from megascale.probes.fatal import error_signature, read_exit_error, write_exit_error
 
 NODES_AND_SPARE = ("n0", "n1", "n2", "n3", "n4")
-DISK_FULL = "CheckpointError: checkpoint write failed: No space left on device (ENOSPC)"
+READ_ONLY = "CheckpointError: checkpoint write failed: Read-only file system (EROFS)"
 
 
-def error(rank: int, message: str = "checkpoint write failed: No space left on device (ENOSPC)"):
+def error(rank: int, message: str = "checkpoint write failed: Read-only file system (EROFS)"):
     text = f"CheckpointError: {message}: /ckpt/step_00000008/rank_{rank:05d}/__0_0.distcp"
     return {"text": text, "signature": error_signature("CheckpointError", text.split(": ", 1)[1])}
 
@@ -35,7 +35,7 @@ def test_the_signature_drops_ranks_paths_and_numbers_and_keeps_the_type():
     two = error_signature("RuntimeError", "rank 0 cannot read /data/b.bin at step 9 (0x10)\nmore")
     assert one == two == "RuntimeError: rank <n> cannot read <path> at step <n> (<hex>)"
     assert error_signature("OSError", "rank 3 cannot read /x at step 1 (0x1)") != one
-    assert error(0)["signature"] == error(5)["signature"] == f"{DISK_FULL}: <path>"
+    assert error(0)["signature"] == error(5)["signature"] == f"{READ_ONLY}: <path>"
 
 
 def test_an_exit_error_is_read_back_only_for_the_process_that_wrote_it(tmp_path):
@@ -55,7 +55,7 @@ def test_the_same_error_on_every_rank_fails_the_job_and_evicts_nobody():
     assert fault.detail["classified"] == "the same error ended every rank (4)"
     out = ack_all(fsm, out, clock)
     assert fsm.state is State.FAILED and fsm.generation == 1
-    assert fsm.failure.startswith(f"job-fatal error on rank 0: {DISK_FULL}: /ckpt/")
+    assert fsm.failure.startswith(f"job-fatal error on rank 0: {READ_ONLY}: /ckpt/")
     assert fsm.failure.endswith("(the same error ended every rank (4))")
     assert not [a for a in out if isinstance(a, Evict)] and not commands(out, "selfcheck")
     assert fsm.blocklist == {} and fsm.spares == ["n4"]
