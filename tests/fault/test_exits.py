@@ -245,3 +245,15 @@ def test_killed_etcd_and_killed_only_controller_are_restarted(reference, tmp_pat
         e["kind"] == "controller_takeover" and e["detail"]["controller"] == "controller-1"
         for e in events
     ), events[-10:]
+
+
+def test_a_run_directory_moved_aside_mid_run_is_never_written_at_its_old_path(tmp_path):
+    run_dir, moved = tmp_path / "run", tmp_path / "run.old"
+    proc = _cli("launch", *BASE, "--set", "train.steps=400", "--run-dir", str(run_dir))
+    _wait_for("a training step", lambda: _steps(run_dir) >= 1, proc=proc)
+    run_dir.rename(moved)  # a new job could now start at the path: the old one leaves it alone
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 1, output[-4000:]
+    assert f"stopping the job: the run directory {run_dir} is gone" in output, output[-4000:]
+    assert "final.json not written" in output, output[-4000:]
+    assert not run_dir.exists()  # nothing re-created, nothing written at the old path
