@@ -1,0 +1,177 @@
+"""The CRD against the real Kubernetes API server (``k8s.io/apiextensions-apiserver`` on a real
+etcd, see ``real_apiserver.py``), not an emulation of it:
+
+* the CRD file and the Helm chart's copy are accepted and become Established (the server checks
+  each object's CEL rules on its raw default, so ``default: {}`` is refused: shown here too);
+* every example job passes a strict server-side dry run (``fieldValidation=Strict``, which refuses
+  unknown fields where the default only warns);
+* every bad job of test_crd is refused, with the rule's (or the schema's) own words;
+* the server's defaults equal ``validation.apply_defaults``;
+* transition rules refuse changes of immutable fields on update, and allow the rest.
+
+Skipped, in one line, where the server binary could not be built (``make test`` builds it once:
+tests/k8s/apiserver/build.sh).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import uuid
+
+import pytest
+import yaml
+from k8s_support import example_jobs
+from real_apiserver import APIServer, established, find_binary
+from test_crd import BAD, _changed, _set
+
+from megascale.k8s import crd, validation
+
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+NS = "default"
+JOBS = f"/apis/{crd.API_VERSION}/namespaces/{NS}/{crd.PLURAL}"
+
+# What the server says for the bad jobs that break the structural schema (the CEL ones are
+# checked against their rule's message).
+SCHEMA_MESSAGES = {
+    "replicas < 1": "spec.replicaSpecs.Worker.replicas: Invalid value: 0: "
+    "spec.replicaSpecs.Worker.replicas in body should be greater than or equal to 1",
+    "replicas of the wrong type": "spec.replicaSpecs.Worker.replicas: Invalid value: "
+    '"string": spec.replicaSpecs.Worker.replicas in body must be of type integer',
+    "suspend of the wrong type": "spec.runPolicy.suspend in body must be of type boolean",
+    "template missing": "spec.replicaSpecs.Worker.template: Required value",
+    "unknown field in spec": 'unknown field "spec.workers"',
+    "unknown nested field": 'unknown field "spec.faultTolerance.spares"',
+    "gang not in the enum": 'spec.runPolicy.scheduling.gang: Unsupported value: "kueue"',
+    "bad etcd endpoint": "spec.etcd.endpoints[0] in body should match",
+}
+
+
+@pytest.fixture(scope="module")
+def binary():
+    path, why = find_binary()
+    if path is None:
+        pytest.skip(f"no real API server: {why}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(binary, etcd):
+    with APIServer(binary, etcd.client_url) as api:
+        _establish(api, yaml.safe_load(crd.CRD_FILE.read_text()))
+        yield api
+
+
+def _establish(api: APIServer, the_crd: dict) -> dict:
+    code, body = api.request("POST", CRDS, the_crd)
+    assert code == 201, body
+    return api.wait_for(f"{CRDS}/{the_crd['metadata']['name']}", established)
+
+
+def _helm_crd() -> dict:
+    text = crd.HELM_CRD_FILE.read_text()
+    return yaml.safe_load(re.sub(r"(?m)^\{\{.*\}\}\n", "", text))
+
+
+def _job(body: dict, name: str | None = None) -> dict:
+    body = copy.deepcopy(body)
+    body["metadata"].pop("uid", None)
+    body["metadata"]["namespace"] = NS
+    if name:
+        body["metadata"]["name"] = name
+    return body
+
+
+def _dry_run(api: APIServer, body: dict) -> tuple[int, dict]:
+    return api.request("POST", JOBS, body, dryRun="All", fieldValidation="Strict")
+
+
+def test_the_crd_file_is_established(server):
+    code, got = server.request("GET", f"{CRDS}/{crd.CRD_NAME}")
+    assert code == 200 and established(got)
+    assert got["spec"]["versions"][0]["schema"] == crd.crd()["spec"]["versions"][0]["schema"]
+
+
+def test_the_helm_charts_crd_is_established(binary, etcd):
+    helm = _helm_crd()
+    assert helm["spec"] == crd.crd()["spec"]
+    with APIServer(binary, etcd.client_url) as api:  # a fresh server: its own etcd prefix
+        _establish(api, helm)
+
+
+def test_a_crd_with_an_empty_default_that_a_rule_reads_is_refused(server):
+    """Why every object's default is spelled out (test_crd checks them offline)."""
+    bad = crd.crd()
+    bad["metadata"]["name"] = f"{crd.PLURAL}.refused.{crd.GROUP}"
+    bad["spec"]["group"] = f"refused.{crd.GROUP}"
+    schema = bad["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    schema["properties"]["spec"]["properties"]["etcd"]["default"] = {}
+    code, body = server.request("POST", CRDS, bad, dryRun="All")
+    assert code == 422, body
+    assert "no such key: managed" in body["message"], body["message"]
+
+
+@pytest.mark.parametrize("stem", sorted(example_jobs()))
+def test_examples_pass_a_strict_server_side_dry_run(server, stem):
+    code, body = _dry_run(server, _job(example_jobs()[stem]))
+    assert code == 201, body
+
+
+@pytest.mark.parametrize("stem", sorted(example_jobs()))
+def test_server_defaults_equal_the_offline_ones(server, stem):
+    job = _job(example_jobs()[stem])
+    code, body = _dry_run(server, job)
+    assert code == 201, body
+    assert body["spec"] == validation.apply_defaults(job)["spec"]
+
+
+def _rule_message(offline: str) -> str:
+    """The message of the CEL rule the offline expectation ``offline`` cites."""
+    for _, _, rule in validation.cel_rules():
+        if rule["message"] in offline or offline.split('": ')[-1] in rule["message"]:
+            return rule["message"]
+    raise AssertionError(f"no rule says {offline!r}")
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_jobs_are_refused_by_the_server(server, case):
+    change, offline = BAD[case]
+    code, body = _dry_run(server, _job(_changed(change)))
+    assert code in (400, 422), (code, body)  # 400: strict decoding (unknown fields)
+    expected = SCHEMA_MESSAGES[case] if case in SCHEMA_MESSAGES else _rule_message(offline)
+    assert expected in body["message"], body["message"]
+
+
+@pytest.mark.parametrize(
+    "path, value, message",
+    [
+        ("spec.nprocPerNode", 2, "nprocPerNode is immutable"),
+        ("spec.etcd", {"managed": True, "replicas": 3}, "etcd is immutable once the job exists"),
+    ],
+)
+def test_transition_rules_refuse_updates_of_immutable_fields(server, path, value, message):
+    name = f"immutable-{uuid.uuid4().hex[:8]}"
+    code, created = server.request("POST", JOBS, _job(example_jobs()["minimal-cpu"], name))
+    assert code == 201, created
+    changed = copy.deepcopy(created)
+    _set(path, value)(changed)
+    code, body = server.request("PUT", f"{JOBS}/{name}", changed)
+    assert code == 422, body
+    assert f"{path}: Invalid value: " in body["message"], body["message"]
+    assert message in body["message"], body["message"]
+    # the same spec is fine as a new object
+    fresh = {k: changed[k] for k in ("apiVersion", "kind", "spec")}
+    fresh["metadata"] = {"name": f"{name}-new", "namespace": NS}
+    assert _dry_run(server, fresh)[0] == 201
+
+
+def test_mutable_fields_may_change(server):
+    name = f"mutable-{uuid.uuid4().hex[:8]}"
+    code, created = server.request("POST", JOBS, _job(example_jobs()["minimal-cpu"], name))
+    assert code == 201, created
+    changed = copy.deepcopy(created)
+    changed["spec"]["replicaSpecs"]["Worker"]["replicas"] = 4
+    changed["spec"]["runPolicy"]["suspend"] = True
+    code, body = server.request("PUT", f"{JOBS}/{name}", changed)
+    assert code == 200, body
+    assert body["spec"]["runPolicy"]["suspend"] is True
