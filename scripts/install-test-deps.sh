@@ -12,6 +12,9 @@
 #                made of network namespaces (tests/cluster/netns_hosts.py)
 #   iptables     /usr/sbin/iptables: tests/cluster's delay fault (the xt NFQUEUE target; this
 #                kernel's nftables has no queue expression)
+#   slurmctld, slurmd, slurm-client, munge   Slurm 22.05 across tests/cluster's hosts
+#                (tests/cluster/slurm_hosts.py, test_slurm.py: srun + torchrun); no daemon is
+#                started by the install (the tests start and stop their own)
 #
 # Add a package as "BINARY:PACKAGE" to NEEDED. --no-install-recommends keeps prometheus to one
 # package (its recommends pull ~35 more: node exporter, ipmitool, smartmontools, JS libraries).
@@ -25,6 +28,10 @@ NEEDED=(
     "chromedriver:chromium-driver"
     "nft:nftables"
     "iptables:iptables"
+    "slurmctld:slurmctld"
+    "slurmd:slurmd"
+    "srun:slurm-client"
+    "munged:munge"
 )
 
 missing=()

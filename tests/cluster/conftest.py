@@ -9,8 +9,16 @@ namespaces cannot be made (not root, no ``ip netns``) every test here skips with
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from multihost_job import OVERRIDES, REPO, STEPS
 from netns_hosts import Cluster, unavailable
+
+from megascale.launcher.outcome import read_final
 
 HOSTS = ["ctl", "node1", "node2", "node3"]
 
@@ -39,3 +47,21 @@ def net(hosts):
         hosts.heal()
         for host in hosts.names:
             hosts.kill_all(host)
+
+
+@pytest.fixture(scope="session")
+def reference(hosts, tmp_path_factory) -> str:
+    """The final parameter digest of the multi-host tests' job (``multihost_job.OVERRIDES``, 2
+    nodes x 1 rank, so every rank has the same thread count) run fault-free by ``megascale
+    launch`` on this one host, over loopback (~20 s)."""
+    run_dir = tmp_path_factory.mktemp("single")
+    sets = [a for o in OVERRIDES for a in ("--set", o)]
+    cmd = [sys.executable, "-m", "megascale.cli", "launch", "tiny", *sets, "--nodes", "2",
+           "--nproc-per-node", "1", "--heartbeat-interval", "0.5", "--selfcheck", "builtin",
+           "--timeout", "240", "--run-dir", str(run_dir)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGASCALE_")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    final = read_final(Path(run_dir))
+    assert final.finished and final.digest_step == STEPS, final
+    return final.param_digest

@@ -13,9 +13,11 @@ The agents run in the order given; the first ``nodes`` to register form the firs
 the rest wait as spares. The run directory (config, checkpoints, logs, ``events.jsonl``) is on the
 file system every host shares, as a job's shared file system would be.
 
-Each agent gets ``GLOO_SOCKET_IFNAME=eth0``: gloo otherwise picks its device by resolving the
-host name, which resolves nowhere in a host namespace, and falls back to loopback (connect to a
-peer on another host then fails).
+Gloo picks its network device by resolving the host's name (``GLOO_SOCKET_IFNAME`` is not set
+here, nor by the agent): each host's name resolves to its bridge address (``netns_hosts``), as
+on a cluster whose DNS names the training network. Where a name resolves nowhere, gloo falls back
+to loopback and the ranks on other hosts cannot connect (seen: ``connectFullMesh ... remote=
+[127.0.0.1]``, the job fails after its restart).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ from netns_hosts import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
 ETCD_PORT = 2379
+STEPS = 20
+OVERRIDES = [f"train.steps={STEPS}", "checkpoint.interval=4", "train.log_interval=1"]
+"""The job every multi-host test runs: the tiny preset, 2 ranks (2 nodes x 1, or 2 hosts under
+Slurm x 1), these overrides."""
 
 
 @dataclass
@@ -55,7 +61,6 @@ class MultiHostJob:
         return {
             **{k: v for k, v in os.environ.items() if not k.startswith("MEGASCALE_")},
             "PYTHONPATH": str(REPO),
-            "GLOO_SOCKET_IFNAME": "eth0",
         }
 
     def log(self, name: str) -> Path:

@@ -18,8 +18,10 @@ the bridge holds ``<subnet>.1`` so that the root namespace's route to the subnet
 and not the default route (``up`` checks ``ip route get`` and refuses otherwise). The hosts
 themselves have no default route: a wrong address there fails as "Network unreachable".
 
-Processes: ``run``/``exec`` start them inside a host with ``nsenter``; they share this machine's
-file system and pid space. ``down`` SIGKILLs every pid ``ip netns pids`` names for a host, never
+Processes: ``run``/``exec`` start them inside a host (``nsenter`` into its network and UTS
+namespaces, then a mount namespace of their own where the cluster's ``hosts`` file is mounted over
+/etc/hosts: every host name resolves to its address, as a cluster's DNS would resolve it); they
+share this machine's file system (nothing else is mounted) and pid space. ``down`` SIGKILLs every pid ``ip netns pids`` names for a host, never
 anything found by name, then deletes the veth (synchronous) before the namespace (asynchronous),
 unmounts the UTS files and deletes the bridge and the root namespace's table. ``leftovers`` lists
 what is still there (empty after a clean ``down``).
@@ -117,6 +119,10 @@ class Cluster:
         """The host's port on the bridge (root namespace); inside the host it is ``eth0``."""
         return self.ns(host)
 
+    def etc(self, host: str) -> Path:
+        """The files mounted over /etc for what runs in ``host`` (its ``hosts`` names every host)."""
+        return self.dir / "etc" / host
+
     def addr(self, host: str) -> str:
         self._check(host)
         return f"{self.subnet}.{10 + self.names.index(host)}"
@@ -159,6 +165,12 @@ class Cluster:
         uts.parent.mkdir(exist_ok=True)
         uts.touch()
         _sh(["unshare", f"--uts={uts}", "hostname", host])
+        # Names resolve inside the hosts as a cluster's DNS would resolve them (``command``
+        # mounts this file over /etc/hosts for what it runs).
+        etc = self.etc(host)
+        etc.mkdir(parents=True)
+        lines = ["127.0.0.1 localhost"] + [f"{self.addr(h)} {h}" for h in self.names]
+        (etc / "hosts").write_text("\n".join(lines) + "\n")
 
     def check_route(self) -> None:
         """Refuse (HostsError) unless this namespace reaches the subnet through the bridge: traffic
@@ -222,7 +234,13 @@ class Cluster:
     def command(self, host: str, argv: Sequence[str]) -> list[str]:
         """``argv`` as run inside ``host`` (its network and UTS namespaces)."""
         uts = self.dir / "uts" / host
-        return ["nsenter", f"--net=/run/netns/{self.ns(host)}", f"--uts={uts}", "--", *argv]
+        return [
+            "nsenter", f"--net=/run/netns/{self.ns(host)}", f"--uts={uts}", "--",
+            # a mount namespace of its own, only to see the host's /etc/hosts
+            "unshare", "--mount", "--propagation", "slave", "--",
+            "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(self.etc(host) / "hosts"),
+            *argv,
+        ]  # fmt: skip
 
     def run(
         self,

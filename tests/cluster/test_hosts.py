@@ -55,6 +55,8 @@ def test_hosts_have_their_own_name_address_and_no_default_route(net):
         assert net.exec(host, ["hostname"]).strip() == host
         assert f"inet {net.addr(host)}/24" in net.exec(host, ["ip", "-4", "addr", "show", "eth0"])
         assert "default" not in net.exec(host, ["ip", "route"])
+        for other in net.names:  # every host name resolves, as a cluster's DNS would
+            assert net.exec(host, ["getent", "hosts", other]).split()[0] == net.addr(other)
     net.check_route()  # the root namespace reaches them through the bridge only
 
 

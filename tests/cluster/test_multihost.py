@@ -1,44 +1,22 @@
 """The control plane across hosts: etcd and the controller on ``ctl``, one agent on each of
 ``node1`` and ``node2``, their ranks rendezvousing and training over gloo across the bridge, the
 checkpoints in the shared run directory. The job must end with the parameters of the same job
-run on one host (``megascale launch --nodes 2``, loopback), and every listener of every host must
-be bound to that host's own address."""
+run on one host (the ``reference`` fixture), and every listener of every host must be bound to
+that host's own address."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from multihost_job import REPO, MultiHostJob
+from multihost_job import OVERRIDES, STEPS, MultiHostJob
 
 from megascale.config import load
 from megascale.controller.events import read_events
-from megascale.launcher.outcome import parameter_digest, read_final
+from megascale.launcher.outcome import parameter_digest
 
 pytestmark = pytest.mark.slow
-
-STEPS = 20
-OVERRIDES = [f"train.steps={STEPS}", "checkpoint.interval=4", "train.log_interval=1"]
-
-
-def single_host_digest(run_dir: Path, overrides: list[str]) -> str:
-    """The final parameter digest of the same job (2 nodes x 1 rank, every rank with the same
-    thread count) run by ``megascale launch`` on this one host, over loopback."""
-    sets = [a for o in overrides for a in ("--set", o)]
-    cmd = [sys.executable, "-m", "megascale.cli", "launch", "tiny", *sets, "--nodes", "2",
-           "--nproc-per-node", "1", "--heartbeat-interval", "0.5", "--selfcheck", "builtin",
-           "--timeout", "240", "--run-dir", str(run_dir)]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGASCALE_")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    final = read_final(run_dir)
-    assert final.finished and final.digest_step == int(overrides[0].split("=")[1]), final
-    return final.param_digest
 
 
 class ListenerWatch(threading.Thread):
@@ -52,11 +30,6 @@ class ListenerWatch(threading.Thread):
         while not self.done.wait(0.5):
             for host in self.cluster.names:
                 self.seen.setdefault(host, set()).update(self.cluster.listeners(host))
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> str:
-    return single_host_digest(tmp_path_factory.mktemp("single"), OVERRIDES)
 
 
 def test_job_across_hosts_matches_the_single_host_run(net, tmp_path, reference):
