@@ -385,6 +385,27 @@ def _check_step(job: JobConfig, run_dir: Path, step: int | None) -> None:
     if step is not None and step not in steps:
         listed = ", ".join(str(s) for s in steps)
         raise ExportError(f"--step {step}: no complete checkpoint; available steps: {listed}")
+    _check_spec(Storage(where), step if step is not None else steps[-1])
+
+
+def _check_spec(storage, step: int) -> None:
+    """ExportError when checkpoint ``step`` was saved by Transformer Engine's layer spec: its norms
+    are fused into the next linear layer (``...linear_qkv.layer_norm_weight``), while the export's
+    1-process CPU model is megatron-core's local spec (``...input_layernorm.norm.weight``)."""
+    import megascale.train.checkpoint.format as fmt
+    from megascale.train.checkpoint.storage import step_name
+
+    data = storage.read_bytes(f"{step_name(step)}/{fmt.METADATA}")
+    try:
+        keys = fmt.load_metadata(data).state_dict_metadata if data else {}
+    except Exception:  # unreadable here: the load verifies and reports it
+        return
+    fused = next((k for k in keys if k.endswith(".layer_norm_weight")), None)
+    if fused is not None:
+        raise ExportError(
+            f"checkpoint step {step} was saved with model.spec = 'te' (norms fused into linear "
+            f"layers: {fused!r}); the export reads checkpoints of the local spec only"
+        )
 
 
 def _import_hf():

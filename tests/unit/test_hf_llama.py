@@ -164,3 +164,37 @@ def test_llama_config_fields_build_a_llama_config():
     assert (config.vocab_size, config.num_key_value_heads, config.head_dim) == (300, 2, 4)
     assert (config.attention_bias, config.mlp_bias, config.tie_word_embeddings) == (False,) * 3
     assert config.rope_parameters["rope_theta"] == 5e5 and fields["dtype"] == "bfloat16"
+
+
+class _Storage:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def read_bytes(self, rel: str) -> bytes:
+        assert rel == "step_00000004/.metadata", rel
+        return self.data
+
+
+def _metadata(key: str) -> bytes:
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    size = torch.Size([2, 64])
+    chunk = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=size)
+    meta = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, [chunk])
+    return pickle.dumps(Metadata(state_dict_metadata={key: meta}, storage_data={}))
+
+
+def test_a_checkpoint_of_the_te_spec_is_refused_by_name():
+    from megascale.tools.export import _check_spec
+
+    te = "module.decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    with pytest.raises(ExportError, match="saved with model.spec = 'te'.*layer_norm_weight"):
+        _check_spec(_Storage(_metadata(te)), 4)
+    _check_spec(_Storage(_metadata("module.decoder.layers.input_layernorm.norm.weight")), 4)
