@@ -23,9 +23,17 @@ from megascale.launcher.outcome import read_final
 HOSTS = ["ctl", "node1", "node2", "node3"]
 
 
+@pytest.fixture(autouse=True)
+def _hosts_can_be_made():
+    """Every test of this tier skips, with the one reason, where hosts cannot be made."""
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+
+
 @pytest.fixture(scope="session")
 def hosts():
-    why = unavailable()
+    why = unavailable()  # session fixtures are set up before the autouse one above
     if why:
         pytest.skip(why)
     cluster = Cluster(HOSTS)

@@ -64,6 +64,11 @@ def unavailable() -> str | None:
     for tool in ("ip", "nsenter", "unshare"):
         if shutil.which(tool) is None:
             return f"multi-host tests need `{tool}` (iproute2 / util-linux); not found"
+    for tool, package in (("nft", "nftables"), ("iptables", "iptables")):
+        if shutil.which(tool) is None:
+            return (
+                f"multi-host tests need `{tool}` (scripts/install-test-deps.sh installs {package})"
+            )
     probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"`ip netns` does not work here: {probe.stderr.strip()[:200]}"
