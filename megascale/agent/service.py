@@ -2,8 +2,9 @@
 
 What it does, in its threads:
 
-* main loop: registers the node (``nodes/<node>`` under a lease of ``lease_ttl`` s), then every
-  ``heartbeat_interval`` -- and at once when a worker exits -- writes ``heartbeats/<node>``
+* main loop: registers the node (``nodes/<node>`` under a lease of ``lease_ttl`` s, with the
+  job's config hash; only while no other agent holds the name: ``agent.identity``, else exit 2),
+  then every ``heartbeat_interval`` -- and at once when a worker exits -- writes ``heartbeats/<node>``
   (``heartbeat()``: a ``messages.Heartbeat``);
 * command thread (``agent.commands``): runs what the controller writes to ``commands/<node>`` -- ``stop`` (stop the
   workers), ``selfcheck`` (the node self-check; its result is the ack), ``start`` (generation G
@@ -16,7 +17,8 @@ What it does, in its threads:
 etcd unreachable: the workers keep running and the agent keeps trying (each store call gives up
 after ``retry_s`` and is retried at the next beat); acks are retried until written. If the lease
 expired meanwhile, the agent registers again under a new lease. Commands are watched from the
-revision current at start-up, so a command left from before this agent started is never run.
+revision current at start-up, so a command left from before this agent started is never run, and
+run only if written after the agent's claim of its name (earlier ones were another agent's).
 
 The agent exits when told to (SIGTERM/SIGINT: workers stopped, lease revoked) or when the job's
 ``status`` (the controller's few-byte summary) says the job ended and its workers are gone (0

@@ -8,8 +8,9 @@ the agent's node name, ``<seq>`` a zero-padded decimal so that key order is nume
 key (under /megascale/<job>/)   lease     written by              value (JSON)
 ==============================  ========  ======================  ==================================
 ``nodes/<node>``                agent's   agent, at registration  ``{"node", "host", "nproc",
-                                                                  "pid", "hardware": {...},
-                                                                  "registered_at"}``
+                                          (created only while     "pid", "hardware": {...},
+                                          absent: one agent per   "registered_at", "config_hash",
+                                          name)                   "instance", ...}``
 ``heartbeats/<node>``           agent's   agent, every interval   ``messages.Heartbeat``
 ``commands/<node>``             --        controller (fenced)     ``messages.Command``
                                                                   (``make_command`` below)
