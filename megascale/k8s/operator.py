@@ -12,7 +12,10 @@ did not:
   then write ``.status``.
 * delete -> ``Reconciler.forget``: nothing to delete by hand (every child has an owner reference
   to the job, so Kubernetes' garbage collector removes them); the etcd client is closed. The
-  handler is optional, so no finalizer holds up a deletion.
+  handler is optional, but the sync timer is not: kopf puts ``FINALIZER`` on every job it times
+  (so that it can stop the timer before the job is gone; kopf has no switch for that), so a job
+  deleted while the operator is down waits for it, or for the finalizer to be removed by hand
+  (docs/operator.md, "Deleting a job").
 
 All Kubernetes I/O goes through ``KubeAPI`` (``LightkubeAPI`` for a real cluster; tests pass a
 recorder). Errors: a config the job cannot run with gives ``phase: Failed, reason: InvalidConfig``
@@ -65,6 +68,8 @@ from megascale.messages import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 10.0
+FINALIZER = "operator.megascale.io/finalizer"
+"""The finalizer kopf puts on every job the sync timer runs for (see the module docstring)."""
 STORE_RETRY_S = 3.0
 EVENTS_READ = 64
 
@@ -424,7 +429,7 @@ def build_registry(reconciler: Reconciler, *, interval: float = DEFAULT_INTERVAL
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=prefix, key="last-handled-configuration"
         )
-        settings.persistence.finalizer = f"{prefix}/finalizer"
+        settings.persistence.finalizer = FINALIZER
         settings.posting.level = logging.INFO
 
     @kopf.on.resume(id="reconcile", **resource)

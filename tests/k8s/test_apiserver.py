@@ -25,7 +25,7 @@ from k8s_support import example_jobs
 from real_apiserver import APIServer, established, find_binary
 from test_crd import BAD, _changed, _set
 
-from megascale.k8s import crd, validation
+from megascale.k8s import crd, operator, validation
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 NS = "default"
@@ -175,3 +175,40 @@ def test_mutable_fields_may_change(server):
     code, body = server.request("PUT", f"{JOBS}/{name}", changed)
     assert code == 200, body
     assert body["spec"]["runPolicy"]["suspend"] is True
+
+
+def test_without_strict_field_validation_unknown_fields_are_dropped_not_refused(server):
+    """Why the dry runs above ask for ``fieldValidation=Strict``: by default the server accepts
+    an unknown field with a warning and prunes it (a client's plain create, lightkube's
+    ``create(dry_run=True)`` among them, does not see the mistake)."""
+    change, _ = BAD["unknown field in spec"]
+    code, body = server.request("POST", JOBS, _job(_changed(change)), dryRun="All")
+    assert code == 201, body
+    assert "workers" not in body["spec"]
+
+
+def test_deletion_waits_for_the_operators_finalizer_until_it_is_removed(server):
+    """The finalizer policy (docs/operator.md, "Deleting a job"): kopf puts
+    ``operator.megascale.io/finalizer`` on every job because of the sync timer, so a job deleted
+    while the operator is down stays, marked for deletion, until the operator comes back or
+    someone removes the finalizer."""
+    name = f"finalized-{uuid.uuid4().hex[:8]}"
+    job = _job(example_jobs()["minimal-cpu"], name)
+    job["metadata"]["finalizers"] = [operator.FINALIZER]  # as kopf adds it on first sight
+    code, created = server.request("POST", JOBS, job)
+    assert code == 201, created
+    code, deleting = server.request("DELETE", f"{JOBS}/{name}")
+    assert code in (200, 202), deleting
+    code, still = server.request("GET", f"{JOBS}/{name}")
+    assert code == 200 and still["metadata"]["deletionTimestamp"], still
+    # what the operator does on its next pass, or an admin by hand:
+    #   kubectl patch msj <name> --type=merge -p '{"metadata":{"finalizers":null}}'
+    code, body = server.request(
+        "PATCH",
+        f"{JOBS}/{name}",
+        {"metadata": {"finalizers": None}},
+        content_type="application/merge-patch+json",
+    )
+    assert code == 200, body
+    code, gone = server.request("GET", f"{JOBS}/{name}")
+    assert code == 404, gone
