@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from multihost_job import OVERRIDES, REPO, STEPS
-from netns_hosts import Cluster, unavailable
+from netns_hosts import Cluster, reap_stale, unavailable
 
 from megascale.launcher.outcome import read_final
 
@@ -36,6 +36,7 @@ def hosts():
     why = unavailable()  # session fixtures are set up before the autouse one above
     if why:
         pytest.skip(why)
+    reap_stale()  # a run killed before its teardown (e.g. by a timeout) left these
     cluster = Cluster(HOSTS)
     try:
         cluster.up()

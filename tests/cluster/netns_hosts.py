@@ -29,12 +29,14 @@ what is still there (empty after a clean ``down``).
 Needs root, ``ip netns`` and ``unshare``; the fault verbs need ``nft`` (Debian ``nftables``) and
 ``delay`` needs ``iptables`` (this kernel's nftables has no ``queue`` expression, but the xt
 NFQUEUE target that iptables-nft uses works).
-``unavailable()`` says in one line why hosts cannot be made here (None: they can).
+``unavailable()`` says in one line why hosts cannot be made here (None: they can);
+``reap_stale()`` removes the clusters of test runs that were killed before their teardown.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import shutil
@@ -49,6 +51,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DELAYER = Path(__file__).with_name("nfq_delayer.py")
+OWNER_FILE = "owner"
 FAULT_TABLES = ("part", "loss")
 """The nftables tables a fault verb adds inside a host (``inet <prefix>_<name>``)."""
 
@@ -145,6 +148,8 @@ class Cluster:
             raise HostsError(why)
         self.subnet = self.subnet or _free_subnet()
         self.dir.mkdir(mode=0o700)
+        owner = {"pid": os.getpid(), "start": _start_time(os.getpid()), "names": self.names}
+        (self.dir / OWNER_FILE).write_text(json.dumps(owner))
         self._up = True
         try:
             _sh(["ip", "link", "add", self.bridge, "type", "bridge"])
@@ -193,12 +198,14 @@ class Cluster:
             _stop(proc)
         self._delayers.clear()
         for host in self.names:
-            self.kill_all(host)
+            try:
+                self.kill_all(host)
+            except HostsError as e:  # go on removing; ``leftovers`` will name the survivor
+                logger.error("%s", e)
         _sh(["nft", "delete", "table", "bridge", f"{self.prefix}_cut"], check=False)
         for host in self.names:
-            _sh(
-                ["ip", "link", "del", self.veth(host)], check=False
-            )  # synchronous, unlike netns del
+            # the veth first: its deletion is synchronous, the namespace's is not
+            _sh(["ip", "link", "del", self.veth(host)], check=False)
             _sh(["ip", "netns", "del", self.ns(host)], check=False)
             uts = self.dir / "uts" / host
             if uts.exists():
@@ -434,6 +441,36 @@ class Cluster:
         if shutil.which("nft"):
             argv = ["nft", "delete", "table", "inet", f"{self.prefix}_{name}"]
             subprocess.run(self.command(host, argv), capture_output=True)
+
+
+def reap_stale() -> list[str]:
+    """Remove the clusters whose owner process is gone (a test run killed before its teardown):
+    each ``up`` records its pid and hosts in ``<tmp>/<prefix>-hosts/owner``. Returns the prefixes
+    removed. A cluster whose owner is alive is never touched."""
+    reaped = []
+    for owner_file in Path(tempfile.gettempdir()).glob(f"*-hosts/{OWNER_FILE}"):
+        try:
+            owner = json.loads(owner_file.read_text())
+            pid, names = int(owner["pid"]), list(owner["names"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _start_time(pid) == owner.get("start"):
+            continue  # alive (the same process, not a reused pid)
+        prefix = owner_file.parent.name[: -len("-hosts")]
+        stale = Cluster(names, prefix=prefix)
+        stale._up = True
+        stale.down()
+        reaped.append(prefix)
+    return reaped
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot; None: no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
 
 
 def _stop(proc: subprocess.Popen) -> None:

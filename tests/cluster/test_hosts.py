@@ -6,9 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from netns_hosts import Cluster, HostsError
+from netns_hosts import Cluster, HostsError, reap_stale
 
 PORT = 7000
 SERVER = f"""
@@ -125,3 +126,26 @@ def test_a_cluster_comes_up_and_goes_without_a_trace():
     assert up_s < 10 and time.monotonic() - started < 20
     with pytest.raises(HostsError, match="not via"):  # a route that is not the bridge's is refused
         Cluster(["a"], prefix="mtx", subnet="10.77.255").check_route()
+
+
+def test_a_killed_run_s_hosts_are_reaped():
+    """A test process SIGKILLed with its hosts up (no teardown ran) leaves them; the next
+    session's ``reap_stale`` removes them, processes included."""
+    prefix = f"mk{time.monotonic_ns() % 100000}"
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from netns_hosts import Cluster; "
+        f"c = Cluster(['a', 'b'], prefix='{prefix}').up(); c.run('a', ['sleep', '300']); "
+        "c.partition('b'); print('up', flush=True); time.sleep(300)"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code, str(Path(__file__).parent)], stdout=subprocess.PIPE
+    )
+    try:
+        assert owner.stdout.readline() == b"up\n"
+    finally:
+        owner.kill()
+        owner.wait()
+    stale = Cluster(["a", "b"], prefix=prefix)
+    assert any(item.startswith("pid ") for item in stale.leftovers())
+    assert prefix in reap_stale()
+    assert stale.leftovers() == []
