@@ -367,11 +367,11 @@ def _read_job(run_dir: Path) -> JobConfig:
     return load(path)
 
 
-def _check_output(output: Path) -> None:
+def _check_output(output: Path, option: str = "--output") -> None:
     if output.exists() and not output.is_dir():
-        raise ExportError(f"--output {output}: exists and is not a directory")
+        raise ExportError(f"{option} {output}: exists and is not a directory")
     if output.is_dir() and any(output.iterdir()):
-        raise ExportError(f"--output {output}: exists and is not empty; give a new directory")
+        raise ExportError(f"{option} {output}: exists and is not empty; give a new directory")
 
 
 def _check_step(job: JobConfig, run_dir: Path, step: int | None) -> None:

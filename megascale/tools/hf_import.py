@@ -214,7 +214,7 @@ def import_hf(
     """
     hf_dir, out = Path(hf_dir), Path(out)
     job = derive_job(read_config(hf_dir), config, list(overrides))
-    _check_output(out)
+    _check_output(out, "--out")
     tensors = read_tensors(hf_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:12]}"
@@ -227,7 +227,7 @@ def import_hf(
             (tmp / "tokenizer").mkdir()
             for name in copied:
                 shutil.copy2(hf_dir / name, tmp / "tokenizer" / name)
-        _check_output(out)  # still absent or empty: rename replaces an empty directory
+        _check_output(out, "--out")  # still absent or empty: rename replaces an empty directory
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -250,6 +250,12 @@ def test_bad_inputs_are_one_line_errors(imported, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("megascale import: "), proc.stderr
         assert needle in lines[0], lines[0]
         assert not (tmp_path / "o").exists()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("user data")
+    proc = _import_cli(str(hf), "--out", str(taken))
+    assert proc.returncode == 2 and f"--out {taken}: exists and is not empty" in proc.stderr
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"]
     dropped = "model.layers.1.mlp.up_proj.weight"
     with pytest.raises(RankFailed, match=f"tensor '{dropped}' is missing"):
         run_local(_import_without, 1, (hf, dropped, tmp_path / "p" / "o"), timeout_s=300)
