@@ -19,8 +19,11 @@ did not:
 
 All Kubernetes I/O goes through ``KubeAPI`` (``LightkubeAPI`` for a real cluster; tests pass a
 recorder). Errors: a config the job cannot run with gives ``phase: Failed, reason: InvalidConfig``
-until the spec changes; a missing ConfigMap is retried (kopf TemporaryError); an unreachable etcd
-leaves the mirrored fields as they were and still keeps the pods in line.
+until the spec changes; a missing ConfigMap (``ConfigMapMissing``) or a child the API server
+refuses (``ChildRefused``, with the server's message) is retried every ``interval`` (kopf
+TemporaryError). Each of the three sets the job's ``reason``/``message`` and its ``Created``
+condition to False with that reason, and posts a Warning event; an unreachable etcd leaves the
+mirrored fields as they were and still keeps the pods in line.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from megascale.k8s.status import (
     WorkerPod,
     decide,
     rfc3339,
+    set_condition,
 )
 from megascale.messages import (
     BlockedNode,
@@ -75,14 +79,33 @@ EVENTS_READ = 64
 
 
 class NotReady(RuntimeError):
-    """Something the job needs does not exist yet (e.g. its ConfigMap); retried later."""
+    """The job cannot proceed yet; retried later. ``reason`` names why in the job's status."""
+
+    reason = "NotReady"
+
+
+class ConfigMapMissing(NotReady):
+    """The ConfigMap (or its key) that ``spec.config.configMapRef`` names does not exist."""
+
+    reason = "ConfigMapMissing"
+
+
+class ChildRefused(NotReady):
+    """The API server refused an object the job is made of; the message is the server's."""
+
+    reason = "ChildRefused"
+
+
+BLOCKED_REASONS = ("InvalidConfig", ConfigMapMissing.reason, ChildRefused.reason)
+"""Status reasons of a job whose objects were not (all) made: ``sync`` leaves its status alone."""
 
 
 class KubeAPI(Protocol):
     """The Kubernetes calls the operator makes. Manifests are plain dicts."""
 
     def apply(self, obj: Mapping[str, Any]) -> None:
-        """Server-side apply (create or update; fields owned by the operator)."""
+        """Server-side apply (create or update; fields owned by the operator). Raises
+        ``ChildRefused`` with the server's message when the server refuses the object."""
 
     def create(self, obj: Mapping[str, Any]) -> bool:
         """Create; False if it already exists."""
@@ -135,11 +158,15 @@ class LightkubeAPI:
         return isinstance(error, ApiError) and error.status.code == code
 
     def apply(self, obj: Mapping[str, Any]) -> None:
-        from lightkube import codecs
+        from lightkube import ApiError, codecs
 
-        self.client.apply(
-            codecs.from_dict(dict(obj)), field_manager=builders.FIELD_MANAGER, force=True
-        )
+        try:
+            self.client.apply(
+                codecs.from_dict(dict(obj)), field_manager=builders.FIELD_MANAGER, force=True
+            )
+        except ApiError as e:
+            what = f"{obj['kind']} {obj['metadata']['name']!r}"
+            raise ChildRefused(f"{what} refused ({e.status.code}): {e.status.message}") from e
 
     def create(self, obj: Mapping[str, Any]) -> bool:
         from lightkube import codecs
@@ -266,16 +293,13 @@ class Reconciler:
             )
         except (ConfigError, BuildError) as e:
             logger.error("job %s: invalid: %s", job.id, e)
-            self.post_event(body, "Warning", "InvalidConfig", str(e))
-            return {
+            return self.blocked(body, "InvalidConfig", str(e)) | {
                 "phase": "Failed",
-                "reason": "InvalidConfig",
-                "message": str(e),
                 "observedGeneration": job.generation,
             }
         for obj in builders.managed_objects(job, resolved):
             self.kube.apply(obj)
-        if status.get("reason") == "InvalidConfig":  # fixed: start over
+        if status.get("reason") in BLOCKED_REASONS:  # fixed: start over
             status = {}
         decision = decide(job, status, self.worker_pods(job), None, self.clock())
         self.execute(job, body, decision.effects)
@@ -286,11 +310,30 @@ class Reconciler:
         """Mirror the controller's state into the status and act on its evictions."""
         job = Job.from_body(body)
         status = dict(body.get("status") or {})
-        if status.get("reason") == "InvalidConfig":
+        if status.get("reason") in BLOCKED_REASONS:  # reconcile (retrying) owns the status
             return {}
         decision = decide(job, status, self.worker_pods(job), self.read(job), self.clock())
         self.execute(job, body, decision.effects)
         return decision.status
+
+    def blocked(self, body: Mapping[str, Any], reason: str, message: str) -> dict[str, Any]:
+        """The status of a job that cannot proceed (``reason``: one of ``BLOCKED_REASONS``): the
+        phase kept (Pending when new), ``reason`` and ``message`` set, the ``Created`` condition
+        False with both; a Warning event says the same."""
+        job = Job.from_body(body)
+        prior = body.get("status") or {}
+        self.post_event(body, "Warning", reason, message)
+        conditions = set_condition(
+            prior.get("conditions") or [],
+            "Created",
+            False,
+            reason,
+            message,
+            self.clock(),
+            job.generation,
+        )
+        phase = prior.get("phase", "Pending")
+        return {"phase": phase, "reason": reason, "message": message, "conditions": conditions}
 
     def forget(self, body: Mapping[str, Any]) -> None:
         """The job is being deleted: its children go with it (owner references); drop the
@@ -321,7 +364,7 @@ class Reconciler:
             )
         cm = self.kube.get("v1", "ConfigMap", ref["name"], job.namespace)
         if cm is None or key not in (cm.get("data") or {}):
-            raise NotReady(
+            raise ConfigMapMissing(
                 f"config.configMapRef: ConfigMap {ref['name']!r} with key {key!r} not found in "
                 f"namespace {job.namespace!r}"
             )
@@ -411,10 +454,14 @@ def build_registry(reconciler: Reconciler, *, interval: float = DEFAULT_INTERVAL
         "registry": registry,
     }
 
-    def guarded(method: Callable[[Mapping[str, Any]], dict[str, Any]], body: Any) -> dict:
+    def guarded(
+        method: Callable[[Mapping[str, Any]], dict[str, Any]], body: Any, patch: Any
+    ) -> dict:
         try:
             return method(body)
         except NotReady as e:
+            # kopf applies the patch with its retry state, so the status shows why it waits
+            patch.status.update(reconciler.blocked(body, e.reason, str(e)))
             raise kopf.TemporaryError(str(e), delay=interval) from e
 
     @kopf.on.login(id="login", registry=registry)
@@ -436,11 +483,11 @@ def build_registry(reconciler: Reconciler, *, interval: float = DEFAULT_INTERVAL
     @kopf.on.create(id="reconcile", **resource)
     @kopf.on.update(id="reconcile", field="spec", **resource)
     def reconcile(body: Any, patch: Any, **_: Any) -> None:
-        patch.status.update(guarded(reconciler.reconcile, body))
+        patch.status.update(guarded(reconciler.reconcile, body, patch))
 
     @kopf.timer(id="sync", interval=interval, initial_delay=interval, **resource)
     def sync(body: Any, patch: Any, **_: Any) -> None:
-        patch.status.update(guarded(reconciler.sync, body))
+        patch.status.update(guarded(reconciler.sync, body, patch))
 
     @kopf.on.delete(id="forget", optional=True, **resource)
     def delete(body: Any, **_: Any) -> None:

@@ -34,6 +34,7 @@ from megascale.k8s.builders import Job
 from megascale.k8s.command import add_arguments
 from megascale.k8s.command import main as k8s_main
 from megascale.k8s.operator import (
+    ChildRefused,
     NotReady,
     Reconciler,
     build_registry,
@@ -198,6 +199,7 @@ def test_invalid_config_fails_the_job_until_the_spec_is_fixed(kube):
     )
     status = r.reconcile(body)
     assert (status["phase"], status["reason"]) == ("Failed", "InvalidConfig")
+    assert created_condition(status) == ("False", "InvalidConfig", status["message"])
     assert "parallel.tp" in status["message"]
     assert kube.mutations() == [] and events == [("Warning", "InvalidConfig")]
     assert r.sync(with_status(body, status)) == {}  # nothing to mirror
@@ -427,11 +429,54 @@ def test_kopf_registry_handlers_write_the_status_through_the_patch(kube, store):
     found["forget"].fn(body=body)
 
 
-def test_kopf_handler_turns_a_missing_config_map_into_a_retry(kube):
-    registry = build_registry(reconciler(kube, None), interval=7.0)
+def created_condition(status: dict) -> tuple[str, str, str]:
+    (cond,) = [c for c in status["conditions"] if c["type"] == "Created"]
+    return cond["status"], cond["reason"], cond["message"]
+
+
+class RefusingKube(FakeKube):
+    """A fake whose API server refuses every StatefulSet, as a real one refuses what its
+    admission or quota forbids."""
+
+    def apply(self, obj):
+        if obj["kind"] == "StatefulSet":
+            raise ChildRefused(f"StatefulSet {obj['metadata']['name']!r} refused (403): quota")
+        super().apply(obj)
+
+
+@pytest.mark.parametrize(
+    "stem, kube_type, reason, message",
+    [
+        ("gpu-volcano", FakeKube, "ConfigMapMissing", "ConfigMap 'gpt-7b-config'"),
+        ("minimal-cpu", RefusingKube, "ChildRefused", "StatefulSet 'tiny-etcd' refused (403)"),
+    ],
+)
+def test_kopf_handler_turns_a_job_that_cannot_proceed_into_a_retry_with_a_condition(
+    stem, kube_type, reason, message
+):
+    events = []
+    r = Reconciler(
+        kube_type(),
+        store_for=lambda job: None,
+        clock=Clock(),
+        post_event=lambda *a: events.append(a[1:]),
+    )
+    found = handlers(build_registry(r, interval=7.0))
+    patch = kopf.Patch()
     with pytest.raises(kopf.TemporaryError) as error:
-        handlers(registry)["reconcile"].fn(body=body_of("gpu-volcano"), patch=kopf.Patch())
+        found["reconcile"].fn(body=body_of(stem), patch=patch)
     assert error.value.delay == 7.0
+    status = patch["status"]
+    assert (status["phase"], status["reason"]) == ("Pending", reason)
+    assert message in status["message"]
+    assert created_condition(status) == ("False", reason, status["message"])
+    assert events == [("Warning", reason, status["message"])]
+    # the timer leaves the status to the retrying reconcile
+    patch = kopf.Patch()
+    found["sync"].fn(body=with_status(body_of(stem), status), patch=patch)
+    assert "status" not in patch or not patch["status"]
+    # and the status is valid for the CRD's status schema
+    assert validation.validate(with_status(body_of(stem), status)) == []
 
 
 # -- self-check DaemonSet, CLI ----------------------------------------------------------------
