@@ -9,7 +9,7 @@ intake drops the whole heartbeat and logs that line (once per node and generatio
   and not negative (a validation loss may be anything: a diverged run reports inf or nan);
 * ranges: every step in [0, ``train.steps``], every rank in [0, world size), the section one of
   ``SECTIONS``, the payload's ``node`` the node of the key it was written at;
-* progress: within a generation the node's step and each rank's never go back (``StepMemory``);
+* progress: within a generation each rank's step never goes back (``StepMemory``);
   a new generation starts afresh (a restart resumes from an older checkpoint).
 
 Registration (``registration_problem``): a ``nodes/<node>`` value names its node and carries the
@@ -61,11 +61,11 @@ def _first(problems: Iterable[str | None]) -> str | None:
 
 
 class StepMemory:
-    """The last step each node and rank reported, per generation (what "never goes back" is
+    """The last step each rank reported, per generation (what "never goes back" is
     checked against). ``remember`` only after a heartbeat was accepted."""
 
     def __init__(self) -> None:
-        self._last: dict[str, tuple[int, int]] = {}  # "node:<n>" | "rank:<r>" -> (gen, step)
+        self._last: dict[str, tuple[int, int]] = {}  # "rank:<r>" -> (generation, step)
 
     def clear(self) -> None:
         self._last.clear()
@@ -74,10 +74,9 @@ class StepMemory:
         seen = self._last.get(key)
         return seen[1] if seen is not None and seen[0] == generation else None
 
-    def remember(self, node: str, payload: Heartbeat) -> None:
+    def remember(self, payload: Heartbeat) -> None:
         generation = payload.generation
-        steps = {f"node:{node}": payload.step}
-        steps |= {f"rank:{r}": f.step for r, f in payload.ranks.items()}
+        steps = {f"rank:{r}": f.step for r, f in payload.ranks.items()}
         for key, step in steps.items():
             seen = self._last.get(key)
             if step is not None and (seen is None or seen[0] <= generation):
@@ -108,7 +107,7 @@ def heartbeat_problem(
             _int_in("pid", p.pid, 0, None),
         ]
     )
-    return problem or _ranks_problem(p, max_step, world) or _progress_problem(p, node, memory)
+    return problem or _ranks_problem(p, max_step, world) or _progress_problem(p, memory)
 
 
 def _ranks_problem(p: Heartbeat, max_step: int | None, world: int) -> str | None:
@@ -156,9 +155,10 @@ def _ranks_problem(p: Heartbeat, max_step: int | None, world: int) -> str | None
     return None
 
 
-def _progress_problem(p: Heartbeat, node: str, memory: StepMemory) -> str | None:
-    steps = {f"node:{node}": ("step", p.step)}
-    steps |= {f"rank:{r}": (f"ranks[{r}].step", f.step) for r, f in p.ranks.items()}
+def _progress_problem(p: Heartbeat, memory: StepMemory) -> str | None:
+    # Per rank only: the node's ``step`` is the highest of the ranks it could read this beat, so
+    # it may dip while one rank's progress file is being replaced; a rank's own never does.
+    steps = {f"rank:{r}": (f"ranks[{r}].step", f.step) for r, f in p.ranks.items()}
     for key, (name, step) in steps.items():
         before = memory.previous(key, p.generation)
         if step is not None and before is not None and step < before:

@@ -53,7 +53,7 @@ class HeartbeatIntake:
         if problem is not None:
             self._drop(node, "Heartbeat", payload.generation, problem)
             return
-        self._steps.remember(node, payload)
+        self._steps.remember(payload)
         before = self.fsm.step
         if self.metrics is not None:
             self.metrics.observe_heartbeat(node, payload)

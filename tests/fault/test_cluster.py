@@ -560,3 +560,32 @@ def test_tp2_dp2_nccl_like_hang_names_the_rank_its_node_coordinates_group_and_op
     assert culprit["text"].startswith(f"rank {rank} ({coords}) on {node} not started in ")
     assert culprit["group"] and culprit["op"] and culprit["seq"] > 0, culprit
     assert f"FAULT stall node {node} rank {rank}" in run.output and culprit["text"] in run.output
+
+
+def test_a_forged_heartbeat_beyond_the_last_step_is_dropped_and_the_job_finishes(
+    reference, tmp_path
+):
+    from megascale.etcd.keys import JobKeys
+    from megascale.etcd.store import Store
+    from megascale.launcher.cluster import local_store_config
+
+    def forge() -> None:
+        log, deadline = tmp_path / "logs" / "launch.log", time.monotonic() + 120
+        while _steps_done(tmp_path) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        found = re.search(r"job (\S+): .* etcd at (\S+);", log.read_text())
+        store, keys = Store(local_store_config(tmp_path, found[2], retry_s=1.0)), JobKeys(found[1])
+        beat = {"schema": "1.1", "node": "node-0", "generation": 1, "step": 1e30}
+        store.put(keys.heartbeat("node-0"), beat)  # with the job's own credentials
+        store.close()
+
+    run = Run(tmp_path, during=forge)
+    run.check_recovered(reference, generations=1)
+    assert not run.faults()
+    controller = (tmp_path / "logs" / "controller_controller-0.log").read_text()
+    assert "dropping its Heartbeat: step = 1e+30: expected an integer in [0, 20]" in controller
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
