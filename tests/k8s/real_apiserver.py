@@ -119,6 +119,25 @@ class APIServer:
         except ValueError:
             return code, raw.decode(errors="replace")
 
+    def lightkube_client(self, field_manager: str) -> Any:
+        """A lightkube ``Client`` for this server (what the operator uses on a cluster)."""
+        from lightkube import Client, KubeConfig
+
+        config = KubeConfig.from_dict(
+            {
+                "clusters": [
+                    {
+                        "name": "test",
+                        "cluster": {"server": self.base, "insecure-skip-tls-verify": True},
+                    }
+                ],
+                "users": [{"name": "anonymous", "user": {}}],
+                "contexts": [{"name": "test", "context": {"cluster": "test", "user": "anonymous"}}],
+                "current-context": "test",
+            }
+        )
+        return Client(config, field_manager=field_manager)
+
     def wait_for(self, path: str, predicate, timeout_s: float = 30.0) -> Any:
         """GET ``path`` until ``predicate(body)`` holds; the last body."""
         deadline = time.monotonic() + timeout_s

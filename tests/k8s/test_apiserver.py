@@ -25,7 +25,7 @@ from k8s_support import example_jobs
 from real_apiserver import APIServer, established, find_binary
 from test_crd import BAD, _changed, _set
 
-from megascale.k8s import crd, operator, validation
+from megascale.k8s import builders, crd, operator, validation
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 NS = "default"
@@ -212,3 +212,55 @@ def test_deletion_waits_for_the_operators_finalizer_until_it_is_removed(server):
     assert code == 200, body
     code, gone = server.request("GET", f"{JOBS}/{name}")
     assert code == 404, gone
+
+
+# -- the operator's handlers against the server (no core/v1 here: every child is refused) --------
+
+
+@pytest.mark.parametrize(
+    "stem, change, reason, message",
+    [
+        # the server's own words for the first child it refuses
+        ("minimal-cpu", None, "ChildRefused", "no core/v1 in the apiextensions-apiserver"),
+        ("gpu-volcano", None, "ConfigMapMissing", "ConfigMap 'gpt-7b-config'"),
+        ("minimal-cpu", "\n[parallel]\ntp = 3\n", "InvalidConfig", "parallel.tp"),
+    ],
+)
+def test_a_job_that_cannot_proceed_says_why_in_its_status(server, stem, change, reason, message):
+    import kopf
+
+    name = f"blocked-{uuid.uuid4().hex[:8]}"
+    job = _job(example_jobs()[stem], name)
+    if change:
+        job["spec"]["config"]["inline"] += change
+    code, created = server.request("POST", JOBS, job)
+    assert code == 201, created
+    kube = operator.LightkubeAPI(server.lightkube_client(builders.FIELD_MANAGER))
+    reconciler = operator.Reconciler(kube, store_for=lambda job: None)
+    handler = {h.id: h for h in operator.build_registry(reconciler)._changing.get_all_handlers()}
+    patch = kopf.Patch()
+    try:
+        handler["reconcile"].fn(body=created, patch=patch)
+    except kopf.TemporaryError:
+        assert reason != "InvalidConfig"  # the others are retried
+    # what kopf does with the patch: .status through the status subresource
+    code, body = server.request(
+        "PATCH",
+        f"{JOBS}/{name}/status",
+        {"status": dict(patch["status"])},
+        content_type="application/merge-patch+json",
+    )
+    assert code == 200, body
+    status = server.request("GET", f"{JOBS}/{name}")[1]["status"]
+    assert status["reason"] == reason and message in status["message"], status
+    (cond,) = [c for c in status["conditions"] if c["type"] == "Created"]
+    assert (cond["status"], cond["reason"], cond["message"]) == ("False", reason, status["message"])
+    # the main resource does not write .status
+    code, _ = server.request(
+        "PATCH",
+        f"{JOBS}/{name}",
+        {"status": {"reason": "Overwritten"}},
+        content_type="application/merge-patch+json",
+    )
+    assert code == 200
+    assert server.request("GET", f"{JOBS}/{name}")[1]["status"]["reason"] == reason
