@@ -9,8 +9,9 @@ address and listening on its own host's address:
     nodeN    ``megascale agent CONFIG --node nodeN --addr <nodeN's address>``: heartbeats to etcd,
              and its workers (``megascale train`` ranks) rendezvous at the master node's address
 
-The agents run in the order given; the first ``nodes`` to register form the first generation and
-the rest wait as spares. The run directory (config, checkpoints, logs, ``events.jsonl``) is on the
+The first ``nodes`` agents of the list register before the others start: they form the first
+generation (which of them gets rank 0 is the controller's choice: see its ``generation_start``
+event) and the rest wait as spares. The run directory (config, checkpoints, logs, ``events.jsonl``) is on the
 file system every host shares, as a job's shared file system would be.
 
 Gloo picks its network device by resolving the host's name (``GLOO_SOCKET_IFNAME`` is not set
@@ -69,17 +70,25 @@ class MultiHostJob:
     # -- start ----------------------------------------------------------------------------------
 
     def start(self, wait_s: float = 120.0) -> None:
-        """etcd, then every agent (each registered before the next starts), then the controller."""
+        """etcd; the training nodes' agents (together) until all have registered; then the
+        spares' agents and the controller (together), until the spares have registered too. A
+        spare that registers after the first generation started waits as a spare all the same."""
         from megascale import config
 
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         job = config.validate(config.load("tiny", self.overrides), self.nodes, "gloo")
         (self.run_dir / "job.toml").write_text(config.to_toml(job))
         self.start_etcd()
-        for host in self.workers:
+        first, spares = self.workers[: self.nodes], self.workers[self.nodes :]
+        for host in first:
             self.start_agent(host)
+        for host in first:
             self.wait_registered(host, wait_s)
+        for host in spares:
+            self.start_agent(host)
         self.start_controller()
+        for host in spares:
+            self.wait_registered(host, wait_s)
 
     def start_etcd(self, wait_s: float = 20.0) -> None:
         from megascale.etcd.server import find_etcd_binary

@@ -56,11 +56,10 @@ def test_job_across_hosts_matches_the_single_host_run(net, tmp_path, reference):
 
 
 def test_partitioned_worker_host_is_replaced_by_the_spare(net, tmp_path, reference):
-    """node2 (rank 1) is partitioned mid-run: its agent's lease lapses, the controller evicts it,
-    the spare node3 takes its ranks, the job resumes from the last checkpoint and ends with the
-    fault-free parameters. Prints the detection and fault-to-resumed times."""
-    workers = ["node1", "node2", "node3"]
-    job = MultiHostJob(net, tmp_path / "multi", workers, nodes=2, overrides=OVERRIDES)
+    """The host of rank 1 is partitioned mid-run: its agent's lease lapses, the controller evicts
+    it, the spare node3 takes its ranks, the job resumes from the last checkpoint and ends with
+    the fault-free parameters. Prints the detection and fault-to-resumed times."""
+    job = MultiHostJob(net, tmp_path / "multi", ["node1", "node2", "node3"], 2, OVERRIDES)
     try:
         job.start()
         deadline = time.monotonic() + 180
@@ -68,7 +67,9 @@ def test_partitioned_worker_host_is_replaced_by_the_spare(net, tmp_path, referen
             assert job.procs["controller"].poll() is None, job.tail("controller")
             assert time.monotonic() < deadline, "the job did not reach step 6"
             time.sleep(0.02)
-        net.partition("node2")
+        first = next(e for e in read_events(job.run_dir) if e.kind == "generation_start")
+        victim = first.detail["nodes"][1]  # rank 1's host (rank 0's holds the run directory)
+        net.partition(victim)
         fault_time = time.time()
         rc = job.wait(240)
     finally:
@@ -76,14 +77,15 @@ def test_partitioned_worker_host_is_replaced_by_the_spare(net, tmp_path, referen
     assert rc == 0, job.tail("controller")
     assert parameter_digest(job.run_dir, load("tiny", OVERRIDES)) == (reference, STEPS)
     after = [e for e in read_events(job.run_dir) if e.time >= fault_time]
-    lost = next(e for e in after if e.node == "node2")
+    lost = next(e for e in after if e.node == victim)
     assert lost.kind == "fault" and lost.detail["fault"] == "node_lost", lost
     restart = next(e for e in after if e.kind == "generation_start")
-    assert restart.detail["replaced"] == {"node2": "node3"}, restart
+    assert restart.detail["replaced"] == {victim: "node3"}, restart
     resumed = next(r for r in job.steps() if r["time"] > restart.time)
     print(
-        f"partition node2 at step >= 6: {lost.kind} after {lost.time - fault_time:.2f} s, "
-        f"generation {restart.generation} on {restart.detail['nodes']} after "
-        f"{restart.time - fault_time:.2f} s, first step (step {resumed['step']}) after "
-        f"{resumed['time'] - fault_time:.2f} s; events: {[e.kind for e in after]}"
+        f"partition {victim} (rank 1) at step >= 6: {lost.kind} after "
+        f"{lost.time - fault_time:.2f} s, generation {restart.generation} on "
+        f"{restart.detail['nodes']} after {restart.time - fault_time:.2f} s, first step "
+        f"(step {resumed['step']}) after {resumed['time'] - fault_time:.2f} s; "
+        f"events: {[e.kind for e in after]}"
     )
