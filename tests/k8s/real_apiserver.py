@@ -119,24 +119,24 @@ class APIServer:
         except ValueError:
             return code, raw.decode(errors="replace")
 
+    def kubeconfig(self) -> dict[str, Any]:
+        """A kubeconfig for this server (anonymous; its certificate is self-signed)."""
+        return {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {"name": "test", "cluster": {"server": self.base, "insecure-skip-tls-verify": True}}
+            ],
+            "users": [{"name": "anonymous", "user": {}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "anonymous"}}],
+            "current-context": "test",
+        }
+
     def lightkube_client(self, field_manager: str) -> Any:
         """A lightkube ``Client`` for this server (what the operator uses on a cluster)."""
         from lightkube import Client, KubeConfig
 
-        config = KubeConfig.from_dict(
-            {
-                "clusters": [
-                    {
-                        "name": "test",
-                        "cluster": {"server": self.base, "insecure-skip-tls-verify": True},
-                    }
-                ],
-                "users": [{"name": "anonymous", "user": {}}],
-                "contexts": [{"name": "test", "context": {"cluster": "test", "user": "anonymous"}}],
-                "current-context": "test",
-            }
-        )
-        return Client(config, field_manager=field_manager)
+        return Client(KubeConfig.from_dict(self.kubeconfig()), field_manager=field_manager)
 
     def wait_for(self, path: str, predicate, timeout_s: float = 30.0) -> Any:
         """GET ``path`` until ``predicate(body)`` holds; the last body."""

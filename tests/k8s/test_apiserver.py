@@ -15,8 +15,11 @@ tests/k8s/apiserver/build.sh).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import re
+import threading
+import time
 import uuid
 
 import pytest
@@ -266,3 +269,68 @@ def test_a_job_that_cannot_proceed_says_why_in_its_status(server, stem, change, 
     )
     assert code == 200
     assert server.request("GET", f"{JOBS}/{name}")[1]["status"]["reason"] == reason
+
+
+# -- the operator itself (kopf) against the server ---------------------------------------------
+
+
+class _Operator:
+    """The real operator (kopf, clusterwide, in a thread) on ``server``; ``stop()`` ends it."""
+
+    def __init__(self, server: APIServer) -> None:
+        import kopf
+
+        kube = operator.LightkubeAPI(server.lightkube_client(builders.FIELD_MANAGER))
+        registry = operator.build_registry(
+            operator.Reconciler(kube, store_for=lambda job: None), interval=1.0
+        )
+        self.ready, self._stop = threading.Event(), threading.Event()
+        coroutine = kopf.operator(
+            registry=registry,
+            standalone=True,
+            clusterwide=True,
+            ready_flag=self.ready,
+            stop_flag=self._stop,
+        )
+        self._thread = threading.Thread(target=asyncio.run, args=(coroutine,), daemon=True)
+        self._thread.start()
+        assert self.ready.wait(30), "kopf did not start"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "kopf did not stop"
+
+
+def test_the_operator_reports_refused_children_and_a_deletion_waits_while_it_is_down(
+    server, tmp_path, monkeypatch
+):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(server.kubeconfig()))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))  # what kopf's login handler reads
+    name = f"operated-{uuid.uuid4().hex[:8]}"
+    running = _Operator(server)
+    try:
+        code, created = server.request("POST", JOBS, _job(example_jobs()["minimal-cpu"], name))
+        assert code == 201, created
+        job = server.wait_for(
+            f"{JOBS}/{name}", lambda j: (j.get("status") or {}).get("reason") == "ChildRefused"
+        )
+        assert "no core/v1 in the apiextensions-apiserver" in job["status"]["message"]
+        assert operator.FINALIZER in job["metadata"]["finalizers"]
+    finally:
+        running.stop()
+    # the operator is down: the deletion waits for it
+    assert server.request("DELETE", f"{JOBS}/{name}")[0] in (200, 202)
+    time.sleep(1.0)
+    code, waiting = server.request("GET", f"{JOBS}/{name}")
+    assert code == 200 and waiting["metadata"]["deletionTimestamp"], waiting
+    # back up, it lets the job go
+    running = _Operator(server)
+    try:
+        deadline = time.monotonic() + 30
+        while server.request("GET", f"{JOBS}/{name}")[0] != 404:
+            assert time.monotonic() < deadline, "the operator did not release the job"
+            time.sleep(0.1)
+    finally:
+        running.stop()

@@ -6,7 +6,9 @@
 // and allowed), no admission, no API priority and fairness, and no core/v1: /api lists v1 with
 // only `namespaces` (listing them answers 403, which kopf treats as "use the given namespaces")
 // and every other /api path answers a JSON Status 404. Core informers come from an empty fake
-// clientset.
+// clientset. /apis (which kube-apiserver's aggregator serves) lists apiextensions.k8s.io and the
+// groups of the established CRDs, in the legacy APIGroupList form (clients asking for aggregated
+// discovery fall back to it).
 //
 // Flags are upstream's (--etcd-servers, --secure-port, --cert-dir, ...); it prints nothing of
 // its own and serves until SIGTERM.
@@ -19,14 +21,19 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"sort"
 	"strings"
 
 	"github.com/spf13/pflag"
 
+	"k8s.io/apiextensions-apiserver/pkg/apihelpers"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	"k8s.io/apiextensions-apiserver/pkg/apiserver"
+	crdlisters "k8s.io/apiextensions-apiserver/pkg/client/listers/apiextensions/v1"
 	"k8s.io/apiextensions-apiserver/pkg/cmd/server/options"
 	generatedopenapi "k8s.io/apiextensions-apiserver/pkg/generated/openapi"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apiserver/pkg/authentication/request/anonymous"
 	"k8s.io/apiserver/pkg/authorization/authorizerfactory"
 	openapinamer "k8s.io/apiserver/pkg/endpoints/openapi"
@@ -92,6 +99,18 @@ func run() error {
 	cfg.OpenAPIConfig = genericapiserver.DefaultOpenAPIConfig(defs, namer)
 	cfg.OpenAPIV3Config = genericapiserver.DefaultOpenAPIV3Config(defs, namer)
 
+	var crds crdlisters.CustomResourceDefinitionLister // set once the server exists, before it serves
+	cfg.BuildHandlerChainFunc = func(h http.Handler, c *genericapiserver.Config) http.Handler {
+		chain := genericapiserver.DefaultBuildHandlerChain(h, c)
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodGet && strings.TrimSuffix(r.URL.Path, "/") == "/apis" {
+				writeJSON(w, http.StatusOK, groupList(crds))
+				return
+			}
+			chain.ServeHTTP(w, r)
+		})
+	}
+
 	config := &apiserver.Config{
 		GenericConfig: cfg,
 		ExtraConfig: apiserver.ExtraConfig{
@@ -104,6 +123,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	crds = server.Informers.Apiextensions().V1().CustomResourceDefinitions().Lister()
 	mux := server.GenericAPIServer.Handler.NonGoRestfulMux
 	mux.HandleFunc("/api", serveCoreVersions)
 	mux.HandlePrefix("/api/", http.HandlerFunc(serveCoreStub))
@@ -120,6 +140,44 @@ func writeJSON(w http.ResponseWriter, code int, obj any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(code)
 	_ = json.NewEncoder(w).Encode(obj)
+}
+
+// groupList is /apis: apiextensions.k8s.io, then each established CRD's group with its served
+// versions (the storage version preferred).
+func groupList(crds crdlisters.CustomResourceDefinitionLister) metav1.APIGroupList {
+	ext := metav1.GroupVersionForDiscovery{GroupVersion: "apiextensions.k8s.io/v1", Version: "v1"}
+	groups := []metav1.APIGroup{{Name: "apiextensions.k8s.io", Versions: []metav1.GroupVersionForDiscovery{ext}, PreferredVersion: ext}}
+	all, _ := crds.List(labels.Everything())
+	sort.Slice(all, func(i, j int) bool { return all[i].Name < all[j].Name })
+	index := map[string]int{}
+	for _, crd := range all {
+		if !apihelpers.IsCRDConditionTrue(crd, apiextensionsv1.Established) {
+			continue
+		}
+		for _, v := range crd.Spec.Versions {
+			if !v.Served {
+				continue
+			}
+			gv := metav1.GroupVersionForDiscovery{GroupVersion: crd.Spec.Group + "/" + v.Name, Version: v.Name}
+			i, ok := index[crd.Spec.Group]
+			if !ok {
+				groups = append(groups, metav1.APIGroup{Name: crd.Spec.Group, PreferredVersion: gv})
+				i = len(groups) - 1
+				index[crd.Spec.Group] = i
+			}
+			seen := false
+			for _, have := range groups[i].Versions {
+				seen = seen || have == gv
+			}
+			if !seen {
+				groups[i].Versions = append(groups[i].Versions, gv)
+			}
+			if v.Storage {
+				groups[i].PreferredVersion = gv
+			}
+		}
+	}
+	return metav1.APIGroupList{TypeMeta: metav1.TypeMeta{Kind: "APIGroupList", APIVersion: "v1"}, Groups: groups}
 }
 
 func serveCoreVersions(w http.ResponseWriter, r *http.Request) {
