@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from megascale.k8s import validation
+
 BUILD_SCRIPT = Path(__file__).resolve().parent / "apiserver" / "build.sh"
 START_TIMEOUT_S = 30.0
 
@@ -30,8 +32,8 @@ def find_binary() -> tuple[str | None, str]:
     found = subprocess.run([str(BUILD_SCRIPT), "--check"], capture_output=True, text=True)
     if found.returncode == 0:
         return found.stdout.strip(), ""
-    why = found.stderr.strip().splitlines()[-1:] or ["not built"]
-    return None, f"{why[0]}; build it with {BUILD_SCRIPT.relative_to(Path.cwd())} (make test does)"
+    why = (found.stderr.strip().splitlines() or ["not built"])[-1]
+    return None, f"{why}; tests/k8s/apiserver/build.sh builds it (make test runs it)"
 
 
 class APIServer:
@@ -166,3 +168,33 @@ def established(crd: dict[str, Any]) -> bool:
     status = crd.get("status") or {}
     conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
     return conditions.get("Established") == "True"
+
+
+# What the server says for the bad jobs that break the structural schema (the CEL ones are
+# checked against their rule's message).
+SCHEMA_MESSAGES = {
+    "replicas < 1": "spec.replicaSpecs.Worker.replicas: Invalid value: 0: "
+    "spec.replicaSpecs.Worker.replicas in body should be greater than or equal to 1",
+    "replicas of the wrong type": "spec.replicaSpecs.Worker.replicas: Invalid value: "
+    '"string": spec.replicaSpecs.Worker.replicas in body must be of type integer',
+    "suspend of the wrong type": "spec.runPolicy.suspend in body must be of type boolean",
+    "template missing": "spec.replicaSpecs.Worker.template: Required value",
+    "unknown field in spec": 'unknown field "spec.workers"',
+    "unknown nested field": 'unknown field "spec.faultTolerance.spares"',
+    "gang not in the enum": 'spec.runPolicy.scheduling.gang: Unsupported value: "kueue"',
+    "bad etcd endpoint": "spec.etcd.endpoints[0] in body should match",
+}
+
+
+def server_message(case: str) -> str:
+    """What the server's refusal of the bad job ``case`` of test_crd contains: the schema's words,
+    or the message of the CEL rule the offline expectation cites."""
+    if case in SCHEMA_MESSAGES:
+        return SCHEMA_MESSAGES[case]
+    from test_crd import BAD
+
+    offline = BAD[case][1]
+    for _, _, rule in validation.cel_rules():
+        if rule["message"] in offline or offline.split('": ')[-1] in rule["message"]:
+            return rule["message"]
+    raise AssertionError(f"no rule says {offline!r}")

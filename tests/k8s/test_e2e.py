@@ -106,7 +106,7 @@ def _dry_run(client: Client, obj: dict) -> None:
 
 def test_examples_accepted_and_bad_resources_refused_by_the_api_server(client, kube, namespace):
     from k8s_support import example_jobs
-    from test_apiserver import server_message
+    from real_apiserver import server_message
     from test_crd import BAD, _changed
 
     for stem in sorted(example_jobs()):
