@@ -64,7 +64,7 @@ from megascale.controller.fsm import (
     StartGeneration,
     State,
 )
-from megascale.controller.intake_checks import StepMemory, registration_problem
+from megascale.controller.intake_checks import StepMemory
 from megascale.controller.job_summary import JobSummary
 from megascale.controller.policy import (  # noqa: F401  (policy_for: re-exported)
     ControllerPolicy,
@@ -425,28 +425,6 @@ class ControllerService(HeartbeatIntake):
             ack = self._decode(Ack, node, event)
             if ack is not None:
                 self._act(self.fsm.on_ack(node, ack.id, ack.ok, ack.detail, now))
-
-    def _refuse(self, kv: Any) -> bool:
-        """True when the ``nodes/<node>`` value ``kv`` must not be counted (another config's
-        agent, a value naming another node): logged in one line and recorded as a
-        ``node_refused`` event once per node, its heartbeats and acks ignored."""
-        assert self.fsm is not None
-        node = self.keys.name_of(kv.key)
-        try:
-            value = kv.json()
-        except ValueError:
-            value = None
-        problem = registration_problem(value, node, self.opts.config_hash)
-        if problem is None:
-            self._refused.discard(node)
-            return False
-        if node not in self._refused:
-            self._refused.add(node)
-            logger.error("node %s refused: %s", node, problem)
-            self.events.append(
-                "node_refused", generation=self.fsm.generation, node=node, detail={"text": problem}
-            )
-        return True
 
     def _decode(self, kind: type, node: str, event: WatchEvent):
         """``event``'s value as message ``kind``; None (logged once per node and kind) when this

@@ -4,7 +4,9 @@
 worker exits and error keywords become ``Evidence``, fed at once or held back (a peer's symptom
 for ``secondary_hold_s``, an uncaught exception for ``error_hold_s`` to see whether every rank
 died of it); the workers' step times teach the FSM's step timeout; compute times feed the
-straggler model; the ranks' flight states name a stall's culprits. It holds no state of its own:
+straggler model; the ranks' flight states name a stall's culprits. First, each message is checked
+(``intake_checks``): a heartbeat the controller cannot believe is dropped and logged, a
+registration of another config (or naming another node) is refused. It holds no state of its own:
 ``ControllerService.__init__`` creates the fields it uses, and ``_act`` executes what it decides.
 """
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megascale.controller.fsm import State
-from megascale.controller.intake_checks import heartbeat_problem
+from megascale.controller.intake_checks import heartbeat_problem, registration_problem
 from megascale.messages import Heartbeat, Reported
 from megascale.probes.flight.culprits import analyse_stall
 from megascale.probes.flight.format import RankState
@@ -105,6 +107,28 @@ class HeartbeatIntake:
                 rank=notice.rank,
                 detail={"text": notice.text},
             )
+
+    def _refuse(self, kv: Any) -> bool:
+        """True when the ``nodes/<node>`` value ``kv`` must not be counted (another config's
+        agent, a value naming another node): logged in one line and recorded as a
+        ``node_refused`` event once per node, its heartbeats and acks ignored."""
+        assert self.fsm is not None
+        node = self.keys.name_of(kv.key)
+        try:
+            value = kv.json()
+        except ValueError:
+            value = None
+        problem = registration_problem(value, node, self.opts.config_hash)
+        if problem is None:
+            self._refused.discard(node)
+            return False
+        if node not in self._refused:
+            self._refused.add(node)
+            logger.error("node %s refused: %s", node, problem)
+            self.events.append(
+                "node_refused", generation=self.fsm.generation, node=node, detail={"text": problem}
+            )
+        return True
 
     def _drop(self, node: str, kind: str, generation: Any, problem: str) -> None:
         """Log a message the controller does not believe (each problem once per node and
