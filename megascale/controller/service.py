@@ -201,6 +201,7 @@ class ControllerService(HeartbeatIntake):
         self._seen: dict[tuple[str, str, int], int] = {}  # (what, node, generation) -> last seq
         self._unreadable: set[tuple[str, ...]] = set()  # (message, node, ...) logged once
         self._refused: set[str] = set()  # registered nodes that are never counted
+        self._missing: dict[str, float] = {}  # node not listed at takeover -> when it is lost
         self._steps = StepMemory()  # the steps heartbeats reported (progress never goes back)
         self._held: list[tuple[float, Evidence]] = []
         self._errors: dict[tuple[int, int], str] = {}  # (generation, rank) -> exit's signature
@@ -302,6 +303,7 @@ class ControllerService(HeartbeatIntake):
         self._steps.clear()
         self._refused.clear()
         self._held.clear()
+        self._missing.clear()
         self._errors.clear()
         self._outbox.clear()  # an earlier term's writes: the snapshot below is the truth
         while not self._inbox.empty():  # events of an earlier term's watches
@@ -339,7 +341,10 @@ class ControllerService(HeartbeatIntake):
         self._watches = []
 
     def _sync_nodes(self, listed: list[Any], now: float) -> None:
-        """Registered nodes in registration order; nodes the FSM knew that are gone are lost."""
+        """Registered nodes in registration order. A node the FSM knew that is not listed is
+        lost only if it has not registered again within ``secondary_hold_s`` (a lease TTL and
+        its delivery): after an etcd outage or a takeover its agent may be re-registering, and
+        the controller's own absence is no evidence against it (``_missing``, ``_tick``)."""
         assert self.fsm is not None
         present = [
             self.keys.name_of(kv.key) for kv in sorted(listed, key=lambda k: k.create_revision)
@@ -347,7 +352,7 @@ class ControllerService(HeartbeatIntake):
         present_set = set(present)
         for node in list(self.fsm.registered):
             if node not in present_set:
-                self._act(self.fsm.on_node_lost(node, "not registered at takeover", now))
+                self._missing[node] = now + self.opts.secondary_hold_s
         labels = {self.keys.name_of(kv.key): _topology(kv) for kv in listed}
         refused = {self.keys.name_of(kv.key) for kv in listed if self._refuse(kv)}
         for node in present:
@@ -410,10 +415,12 @@ class ControllerService(HeartbeatIntake):
         node = self.keys.name_of(event.key)
         if what == "node":
             if event.kind == "put":
+                self._missing.pop(node, None)
                 if not self._refuse(event):
                     self._act(self.fsm.on_node_registered(node, now, _topology(event)))
             else:
                 self._refused.discard(node)
+                self._missing.pop(node, None)
                 self._act(self.fsm.on_node_lost(node, "lease expired", now))
         elif node in self._refused:
             return  # a refused node's heartbeats and acks are never read
@@ -443,6 +450,10 @@ class ControllerService(HeartbeatIntake):
         self._held = [(at, ev) for at, ev in self._held if at > now]
         for ev in due:
             self._feed(ev, now)
+        for node, at in list(self._missing.items()):
+            if at <= now and self._outage_since is None:  # not registered again: lost
+                del self._missing[node]
+                self._act(self.fsm.on_node_lost(node, "not registered at takeover", now))
         if self._outage_since is None and not self._stall(now):  # etcd down: silence is its fault
             self._act(self.fsm.on_tick(now))
         if self.metrics is not None:
@@ -568,6 +579,7 @@ class ControllerService(HeartbeatIntake):
         assert self.fsm is not None
         now = self.clock()
         down, self._outage_since = now - self._outage_since, None
+        self._missing = dict.fromkeys(self._missing, now + self.opts.secondary_hold_s)
         clean = [r for (g, r), c in self._fed_exits.items() if g == self.fsm.generation and c == 0]
         # Fresh heartbeat and stall allowances for every node (the FSM's restore contract).
         self.fsm = ControllerFSM.restore(self.opts.policy, self.fsm.snapshot(), now)

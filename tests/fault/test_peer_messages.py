@@ -157,3 +157,15 @@ def test_a_second_agent_with_a_name_in_use_is_refused_and_the_first_stays(
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=30)
+
+
+def test_a_node_missing_at_takeover_has_a_lease_ttl_to_register_again(leader):
+    hold = leader.opts.secondary_hold_s
+    leader.fsm = ControllerFSM.restore(leader.fsm.policy, leader.fsm.snapshot(), 10.0)
+    leader._sync_nodes([], now=10.0)  # the takeover lists no node yet: they re-register
+    leader._tick(10.0 + hold - 0.1)
+    assert set(leader.fsm.registered) == {"n0", "n1"} and not leader.fsm.faults
+    leader._dispatch("node", _put(leader.keys.node("n0"), _registration("n0", "aaaa")))
+    leader._tick(10.0 + hold + 0.1)  # n0 came back; n1 did not: lost only now
+    assert set(leader.fsm.registered) == {"n0"}
+    assert [(f.kind, f.node) for f in leader.fsm.faults] == [("node_lost", "n1")]
