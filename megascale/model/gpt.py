@@ -96,6 +96,33 @@ def use_masked_softmax_fusion(
     return on_cuda and kernels_available and window_size is None
 
 
+def mask_padded_vocabulary(model: GPTModel, vocab_size: int) -> None:
+    """Keep the padding rows of the vocabulary out of the loss: their logits are set to the
+    dtype's lowest value before megatron-core's cross entropy, so they take no probability and
+    their rows no gradient.
+
+    The vocabulary is padded to a multiple of 128 x TP (``padded_vocab_size``), so its padded size
+    depends on the layout: 300 tokens are 384 rows at TP1 and 512 at TP2. Unmasked, the padding
+    entries would take part in every softmax, and a layout would train another function than the
+    1-process reference, and a checkpoint resumed at another TP (its padding rows clipped or
+    zero-filled: ``train.checkpoint.load``) would not continue the run. A no-op where nothing is
+    padded."""
+    if model.vocab_size == vocab_size:
+        return
+    compute_loss = model.compute_language_model_loss
+    tp_group = model.tp_group
+
+    def loss_without_padding(labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        local = logits.shape[-1]
+        first = vocab_size - torch.distributed.get_rank(tp_group) * local  # first padding column
+        if first < local:
+            padding = torch.arange(local, device=logits.device) >= max(first, 0)
+            logits = logits.masked_fill(padding, torch.finfo(logits.dtype).min)
+        return compute_loss(labels, logits)
+
+    model.compute_language_model_loss = loss_without_padding
+
+
 def release_model_caches() -> None:
     """Let go of every model this process built (call after dropping the last reference to one).
 
@@ -341,6 +368,8 @@ def build_gpt(
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+    if post_process:
+        mask_padded_vocabulary(model, job.model.vocab_size)
     chunks = _tp_chunks(job, use_te)
     if post_process and chunks > 1:
         model.output_layer.__class__ = OverlappedColumnParallelLinear

@@ -97,6 +97,34 @@ def test_resume_at_another_layout_matches_the_uninterrupted_run(
         assert norm == pytest.approx(ref_norm, abs=1e-5), f"grad norm at step {step}"
 
 
+def _vocab_job(world: int, **parallel):
+    """A vocabulary of 300: 384 rows at TP1, 512 at TP2 (padded to 128 x TP)."""
+    job = with_changes(_job(1, "adam", False), model={"vocab_size": 300}, parallel=parallel)
+    return validate(job, world, "gloo")
+
+
+@pytest.mark.parametrize(
+    "saved, resumed",
+    [((1, {}), (2, {"tp": 2})), ((2, {"tp": 2, "sequence_parallel": True}), (1, {}))],
+    ids=["tp1-to-tp2", "tp2-to-tp1"],
+)
+def test_a_vocabulary_padded_for_another_tp_resumes_the_run(tmp_path, saved, resumed):
+    """The padding rows differ (384 and 512) but take no part in the loss: the run saved at one TP
+    and resumed at the other continues as the uninterrupted 1-process run, step by step."""
+    reference = _numbers(
+        run_local(run_rank, 1, (_vocab_job(1), tmp_path / "ref"), timeout_s=300)[0]
+    )
+    run_dir = tmp_path / "run"
+    (world, parallel), (world2, parallel2) = saved, resumed
+    first = run_local(run_rank, world, (_vocab_job(world, **parallel), run_dir, 3), timeout_s=300)
+    second = run_local(run_rank, world2, (_vocab_job(world2, **parallel2), run_dir), timeout_s=300)
+    numbers = _numbers(first[0]) + _numbers(second[0])
+    assert [s for s, _, _ in numbers] == [1, 2, 3, 4, 5, 6]
+    for (step, loss, norm), (_, ref_loss, ref_norm) in zip(numbers, reference, strict=True):
+        assert loss == pytest.approx(ref_loss, abs=1e-5), f"loss at step {step}"
+        assert norm == pytest.approx(ref_norm, abs=1e-5), f"grad norm at step {step}"
+
+
 def _tree_digest(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()

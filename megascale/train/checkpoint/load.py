@@ -34,6 +34,7 @@ from megascale.train.checkpoint.save import (
 )
 from megascale.train.checkpoint.shards import (
     ensure_optimizer_state,
+    fit_vocabulary_rows,
     to_dcp,
     training_entries,
 )
@@ -274,7 +275,19 @@ def _load_step(trainer: Trainer, storage: Storage, step: int, manifest: dict) ->
     if unlisted:
         return False, unlisted
     ensure_optimizer_state(trainer)
-    entries = training_entries(trainer)
+    saved_shapes = {
+        key: tuple(item.size)
+        for key, item in metadata.state_dict_metadata.items()
+        if hasattr(item, "size")
+    }
+    entries, padding = fit_vocabulary_rows(
+        training_entries(trainer),
+        saved_shapes,
+        trainer.job.model.vocab_size,
+        alone=groups.layout.world_size == 1,
+    )
+    if padding and groups.rank == 0:
+        logger.info("checkpoint %s: %s", sdir, padding)
     problems: list[str] = [""] * groups.layout.world_size
     dist.all_gather_object(problems, _tensor_shape_problem(metadata, entries, storage.path(sdir)))
     problem = next((p for p in problems if p), "")

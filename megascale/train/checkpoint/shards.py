@@ -218,6 +218,57 @@ def _box_entry(sh, key: str, tensor: torch.Tensor, boxes, main: bool) -> Entry:
     return entry
 
 
+VOCABULARY_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight")
+"""Tensors whose rows are the vocabulary, padded to a multiple of 128 x TP (with their optimizer
+state): their padded size depends on the layout that saved them."""
+
+
+def fit_vocabulary_rows(
+    entries: list[Entry], saved: dict[str, tuple[int, ...]], vocab_size: int, alone: bool = False
+) -> tuple[list[Entry], str]:
+    """Entries to read a checkpoint whose vocabulary was padded to another size than here's (another
+    TP): each vocabulary tensor is read with its saved shape, its rows clipped to the rows both
+    paddings have; rows only this run's padding has are zeroed (padding rows take no part in the
+    loss: ``model.gpt.mask_padded_vocabulary``). ``saved``: the checkpoint's global shapes by key.
+    ``alone``: this is the only process (torch needs every part of a tensor placed on a rank, so the
+    saved rows beyond this run's padding are read into a scratch piece here). Returns the entries (the others unchanged) and a note for the log ('' when nothing differed)."""
+    out, note = [], ""
+    for entry in entries:
+        shape = saved.get(entry.key)
+        here = entry.global_shape
+        if (
+            shape is None
+            or tuple(shape) == here
+            or not entry.key.endswith(VOCABULARY_ROWS)
+            or tuple(shape[1:]) != here[1:]
+            or min(shape[0], here[0]) < vocab_size
+        ):
+            out.append(entry)
+            continue
+        keep = min(shape[0], here[0])
+        fitted = Entry(entry.key, tuple(shape), entry.dtype, main=entry.main)
+        for offset, view in entry.pieces:
+            rows = max(0, min(view.shape[0], keep - offset[0]))
+            view[rows:].zero_()
+            if rows:
+                fitted.pieces.append((offset, view[:rows]))
+        if alone and shape[0] > keep and entry.pieces:
+            like = entry.pieces[0][1]
+            scratch = torch.empty(
+                (shape[0] - keep, *shape[1:]), dtype=like.dtype, device=like.device
+            )
+            fitted.pieces.append(((keep, *([0] * (len(shape) - 1))), scratch))
+        out.append(fitted)
+        note = (
+            f"the vocabulary was padded to {shape[0]} rows there and {here[0]} here: rows from "
+            f"{keep} on start at zero (padding rows are masked out of the loss)"
+            if here[0] > shape[0]
+            else f"the vocabulary was padded to {shape[0]} rows there and {here[0]} here: "
+            f"padding rows from {keep} on are dropped"
+        )
+    return out, note
+
+
 def training_entries(trainer: Trainer, *, saving: bool = False) -> list[Entry]:
     """The model parameters and the optimizer state of this rank, as live views (the optimizer
     state is allocated first if no step has been taken).
