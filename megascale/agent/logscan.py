@@ -56,6 +56,8 @@ EXCEPTION = re.compile(r"^(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Inte
 allowed."""
 OWN_LINE = re.compile(r"^\[rank \d+\] \S+ \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
 """megascale's own log line (``megascale.logs``): ``[rank N] date time LEVEL name: message``."""
+OWN_PREFIX = re.compile(r"^\[rank \d+\] \S+ \S+ [A-Z]+ [\w.]+: ")
+"""``OWN_LINE``'s head with the logger's name: what comes before the message."""
 _PATH = re.compile(r"\S*/\S*")
 
 
@@ -137,6 +139,8 @@ class LogScanner:
                 if kind == "traceback":  # say which exception, if it is in this chunk
                     line = next((x for x in lines[i + 1 :] if EXCEPTION.match(x)), line)
                     kind = "storage_full" if storage_full(line) else kind
+                if kind == "storage_full":  # the cause alone: it becomes the job's reason
+                    line = OWN_PREFIX.sub("", line)
                 matches.append(LogMatch(kind, line.strip()[:500]))
             for kind, pattern in NOTICE_PATTERNS:
                 if pattern.search(line):

@@ -61,3 +61,12 @@ def test_a_rank_exit_of_enospc_fails_the_job_and_evicts_nobody():
         "signature": "s",
     }
     _fails_without_eviction(fsm, clock, fsm.on_worker_exit("n1", 2, 1, clock(), 1, None, error))
+
+
+def test_a_storage_full_log_line_is_reported_as_its_message(tmp_path):
+    out = tmp_path / "rank_0.out"
+    out.write_text("")
+    scanner = LogScanner(out)
+    out.write_text(DCP_THREAD.splitlines()[-1] + "\n")  # megascale's own ERROR line
+    [match] = scanner.scan()
+    assert match.text.startswith("checkpoint step 8: write failed: No space left on device")
