@@ -21,6 +21,7 @@ from megascale.agent import neighbour_check
 from megascale.agent.workers import free_port
 from megascale.etcd.keys import is_current
 from megascale.etcd.store import StoreError
+from megascale.launcher.job_store import NODE_ADDR_ENV
 from megascale.messages import Ack, Command, GenerationRecord
 from megascale.probes import inject
 from megascale.probes.fatal import RUN_DIR_ENV
@@ -208,6 +209,7 @@ class CommandRunner:
             "MASTER_PORT": str(port),
             "MEGASCALE_JOB": self.opts.job_id,
             "MEGASCALE_NODE": self.opts.node,
+            NODE_ADDR_ENV: self.opts.addr,
             "MEGASCALE_GENERATION": str(generation),
             RUN_DIR_ENV: str(self.opts.run_dir),
             inject.ENV: inject.to_env(self.opts.faults),

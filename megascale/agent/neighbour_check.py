@@ -37,15 +37,10 @@ NBYTES = 4 << 20  # per all-reduce: big enough for a bandwidth figure, small for
 
 
 def reserve_ports(host: str) -> int:
-    """``free_port_block`` on ``host``, else on every interface (an address this machine cannot
-    bind, e.g. behind NAT: its neighbour tests will then fail and say so, the agent still runs)."""
-    try:
-        return free_port_block(host)
-    except OSError as e:
-        logger.warning(
-            "cannot reserve ports on %s (%s): using 0.0.0.0 for the neighbour tests", host, e
-        )
-        return free_port_block("0.0.0.0")
+    """``free_port_block`` on ``host``, the address this agent was told to listen on; never on
+    every interface (``options_from_args`` has already refused an address this machine cannot
+    bind, so an OSError here is a real error)."""
+    return free_port_block(host)
 
 
 def free_port_block(host: str, count: int = CHANNELS, attempts: int = 50) -> int:

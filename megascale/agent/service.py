@@ -541,11 +541,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_store_arguments(parser)
 
 
+def check_listen_address(flag: str, addr: str) -> str:
+    """``addr`` if this machine can listen on it, else ValueError (one line): every listener of an
+    agent binds the address it is given, never every interface."""
+    try:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((addr, 0))
+    except (OSError, UnicodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise ValueError(
+            f"{flag} {addr!r}: this machine cannot listen on it ({why}); give one of its own "
+            "addresses (127.0.0.1 for a job on one machine)"
+        ) from None
+    return addr
+
+
 def options_from_args(args: argparse.Namespace) -> AgentOptions:
     """The options, or ValueError (one line) before anything is written: names that reach the
     file system (``logs/agent_<node>.log``) and the run directory's path are checked here."""
     check_name("--job", args.job)
     check_name("--node", args.node)
+    check_listen_address("--addr", args.addr)
+    check_listen_address("--metrics-addr", args.metrics_addr)
     runfiles.check_dir_path("--run-dir", args.run_dir)
     faults = [inject.parse(s) for s in args.inject] + inject.from_env()
     return AgentOptions(

@@ -64,16 +64,41 @@ def serve_store(
     )
 
 
+NODE_ADDR_ENV = "MEGASCALE_NODE_ADDR"
+"""The address of the node a worker runs on, as its agent was told (``megascale agent --addr``)."""
+
+
+def gloo_interface(master_addr: str, node_addr: str | None) -> str | None:
+    """The network interface gloo's sockets should use, or None to leave gloo's choice alone:
+    loopback for a job on one machine (a loopback MASTER_ADDR), else the interface that holds this
+    node's address. Without it gloo resolves the host name, which on many clusters (and in network
+    namespaces) gives 127.0.1.1 or nothing, and every rank then dials peers at loopback."""
+    if _is_loopback(master_addr):
+        return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+    if not node_addr or _is_loopback(node_addr):
+        return None
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == node_addr for a in addrs):
+            return name
+    return None
+
+
 def _gloo_on_loopback(addr: str) -> None:
-    try:
-        loopback = ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        loopback = addr == "localhost"
-    if not loopback or "GLOO_SOCKET_IFNAME" in os.environ:
+    """Set ``GLOO_SOCKET_IFNAME`` (unless set) to ``gloo_interface``'s answer."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
         return
-    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
-    if names:
-        os.environ["GLOO_SOCKET_IFNAME"] = names[0]
+    name = gloo_interface(addr, os.environ.get(NODE_ADDR_ENV))
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
 
 
 def _listen(addr: str, port: int) -> tuple[int, int]:

@@ -55,6 +55,28 @@ def test_job_across_hosts_matches_the_single_host_run(net, tmp_path, reference):
     assert watch.seen["node1"] and watch.seen["node2"]
 
 
+def test_host_names_that_resolve_to_loopback_do_not_misroute_gloo(net, tmp_path, reference):
+    """Debian's own /etc/hosts names the machine 127.0.1.1, and gloo, left alone, binds the
+    address the host name resolves to: every rank would then dial its peers at loopback. The
+    workers bind gloo to the interface that holds their agent's --addr instead."""
+    saved = {h: net.etc(h).joinpath("hosts").read_text() for h in ("node1", "node2")}
+    try:
+        for host in saved:
+            net.etc(host).joinpath("hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 {host}\n")
+        assert net.exec("node1", ["getent", "hosts", "node1"]).split()[0] == "127.0.1.1"
+        job = MultiHostJob(net, tmp_path / "multi", ["node1", "node2"], 2, OVERRIDES)
+        try:
+            job.start()
+            rc = job.wait(240)
+        finally:
+            job.stop()
+    finally:
+        for host, text in saved.items():
+            net.etc(host).joinpath("hosts").write_text(text)
+    assert rc == 0, job.tail("controller")
+    assert parameter_digest(job.run_dir, load("tiny", OVERRIDES)) == (reference, STEPS)
+
+
 def test_partitioned_worker_host_is_replaced_by_the_spare(net, tmp_path, reference):
     """The host of rank 1 is partitioned mid-run: its agent's lease lapses, the controller evicts
     it, the spare node3 takes its ranks, the job resumes from the last checkpoint and ends with

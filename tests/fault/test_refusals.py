@@ -146,6 +146,18 @@ def test_agent_names_are_refused_before_anything_is_written(tmp_path, node, frag
     assert list(tmp_path.rglob("*")) == [], "written before the name was refused"
 
 
+@pytest.mark.parametrize("flag", ["--addr", "--metrics-addr"])
+def test_an_agent_address_this_machine_cannot_listen_on_is_refused(tmp_path, flag):
+    """Never a fallback to every interface: an address that is not this machine's is refused."""
+    run_dir = tmp_path / "run"
+    line = refused(
+        "agent", "--job", "j", "--node", "n0", "--run-dir", str(run_dir),
+        "--endpoints", "127.0.0.1:1", flag, "203.0.113.7",  # TEST-NET-3: nobody's address
+    )  # fmt: skip
+    assert f"{flag} '203.0.113.7': this machine cannot listen on it" in line, line
+    assert list(tmp_path.rglob("*")) == [], "written before the address was refused"
+
+
 def test_controller_id_is_refused_before_anything_is_written(tmp_path):
     run_dir = tmp_path / "a" / "run"
     line = refused(

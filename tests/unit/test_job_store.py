@@ -90,3 +90,20 @@ def test_every_store_megascale_serves_is_made_by_serve_store():
         for name in _server_stores(ast.parse(path.read_text(), str(path)))
     }
     assert servers == {"megascale/launcher/job_store.py::serve_store"}, servers
+
+
+def test_gloo_uses_loopback_on_one_machine_and_the_nodes_interface_across_machines():
+    import psutil
+
+    assert job_store.gloo_interface("127.0.0.1", None).startswith("lo")
+    assert job_store.gloo_interface("localhost", "10.0.0.1").startswith("lo")
+    own = [
+        (name, a.address)
+        for name, addrs in psutil.net_if_addrs().items()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
+    for name, addr in own:  # the interface holding the node's address, whatever the host name
+        assert job_store.gloo_interface("192.0.2.1", addr) == name
+    assert job_store.gloo_interface("192.0.2.1", "198.51.100.9") is None  # not this machine's
+    assert job_store.gloo_interface("192.0.2.1", None) is None  # gloo's own choice

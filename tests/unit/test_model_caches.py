@@ -7,7 +7,6 @@ import gc
 import weakref
 
 import torch
-
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megascale.model.gpt import release_model_caches
