@@ -52,6 +52,18 @@ def _agent(args: argparse.Namespace) -> int:
         return 2
 
 
+def _etcd(args: argparse.Namespace) -> int:
+    from megascale.etcd.server import EtcdStartError
+    from megascale.launcher import etcd_command
+
+    try:
+        return etcd_command.main(args)
+    except (ValueError, OSError, EtcdStartError) as e:  # bad --addr, --port, --run-dir; no etcd
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"megascale etcd: {first}", file=sys.stderr)
+        return 2
+
+
 def _controller(args: argparse.Namespace) -> int:
     from megascale.controller import command as controller_command
 
@@ -205,6 +217,13 @@ def _add_process_commands(sub: Any) -> None:
 
     cluster.add_arguments(launch_p)
     launch_p.set_defaults(func=_launch)
+    etcd_p = sub.add_parser(
+        "etcd", help="the job's etcd on a cluster address, authenticated (a job across machines)"
+    )
+    from megascale.launcher import etcd_command
+
+    etcd_command.add_arguments(etcd_p)
+    etcd_p.set_defaults(func=_etcd)
     agent_p = sub.add_parser("agent", help="node agent: heartbeats, runs this node's workers")
     add_config_arguments(agent_p)
     from megascale.agent import service as agent

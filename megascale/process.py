@@ -1,7 +1,7 @@
 """Process plumbing shared by the agent, the controller and the launcher: the etcd command-line
 options (``add_store_arguments``, ``store_config``, ``PASSWORD_ENV``), ``setup_logging``, the
-``/metrics`` options (``add_metrics_arguments``) and ``write_metrics_url`` (a process's
-``/metrics`` URL published under RUN_DIR).
+``/metrics`` options (``add_metrics_arguments``), ``write_metrics_url`` (a process's
+``/metrics`` URL published under RUN_DIR) and ``check_listen_address``.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,3 +101,19 @@ def write_metrics_url(run_dir: Path, name: str, url: str) -> None:
         runfiles.write_text(directory / f"{name}.url", url + "\n")
     except OSError as e:
         logger.warning("could not write the metrics URL of %s: %s", name, e)
+
+
+def check_listen_address(flag: str, addr: str) -> str:
+    """``addr`` if this machine can listen on it, else ValueError (one line): every listener of a
+    megascale process binds the address it is given, never every interface."""
+    try:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((addr, 0))
+    except (OSError, UnicodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise ValueError(
+            f"{flag} {addr!r}: this machine cannot listen on it ({why}); give one of its own "
+            "addresses (127.0.0.1 for a job on one machine)"
+        ) from None
+    return addr

@@ -79,6 +79,7 @@ from megascale.probes.progress import progress_path, read_progress
 from megascale.process import (
     add_metrics_arguments,
     add_store_arguments,
+    check_listen_address,
     setup_logging,
     store_config,
     write_metrics_url,
@@ -539,22 +540,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_metrics_arguments(parser)
     add_store_arguments(parser)
-
-
-def check_listen_address(flag: str, addr: str) -> str:
-    """``addr`` if this machine can listen on it, else ValueError (one line): every listener of an
-    agent binds the address it is given, never every interface."""
-    try:
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.bind((addr, 0))
-    except (OSError, UnicodeError) as e:
-        why = getattr(e, "strerror", None) or str(e)
-        raise ValueError(
-            f"{flag} {addr!r}: this machine cannot listen on it ({why}); give one of its own "
-            "addresses (127.0.0.1 for a job on one machine)"
-        ) from None
-    return addr
 
 
 def options_from_args(args: argparse.Namespace) -> AgentOptions:

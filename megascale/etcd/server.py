@@ -164,7 +164,8 @@ def _free_port(host: str) -> int:
 
 
 class EmbeddedEtcd:
-    """A single-member etcd server on loopback, owned by this process (see the module docstring).
+    """A single-member etcd server, owned by this process (see the module docstring): on loopback,
+    or on the one address ``host`` of a cluster network (never every interface).
 
     Args:
         binary: etcd server binary; found with ``find_etcd_binary`` when None.
@@ -181,6 +182,8 @@ class EmbeddedEtcd:
         die_with_parent: SIGKILL the server when this process dies (see the module docstring).
         credentials: ``(user, password)`` that every client must give; set before the server
             listens on TCP (see the module docstring). None: no authentication.
+        host: the address its client listener binds (and advertises); 127.0.0.1 by default.
+        client_port: its client port; 0: a free one, chosen at the first start.
     """
 
     def __init__(
@@ -198,6 +201,8 @@ class EmbeddedEtcd:
         ca_file: str | None = None,
         die_with_parent: bool = False,
         credentials: tuple[str, str] | None = None,
+        host: str = "127.0.0.1",
+        client_port: int = 0,
     ) -> None:
         if election_timeout_ms < 5 * heartbeat_interval_ms:
             raise ValueError(
@@ -210,7 +215,7 @@ class EmbeddedEtcd:
             )
         self.cert_file, self.key_file, self.ca_file = cert_file, key_file, ca_file
         self.binary = find_etcd_binary(binary)
-        self.host = "127.0.0.1"
+        self.host = host
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.election_timeout_ms = election_timeout_ms
         self.unsafe_no_fsync = unsafe_no_fsync
@@ -221,7 +226,7 @@ class EmbeddedEtcd:
         self.data_dir = self._tmp / "data" if data_dir is None else Path(data_dir).absolute()
         self.log_path = self._tmp / "etcd.log"
         self.credentials = credentials
-        self.client_port = 0
+        self.client_port = client_port
         self._proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         """Seconds the last ``start`` took from spawn to healthy."""
@@ -260,7 +265,7 @@ class EmbeddedEtcd:
             return self
         if not self._finalizer.alive:  # stopped before: arm the cleanup again
             self._finalizer = weakref.finalize(self, _cleanup, self._tmp, self._procs)
-        first_start = self.client_port == 0
+        first_start = self.client_port == 0  # a port given by the caller is kept, like a restart's
         attempts = 3 if first_start else RESTART_ATTEMPTS
         for attempt in range(attempts):
             if first_start:

@@ -90,36 +90,31 @@ class MultiHostJob:
         for host in spares:
             self.wait_registered(host, wait_s)
 
-    def start_etcd(self, wait_s: float = 20.0) -> None:
-        from megascale.etcd.server import find_etcd_binary
-
-        a, host = self.cluster.addr(self.etcd_host), self.etcd_host
-        client, peer = f"http://{a}:{ETCD_PORT}", f"http://{a}:{ETCD_PORT + 1}"
-        argv = [
-            find_etcd_binary(), "--name", host, "--data-dir", str(self.run_dir / "etcd-data"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{host}={peer}", "--heartbeat-interval", "10",
-            "--election-timeout", "100", "--unsafe-no-fsync", "--log-level", "warn",
-        ]  # fmt: skip
-        self.procs["etcd"] = self.cluster.run(host, argv, log=self.log("etcd"))
+    def start_etcd(self, wait_s: float = 60.0) -> None:
+        """``megascale etcd`` on the etcd host's address, authenticated: the job's password in
+        the shared run directory, given to the controller and the agents (``credentials``)."""
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "megascale.cli", "etcd", "--addr",
+                self.cluster.addr(self.etcd_host), "--port", str(ETCD_PORT),
+                "--run-dir", str(self.run_dir)]  # fmt: skip
+        proc = self.cluster.run(self.etcd_host, argv, env=self.env(), log=self.log("etcd"))
+        self.procs["etcd"] = proc
         deadline = time.monotonic() + wait_s
-        while True:
-            probe = self.cluster.exec(
-                host, ["curl", "-s", "-m", "1", f"{client}/health"], check=False
-            ) if _have_curl() else self._health_py(host, client)  # fmt: skip
-            if '"health":"true"' in probe.replace(" ", ""):
-                return
-            if self.procs["etcd"].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"etcd on {host} did not start: {self.tail('etcd')}")
+        while "megascale etcd: serving" not in self.tail("etcd"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"etcd on {self.etcd_host} did not start: {self.tail('etcd')}")
             time.sleep(0.1)
 
-    def _health_py(self, host: str, url: str) -> str:
-        code = f"import urllib.request as u; print(u.urlopen('{url}/health', timeout=1).read().decode())"
-        return self.cluster.exec(host, [sys.executable, "-c", code], check=False)
+    @property
+    def password_file(self) -> Path:
+        return self.run_dir / "etcd.password"
+
+    def credentials(self) -> list[str]:
+        return ["--user", "root", "--password-file", str(self.password_file)]
 
     def megascale(self, host: str, name: str, args: list[str]) -> subprocess.Popen:
         argv = [sys.executable, "-m", "megascale.cli", *args, "--endpoints", self.endpoint]
+        argv += self.credentials()
         proc = self.cluster.run(host, argv, env=self.env(), log=self.log(name))
         self.procs[name] = proc
         return proc
@@ -147,19 +142,26 @@ class MultiHostJob:
 
         key = JobKeys(self.job_id).node(host)
         deadline = time.monotonic() + wait_s
-        while not self.etcdctl("get", key, "--keys-only").strip():
+        while key not in self.etcdctl("get", key, "--keys-only"):
             proc = self.procs[f"agent-{host}"]
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"agent {host} did not register: {self.tail(f'agent-{host}')}")
             time.sleep(0.2)
 
-    def etcdctl(self, *args: str) -> str:
-        """``etcdctl`` run in the etcd host (v3 API)."""
+    def etcdctl(self, *args: str, host: str | None = None, auth: bool = True) -> str:
+        """``etcdctl`` (v3 API) run in ``host`` (default: the etcd host), with the job's
+        credentials unless ``auth`` is false; its stdout and stderr."""
         from megascale.etcd.server import find_etcd_binary
 
         ctl = str(Path(find_etcd_binary()).with_name("etcdctl"))
-        argv = [ctl, "--endpoints", self.endpoint, "--command-timeout=2s", *args]
-        return self.cluster.exec(self.etcd_host, argv, check=False)
+        argv = [ctl, "--endpoints", self.endpoint, "--command-timeout=2s"]
+        if auth:
+            argv.append(f"--user=root:{self.password_file.read_text().strip()}")
+        proc = subprocess.run(
+            self.cluster.command(host or self.etcd_host, [*argv, *args]),
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        return proc.stdout + proc.stderr
 
     # -- run and stop ---------------------------------------------------------------------------
 
@@ -207,9 +209,3 @@ class MultiHostJob:
             except ValueError:
                 continue  # a line being written
         return out
-
-
-def _have_curl() -> bool:
-    from shutil import which
-
-    return which("curl") is not None
