@@ -334,7 +334,9 @@ def test_hf_tokenizer_data_build_and_training_with_validation(tmp_path):
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics if "val_loss" in m] == [4, 8, 12]
     losses = [m["loss"] for m in metrics]
-    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+    # From ln(400) ~ 6.0 (the vocabulary's 112 padding entries are masked out of the loss, so
+    # no part of the fall is pushing them down): 0.5 in 12 steps here.
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
     vals = [m["val_loss"] for m in metrics if "val_loss" in m]
     assert vals[-1] < vals[0], vals
     progress = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
