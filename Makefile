@@ -76,10 +76,11 @@ run: $(STAMP)
 
 # tests/k8s/apiserver/build.sh: the real Kubernetes CRD API server from Debian's Go sources for
 # tests/k8s/test_apiserver.py, built once (a few minutes) and cached under ~/.cache/megascale;
-# where it cannot be built those tests skip, unless MEGASCALE_REQUIRE_TEST_DEPS=1 (CI).
+# where it cannot be built (no network, Debian sid's packages uninstallable for a day) those tests
+# skip with the build's one-line reason, in CI too: a moving third-party archive must not fail CI.
 test: $(STAMP)
 	scripts/install-test-deps.sh
-	@tests/k8s/apiserver/build.sh >/dev/null || [ "$${MEGASCALE_REQUIRE_TEST_DEPS:-0}" != 1 ]
+	@tests/k8s/apiserver/build.sh >/dev/null || echo "make test: the real Kubernetes API server was not built (the reason above); tests/k8s/test_apiserver.py skips"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Python 3.12 x CUDA torch x the newest megatron-core: the unit tests, multi-rank training (TP2 +
