@@ -63,7 +63,6 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from megascale.agent.logscan import storage_full
 from megascale.controller import snapshot as controller_snapshot
 from megascale.controller.actions import (  # noqa: F401  (every name re-exported)
     Action,
@@ -74,6 +73,7 @@ from megascale.controller.actions import (  # noqa: F401  (every name re-exporte
     StartGeneration,
 )
 from megascale.controller.elastic import RestartBudget
+from megascale.controller.job_faults import storage_full_fault, worker_exit_fault
 from megascale.controller.neighbours import NeighbourTest, plan_neighbour_tests
 from megascale.controller.policy import ControllerPolicy
 from megascale.controller.recovery import RecoveryProtocol
@@ -92,7 +92,6 @@ from megascale.controller.states import (
 )
 from megascale.messages import Heartbeat
 from megascale.parallel.layout import Layout
-from megascale.probes.fatal import EXIT_JOB_FATAL
 
 S, E = State, Event
 
@@ -420,38 +419,20 @@ class ControllerFSM(RecoveryProtocol):
         stale = generation is not None and generation != self.generation
         if stale or self.state not in (S.STARTING, S.RUNNING) or node not in self._in_order:
             return []
-        if code == EXIT_JOB_FATAL:
-            reason = fatal or f"exit code {code} (job-fatal) without a reason"
-            detail = {"exit_code": code, "reason": reason}
-            return self._on_fault(Fault("job_fatal", node, rank, detail))
         if code != 0:
-            detail: dict[str, Any] = {"exit_code": code}
-            if error is not None:
-                detail.update(error=error["text"], signature=error["signature"])
-                if storage_full(error["text"]):
-                    return self._storage_full(node, rank, error["text"], detail)
-                reason = self._job_error(error, everywhere)
-                if reason is not None:
-                    return self._on_fault(Fault("job_fatal", node, rank, {**detail, **reason}))
+            fault = worker_exit_fault(
+                node, rank, code, fatal=fatal, error=error, everywhere=everywhere,
+                first_generation=self.error_signatures.get(error["signature"]) if error else None,
+                generation=self.generation, world_size=self.world_size,
+            )  # fmt: skip
+            if fault.kind == "worker_exit" and error is not None:
                 self.error_signatures.setdefault(error["signature"], self.generation)
-            return self._on_fault(Fault("worker_exit", node, rank, detail))
+            return self._on_fault(fault)
         self.clean_exits.add(rank)
         if len(self.clean_exits) < self.world_size:
             return [self._record("worker_exit_clean", node, rank)]
         self._enter(S.FINISHED)
         return [self._record("finished", step=self.step, reason="every rank exited 0")]
-
-    def _job_error(self, error: Mapping[str, str], everywhere: bool) -> dict[str, str] | None:
-        """The job-fatal reason (and why it is the job's) of an exception that follows the job
-        to any node; None for one that may be this node's."""
-        first = self.error_signatures.get(error["signature"], self.generation)
-        if everywhere:
-            why = f"the same error ended every rank ({self.world_size})"
-        elif first < self.generation:
-            why = f"the same error again after a restart (generations {first}, {self.generation})"
-        else:
-            return None
-        return {"reason": f"{error['text']} ({why})", "classified": why}
 
     def on_error_keyword(
         self, node: str, text: str, rank: int | None = None, now: float | None = None
@@ -472,14 +453,7 @@ class ControllerFSM(RecoveryProtocol):
         self._begin(E.ERROR_KEYWORD, now)
         if self.state not in (S.STARTING, S.RUNNING) or node not in self._in_order:
             return []
-        return self._storage_full(node, rank, text, {})
-
-    def _storage_full(
-        self, node: str, rank: int | None, text: str, detail: dict[str, Any]
-    ) -> list[Action]:
-        why = "storage full: a job-level fault, no node is evicted (free space and resume)"
-        detail = {**detail, "reason": f"{text[:400]} ({why})", "classified": why}
-        return self._on_fault(Fault("job_fatal", node, rank, detail))
+        return self._on_fault(storage_full_fault(node, rank, text))
 
     def on_stall_detected(
         self,
