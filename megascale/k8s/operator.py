@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -57,7 +55,6 @@ from megascale.k8s.status import (
     EtcdView,
     WorkerPod,
     decide,
-    rfc3339,
     set_condition,
 )
 from megascale.messages import (
@@ -520,80 +517,6 @@ def run_operator(
     )
 
 
-# -- the self-check DaemonSet ------------------------------------------------------------------
-
-
-def summarize_selfcheck(output: str) -> str:
-    """A one-line summary of ``megascale selfcheck --json`` output (``{"checks": [{"name",
-    "status": "pass"|"fail"|"skipped", ...}], ...}``), e.g. ``"7 passed, 2 skipped, 1 failed:
-    network"``; the output's last line when it is not that JSON."""
-    try:
-        report = json.loads(output)
-    except ValueError:
-        lines = [line for line in output.strip().splitlines() if line.strip()]
-        return lines[-1] if lines else ""
-    checks = report.get("checks") if isinstance(report, dict) else None
-    if not isinstance(checks, list):
-        return json.dumps(report)[:200]
-    checks = [c for c in checks if isinstance(c, dict)]
-    counts = {s: sum(1 for c in checks if c.get("status") == s) for s in ("pass", "skipped")}
-    failed = [str(c.get("name")) for c in checks if c.get("status") == "fail"]
-    text = f"{counts['pass']} passed, {counts['skipped']} skipped, {len(failed)} failed"
-    return text + (f": {', '.join(failed)}" if failed else "")
-
-
-def label_node_with_selfcheck(
-    kube: KubeAPI,
-    node: str,
-    command: Sequence[str],
-    timeout_s: float,
-    clock: Callable[[], float] = time.time,
-    note: str = "",
-) -> bool:
-    """Run the self-check once and label ``node`` ``megascale.io/selfcheck=passed|failed`` (a
-    timeout or a crash is ``failed``); ``note`` heads the summary annotation. Returns whether it
-    passed."""
-    try:
-        done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout_s)
-        passed, summary = done.returncode == 0, summarize_selfcheck(done.stdout)
-        if not passed and not summary:
-            summary = f"exit code {done.returncode}: {done.stderr.strip()[-200:]}"
-    except subprocess.TimeoutExpired:
-        passed, summary = False, f"timed out after {timeout_s} s"
-    except OSError as e:
-        passed, summary = False, f"could not run {command[0]!r}: {e}"
-    summary = f"{note}; {summary}" if note else summary
-    patch = builders.selfcheck_node_patch(passed, rfc3339(clock()), summary)
-    kube.patch("v1", "Node", node, patch, None)
-    logger.info("node %s: self-check %s (%s)", node, "passed" if passed else "failed", summary)
-    return passed
-
-
-def selfcheck_daemon(
-    kube: KubeAPI,
-    node: str,
-    command: Sequence[str],
-    interval_s: float,
-    timeout_s: float,
-    once: bool,
-    workers: Callable[[], int] = lambda: 0,
-) -> int:
-    """The DaemonSet's loop: check and label, then every ``interval_s`` seconds again. Before
-    each check ``workers()`` counts the megascale worker pods on the node: with any, or when it
-    fails, only the light host checks run (``megascale.k8s.node_selfcheck``)."""
-    while True:
-        try:
-            count: int | None = workers()
-        except Exception:  # the API server is unreachable or RBAC is missing: assume busy
-            logger.warning("node %s: could not count megascale workers", node, exc_info=True)
-            count = None
-        now, note = node_selfcheck.selfcheck_command(command, count)
-        passed = label_node_with_selfcheck(kube, node, now, timeout_s, note=note)
-        if once:
-            return 0 if passed else 1
-        time.sleep(interval_s)
-
-
 def main(args: argparse.Namespace) -> int:
     """``megascale operator ...`` (arguments: ``megascale.k8s.command.add_arguments``)."""
     logging.getLogger().setLevel(os.environ.get("MEGASCALE_LOG_LEVEL", "INFO").upper())
@@ -604,7 +527,7 @@ def main(args: argparse.Namespace) -> int:
         command = args.selfcheck or ["megascale", "selfcheck", "--json"]
         kube = LightkubeAPI()
         workers = lambda: node_selfcheck.workers_on_node(kube.client, args.node)  # noqa: E731
-        return selfcheck_daemon(
+        return node_selfcheck.selfcheck_daemon(
             kube, args.node, command, args.interval, args.timeout, args.once, workers
         )
     run_operator(args.namespace, args.interval, args.liveness)

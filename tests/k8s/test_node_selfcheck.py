@@ -12,8 +12,12 @@ from k8s_support import FakeKube
 
 from megascale.agent.selfcheck import suite as selfcheck
 from megascale.k8s import node_selfcheck
-from megascale.k8s.node_selfcheck import WORKER_LABELS, selfcheck_command, workers_on_node
-from megascale.k8s.operator import selfcheck_daemon
+from megascale.k8s.node_selfcheck import (
+    WORKER_LABELS,
+    selfcheck_command,
+    selfcheck_daemon,
+    workers_on_node,
+)
 
 FULL = ["megascale", "selfcheck", "--json", "--quick"]
 

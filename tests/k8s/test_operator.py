@@ -33,14 +33,13 @@ from megascale.k8s import builders, crd, validation
 from megascale.k8s.builders import Job
 from megascale.k8s.command import add_arguments
 from megascale.k8s.command import main as k8s_main
+from megascale.k8s.node_selfcheck import label_node_with_selfcheck, summarize_selfcheck
 from megascale.k8s.operator import (
     ChildRefused,
     NotReady,
     Reconciler,
     build_registry,
-    label_node_with_selfcheck,
     read_view,
-    summarize_selfcheck,
 )
 from megascale.messages import (
     BlockedNode,
