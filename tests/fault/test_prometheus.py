@@ -302,16 +302,22 @@ def test_every_dashboard_query_returns_data_from_a_live_launch(prometheus, live)
     assert 0 < float(mfu[0]["value"][1]) < 1, mfu
     series = _instant(base, f'megascale_tokens_per_second{{megascale_job="{job}"}}')
     assert len(series) == 1, series  # rank 0's node alone exports the job's figure
-    end = time.time()
-    tokens = _get(
-        base, "/api/v1/query_range", step="0.5", start=str(end - 20), end=str(end),
-        query=f'avg by (megascale_job) (megascale_tokens_per_second{{megascale_job="{job}"}})',
-    )["data"]["result"]  # fmt: skip
-    shown = {float(v) for _, v in tokens[0]["values"]}
+    start = time.time() - 20
+
+    def changed() -> set[float] | None:
+        """The figures the panel showed since ``start``, once it saw more than one: it is live
+        (a loaded machine may take longer than a window to log the next figure)."""
+        tokens = _get(
+            base, "/api/v1/query_range", step="0.5", start=str(start), end=str(time.time()),
+            query=f'avg by (megascale_job) (megascale_tokens_per_second{{megascale_job="{job}"}})',
+        )["data"]["result"]  # fmt: skip
+        shown = {float(v) for _, v in tokens[0]["values"]} if tokens else set()
+        return shown if len(shown) > 1 else None
+
+    shown = _wait("the tokens/s panel to show a new figure", changed, 180)
     logged = [
         m.tokens_per_s for m in read_metrics((run_dir / "metrics.jsonl").read_text().splitlines())
     ]
-    assert len(shown) > 1, shown  # the window saw the figure change: it is live
     unmatched = [v for v in shown if not any(v == pytest.approx(x, rel=1e-9) for x in logged)]
     assert not unmatched, (unmatched, logged[-10:])
     # The controller's job-wide series: one per job, the figures rank 0 logged, never summed.
