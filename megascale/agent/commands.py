@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from queue import Empty
 from typing import Any
 
-from megascale.agent import neighbour_check
+from megascale.agent import neighbour_check, rejoin
 from megascale.agent.workers import free_port
 from megascale.etcd.keys import is_current
 from megascale.etcd.store import StoreError
@@ -25,6 +25,7 @@ from megascale.launcher.job_store import NODE_ADDR_ENV
 from megascale.messages import Ack, Command, GenerationRecord
 from megascale.probes import inject
 from megascale.probes.fatal import RUN_DIR_ENV
+from megascale.train.resident import REJOIN_DIR_ENV
 
 logger = logging.getLogger("megascale.agent.service")
 
@@ -51,6 +52,7 @@ class CommandRunner:
     """The agent's command thread (a part of ``agent.Agent``; see the module)."""
 
     opts: Any
+    _in_process: Any = None  # the job's fault_tolerance section, False, or None: not read yet
 
     def _command_loop(self) -> None:
         while not self.stopping.is_set():
@@ -112,13 +114,34 @@ class CommandRunner:
                 time.sleep(min(1.0, self.opts.heartbeat_interval))
 
     def _cmd_stop(self, command: Command) -> tuple[bool, str]:
+        recovery = self._recovery()
+        if recovery is not None:  # in-process: the healthy workers pause, keeping their state
+            paused, killed = rejoin.pause(self.pool, self._rejoin_dir(), recovery.pause_timeout_s)
+            self.wake()
+            return True, f"paused ranks {paused}; killed {killed} (could not pause)"
         codes = self.pool.stop(self.opts.stop_grace_s)
         self.wake()
         return True, f"stopped; exit codes {codes}"
 
+    def _rejoin_dir(self) -> Any:
+        return rejoin.rejoin_dir(self.opts.run_dir, self.opts.node)
+
+    def _recovery(self) -> Any:
+        """The job's ``fault_tolerance`` section when it recovers in-process, else None."""
+        if self._in_process is None:
+            try:
+                ft = self._job_config().fault_tolerance
+                self._in_process = ft if ft.recovery == "in-process" else False
+            except Exception as e:  # the workers will report the config's problem themselves
+                logger.warning("in-process recovery off: the job's config: %s", e)
+                self._in_process = False
+        return self._in_process or None
+
     def _cmd_selfcheck(self, command: Command) -> tuple[bool, str]:
         self.selfchecks += 1
-        self.pool.stop(self.opts.stop_grace_s)  # nothing of ours may run during the check
+        # nothing of ours may run during the check; paused workers wait, keeping their state
+        paused = rejoin.paused_workers(self.pool, self._rejoin_dir()) if self._recovery() else {}
+        self.pool.stop(self.opts.stop_grace_s, keep=frozenset(paused))
         for spec in self.opts.faults:
             if spec.kind == "corrupt-checkpoint":
                 inject.corrupt_latest_checkpoint(
@@ -199,7 +222,9 @@ class CommandRunner:
         if assignment is None:
             return False, "a start command without a rank_assignment"
         generation = command.generation
-        self.pool.stop(self.opts.stop_grace_s)
+        recovery = self._recovery()
+        if recovery is None:
+            self.pool.stop(self.opts.stop_grace_s)
         with self._lock:
             self._reported = _Reported()
         addr, port = self._rendezvous(generation, assignment.master_node)
@@ -216,7 +241,18 @@ class CommandRunner:
             **self._device_env(),
         }
         ranks = list(assignment.ranks)
-        self.pool.start(generation, ranks, env, self.opts.train_argv(), self.opts.worker_nice)
+        argv, nice = self.opts.train_argv(), self.opts.worker_nice
+        if recovery is not None:
+            env[REJOIN_DIR_ENV] = str(self._rejoin_dir())
+            kept, new = rejoin.rejoin(
+                self.pool, self._rejoin_dir(), generation, ranks, env, argv, nice
+            )
+            self.wake()
+            return True, (
+                f"generation {generation}: ranks {ranks}, master {addr}:{port}; "
+                f"rejoined {kept}, new processes {new}"
+            )
+        self.pool.start(generation, ranks, env, argv, nice)
         self.wake()
         return True, f"generation {generation}: ranks {ranks}, master {addr}:{port}"
 

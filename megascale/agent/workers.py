@@ -133,6 +133,7 @@ def _child(
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent stops workers; Ctrl-C is its
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a pause before it can pause: ignored
         runfiles.make_dir(Path(log).parent)
         with runfiles.open_append(log) as f:
             os.dup2(f.fileno(), 1)
@@ -385,18 +386,29 @@ class WorkerPool:
         env: Mapping[str, str],
         argv: list[str],
         nice: int = 0,
+        keep: Mapping[int, Worker] | None = None,
     ) -> list[Worker]:
         """Fork one worker per global rank in ``ranks`` (local rank = position in the list);
         ``env`` is the common torchrun-style environment (WORLD_SIZE, MASTER_ADDR, ...). The
-        previous generation's workers must be stopped."""
+        previous generation's workers must be stopped, but for those in ``keep`` (rank ->
+        worker; in-process recovery), which join ``generation`` as they are."""
+        keep = dict(keep or {})
         with self._lock:
             self.workers = {}
+            for rank, worker in keep.items():
+                worker.generation = generation
+                self.workers[rank] = worker
         started = []
         for local_rank, rank in enumerate(ranks):
             log = self.log_path(rank)
             runfiles.make_dir(log.parent)
             with runfiles.open_append(log) as f:
-                f.write(f"==== megascale generation {generation} rank {rank} {time.ctime()}\n")
+                kept = f" (rejoins, pid {keep[rank].pid})" if rank in keep else ""
+                f.write(
+                    f"==== megascale generation {generation} rank {rank}{kept} {time.ctime()}\n"
+                )
+            if rank in keep:
+                continue
             scanner = LogScanner(log, paths=self.own_paths)
             worker_env = {
                 **env,
@@ -467,10 +479,12 @@ class WorkerPool:
         with self._lock:
             return [w for w in self.workers.values() if w.alive]
 
-    def stop(self, grace_s: float = 3.0) -> dict[int, int | None]:
-        """Stop every live worker: SIGCONT (a stopped one), SIGTERM, SIGKILL after ``grace_s``.
-        Returns rank -> exit code."""
-        live = self.running()
+    def stop(
+        self, grace_s: float = 3.0, keep: frozenset[int] = frozenset()
+    ) -> dict[int, int | None]:
+        """Stop every live worker but those of the ranks in ``keep``: SIGCONT (a stopped one),
+        SIGTERM, SIGKILL after ``grace_s``. Returns rank -> exit code."""
+        live = [w for w in self.running() if w.rank not in keep]
         for sig, wait in ((signal.SIGCONT, 0.0), (signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             for worker in live:
                 if worker.alive:

@@ -342,6 +342,21 @@ class FaultToleranceConfig:
     selfcheck_tests: list[str] = field(default_factory=list)
     """Checks of ``megascale selfcheck`` the agents' full self-check runs: names (``gpu.matmul``),
     shell patterns (``net.*``) or groups (``gpu``, ``host``, ``net``/``network``); empty: all."""
+    recovery: str = "in-process"
+    """How a job under node agents recovers from a fault. ``"in-process"``: the healthy ranks
+    keep their processes, models and optimizer state, pause, re-form the process groups with the
+    replaced ranks and roll back to the last in-memory snapshot; only the failed ranks (or a
+    spare's) are new processes, restored from a peer's copy. Where it cannot apply (no snapshot
+    every rank can reach, a layout change, a rank that does not pause) the job restarts from the
+    last checkpoint, as ``"restart"`` always does (every rank a new process). torchrun and
+    ``megascale train`` always restart."""
+    snapshot_interval: int = 1
+    """In-process recovery: steps between in-memory snapshots of every rank's training state
+    (at most this many steps are redone after a fault); each is also copied to the host memory of
+    a rank on the next node, so that a lost node's state comes back without reading storage."""
+    pause_timeout_s: float = 10.0
+    """In-process recovery: longest a healthy rank may take to pause after a fault; one that does
+    not (a wedged rank) is killed and comes back as a new process."""
 
 
 @dataclass

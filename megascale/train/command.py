@@ -95,9 +95,13 @@ def run(args: argparse.Namespace) -> int:
 
     from megascale.launcher.local import RankFailed, Stopped, run_local
     from megascale.train.checkpoint import CheckpointUnusable
+    from megascale.train.resident import REJOIN_DIR_ENV, run_resident
     from megascale.train.run import run_rank
 
     try:
+        if launched and os.environ.get(REJOIN_DIR_ENV):  # a node agent's, in-process recovery
+            run_resident(job, run_dir)
+            return 0
         if launched:
             run_rank(job, run_dir)
             return 0

@@ -37,6 +37,7 @@ from megascale.probes.sinks import Sinks, open_sinks
 from megascale.probes.timers import build_timeline
 from megascale.train.checkpoint import load as checkpoint_load
 from megascale.train.checkpoint import save as checkpoint
+from megascale.train.memory_snapshot import SnapshotStore
 from megascale.train.trainer import Trainer
 
 logger = logging.getLogger("megascale")
@@ -130,8 +131,12 @@ class MetricsLog:
         self.sinks.close()
 
 
-def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
-    """Join the job and build this rank's trainer (resumed when a checkpoint exists). Collective."""
+def start_rank(
+    job: JobConfig, run_dir: Path, memory: SnapshotStore | None = None
+) -> tuple[Trainer, str]:
+    """Join the job and build this rank's trainer, resumed from the newest in-memory snapshot
+    every rank can reach (``memory``, in-process recovery) or else the latest checkpoint.
+    Collective."""
     # Sequence parallelism relies on kernels being issued in order on one hardware queue.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     check_data_path(job, run_dir)
@@ -160,7 +165,10 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
         peak=agreed_peak(job, device),
         timeline=build_timeline(job.diagnostics, run_dir, groups, device),  # null when off
     )
-    if job.checkpoint.resume:
+    if memory is not None:
+        memory.attach(rank, groups.layout.world_size)
+    restored = memory is not None and restore_from_memory(trainer, memory, run_dir)
+    if job.checkpoint.resume and not restored:
         try:
             trainer.resumed_from = checkpoint_load.resume(trainer, job.checkpoint, run_dir)
         except checkpoint.CheckpointUnusable as e:
@@ -176,6 +184,31 @@ def start_rank(job: JobConfig, run_dir: Path) -> tuple[Trainer, str]:
             job.train.steps,
         )
     return trainer, device
+
+
+def restore_from_memory(trainer: Trainer, memory: SnapshotStore, run_dir: Path) -> bool:
+    """Restore the newest snapshot every rank can reach when it is at least as new as the newest
+    complete checkpoint (then nothing is read from storage). Collective; True when restored."""
+    from megascale.train.checkpoint.storage import Storage, location
+
+    start = time.perf_counter()
+    newest = [None]
+    if trainer.groups.rank == 0:
+        steps = Storage(location(trainer.job.checkpoint, run_dir)).complete_steps()
+        newest[0] = steps[-1] if steps else None
+    torch.distributed.broadcast_object_list(newest, src=0)
+    restored = memory.restore(trainer, newest[0])
+    if restored is None:
+        return False
+    step, where = restored
+    trainer.resumed_from = step
+    logger.warning(
+        "restored step %d from %s in %.3f s (no checkpoint read)",
+        step,
+        where,
+        time.perf_counter() - start,
+    )
+    return True
 
 
 def rank0_sinks(job: JobConfig, run_dir: Path, trainer: Trainer) -> Sinks:
@@ -205,12 +238,19 @@ def check_data_path(job: JobConfig, run_dir: Path) -> None:
         )
 
 
-def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> list[StepMetrics]:
+def run_rank(
+    job: JobConfig,
+    run_dir: Path,
+    stop_after: int | None = None,
+    memory: SnapshotStore | None = None,
+) -> list[StepMetrics]:
     """Train ``job`` as this rank (env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Collective.
 
     Resumes from the latest complete checkpoint in ``run_dir`` when ``checkpoint.resume`` is set.
     ``stop_after`` ends this process's run after that global step (a planned preemption): the
     schedule still follows ``train.steps``, so a later run resumes exactly where this one stopped.
+    ``memory`` (in-process recovery, ``train.resident``): where the rank's snapshots are kept
+    across generations; it restores from them and takes one every ``snapshot_interval`` steps.
     """
     run_dir = Path(run_dir)
     if job.parallel.async_collectives and resolve_device(job.train.device) == "cpu":
@@ -219,7 +259,7 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
     # here on) and RUN_DIR/progress/ (section "init" until the first step). Null when disabled.
     signals = WorkerSignals.open(run_dir, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     faults = inject.worker_faults(int(os.environ["RANK"]), run_dir)  # $MEGASCALE_INJECT, or none
-    trainer, device = start_rank(job, run_dir)
+    trainer, device = start_rank(job, run_dir, memory)
     signals.stage(trainer.groups.pp_rank)
     trainer.compute.stretch(faults.slow)  # slow-rank / slow-node: compute takes factor x as long
     is_rank0 = trainer.groups.rank == 0
@@ -254,6 +294,8 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
                     # stage 1 only; the write goes on in the background
                     metrics.checkpoint_stall_s = saver.save(trainer)
             report_checkpoint(saver, signals)
+            if memory is not None and memory.due(step):
+                memory.take(trainer)
             signals.step_done(metrics, trainer.compute.latest)
             signals.checkpoint_durable(saver.durable)  # a background save may have finished
             history.append(metrics)
@@ -265,10 +307,14 @@ def run_rank(job: JobConfig, run_dir: Path, stop_after: int | None = None) -> li
             saver.finalize()  # the last save's files and manifest are written
         report_checkpoint(saver, signals)  # its time until durable, with the "done" write
         signals.checkpoint_durable(saver.durable)
+        if memory is not None:
+            memory.drain()  # the peers' last copies pair up before the groups go
     except torch.cuda.OutOfMemoryError:
         profiling.out_of_memory()  # the allocator's history up to the OOM, when recorded
         raise
     finally:
+        if memory is not None:
+            memory.detach()
         profiling.close()  # a window or memory history the run stopped inside
         trainer.timeline.close()  # writes the last steps' segments
         if log is not None:

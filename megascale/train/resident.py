@@ -1,0 +1,169 @@
+"""In-process recovery, the worker's side: a rank that outlives the faults of its peers.
+
+Under a node agent with ``fault_tolerance.recovery = "in-process"`` (the agent sets
+``MEGASCALE_REJOIN_DIR``), a worker runs ``run_rank`` in a loop. When a generation ends in a
+fault -- a collective fails because a peer died, or the agent asks it to pause (``SIGUSR1``)
+because the controller stopped the job -- the worker does not exit: it drops the generation's
+trainer and process groups, keeps its in-memory snapshots (``train.memory_snapshot``), writes
+``paused_rank_NNNNN.json`` in the rejoin directory and waits. When the controller starts the next
+generation, the agent writes ``generation_G.json`` there with the generation's rendezvous (the
+master's address and port, the world size); the worker takes it into its environment and runs
+``run_rank`` again, which re-forms the process groups with the replaced ranks and restores the
+newest snapshot every rank can reach. Its process, its imports, and on a GPU its CUDA context,
+are kept; only the failed ranks are new processes.
+
+An error that is not a communication failure (a bug, a bad checkpoint, a full disk) ends the
+worker as before: the controller decides what follows. A worker that does not pause in time (a
+wedged rank) is killed by its agent and comes back as a new process.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megascale import runfiles
+
+if TYPE_CHECKING:
+    from megascale.config import JobConfig
+
+logger = logging.getLogger("megascale.resident")
+
+REJOIN_DIR_ENV = "MEGASCALE_REJOIN_DIR"
+PAUSE_SIGNAL = signal.SIGUSR1
+WAIT_LIMIT_S = 3600.0
+"""A paused rank that hears nothing for this long exits (its agent is gone or has moved on)."""
+COMMUNICATION_ERRORS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "socket",
+    "gloo",
+    "nccl",
+    "process group",
+)
+
+
+class Paused(Exception):
+    """The node agent paused this rank (the controller stopped the generation)."""
+
+
+def paused_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"paused_rank_{rank:05d}.json"
+
+
+def rejoin_path(directory: Path, generation: int) -> Path:
+    return Path(directory) / f"generation_{generation}.json"
+
+
+def recoverable(error: BaseException) -> bool:
+    """Whether ``error`` ends a generation, not this rank: a pause, or a failed collective."""
+    if isinstance(error, Paused):
+        return True
+    import torch.distributed
+
+    dist_error = getattr(torch.distributed, "DistError", ())
+    if dist_error and isinstance(error, dist_error):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(word in text for word in COMMUNICATION_ERRORS)
+
+
+class Resident:
+    """The pause handler and rejoin wait of one worker process (see the module)."""
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.directory, self.rank = Path(directory), rank
+        self.training = False
+        signal.signal(PAUSE_SIGNAL, self._on_pause)
+
+    def _on_pause(self, _signum, _frame) -> None:
+        if self.training:
+            self.training = False
+            raise Paused("the node agent paused this rank")
+
+    def wait_for_rejoin(self, generation: int, reason: str, limit_s: float = WAIT_LIMIT_S) -> int:
+        """Say this rank is paused after ``generation`` and wait for a later generation's
+        rejoin file; take its environment; returns the new generation."""
+        record = {
+            "rank": self.rank,
+            "generation": generation,
+            "pid": os.getpid(),
+            "world": int(os.environ.get("WORLD_SIZE", "0")),
+        }
+        runfiles.write_text(
+            paused_path(self.directory, self.rank),
+            json.dumps({**record, "reason": reason[:500], "time": time.time()}),
+        )
+        logger.warning("paused after generation %d: %s", generation, reason)
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            newest = _newest_rejoin(self.directory, generation)
+            if newest is not None:
+                later, env = newest
+                os.environ.update(env)
+                paused_path(self.directory, self.rank).unlink(missing_ok=True)
+                logger.warning("rejoining in generation %d", later)
+                return later
+            time.sleep(0.005)
+        raise TimeoutError(f"paused for {limit_s:.0f} s and no generation came to rejoin")
+
+
+def _newest_rejoin(directory: Path, after: int) -> tuple[int, dict[str, str]] | None:
+    best = None
+    for path in directory.glob("generation_*.json"):
+        try:
+            generation = int(path.stem.split("_", 1)[1])
+            if generation > after and (best is None or generation > best[0]):
+                best = (generation, path)
+        except ValueError:
+            continue
+    if best is None:
+        return None
+    try:
+        env = json.loads(best[1].read_text())["env"]
+    except (OSError, ValueError, KeyError):
+        return None  # being written
+    return best[0], {str(k): str(v) for k, v in env.items()}
+
+
+def run_resident(job: JobConfig, run_dir: Path) -> None:
+    """``run_rank`` until training ends, pausing and rejoining across faults (see the module)."""
+    from megascale.parallel.groups import destroy_groups
+    from megascale.train.memory_snapshot import SnapshotStore
+    from megascale.train.run import run_rank
+
+    rank = int(os.environ["RANK"])
+    resident = Resident(Path(os.environ[REJOIN_DIR_ENV]), rank)
+    memory = SnapshotStore(
+        job.fault_tolerance.snapshot_interval, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    )
+    while True:
+        generation = int(os.environ.get("MEGASCALE_GENERATION", "0"))
+        resident.training = True
+        try:
+            run_rank(job, run_dir, memory=memory)
+            resident.training = False
+            return
+        except BaseException as e:
+            resident.training = False
+            if not recoverable(e):
+                raise
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
+            traceback.clear_frames(e.__traceback__)  # the dead generation's trainer goes now
+            del e
+        memory.detach()
+        try:
+            destroy_groups()
+        except Exception as e:  # a broken group may refuse an orderly end; it is dropped anyway
+            logger.info("tearing down the process groups: %s", e)
+        gc.collect()
+        resident.wait_for_rejoin(generation, reason)
