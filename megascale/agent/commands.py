@@ -130,8 +130,9 @@ class CommandRunner:
         """The job's ``fault_tolerance`` section when it recovers in-process, else None."""
         if self._in_process is None:
             try:
-                ft = self._job_config().fault_tolerance
-                self._in_process = ft if ft.recovery == "in-process" else False
+                job = self._job_config()
+                ft, threads = job.fault_tolerance, job.parallel.async_collectives
+                self._in_process = ft if ft.recovery == "in-process" and not threads else False
             except Exception as e:  # the workers will report the config's problem themselves
                 logger.warning("in-process recovery off: the job's config: %s", e)
                 self._in_process = False

@@ -121,8 +121,8 @@ def rejoin(
     pool.stop(keep=frozenset(usable))
     for old in directory.glob("generation_*.json"):
         old.unlink(missing_ok=True)
-    runfiles.make_dir(directory)
     if usable:
+        runfiles.make_dir(directory)
         runfiles.write_text(
             rejoin_path(directory, generation), json.dumps({"generation": generation, "env": env})
         )

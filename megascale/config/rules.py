@@ -201,24 +201,19 @@ def _ranges(cfg: JobConfig) -> list[str]:
             f"fault_tolerance.evict_repeat_culprit = {repeat!r}: must be an integer >= 1"
         )
     problems += straggler_problems(ft, "fault_tolerance.")
-    problems += recovery_problems(ft, cfg.parallel.async_collectives)
+    problems += recovery_problems(ft)
     return problems
 
 
 RECOVERY_MODES = ("in-process", "restart")
 
 
-def recovery_problems(ft: FaultToleranceConfig, async_collectives: bool) -> list[str]:
+def recovery_problems(ft: FaultToleranceConfig) -> list[str]:
     """What is wrong with ``fault_tolerance.recovery`` and its settings."""
     problems = []
     if ft.recovery not in RECOVERY_MODES:
         problems.append(
             f"fault_tolerance.recovery = {ft.recovery!r}: must be one of {', '.join(RECOVERY_MODES)}"
-        )
-    elif ft.recovery == "in-process" and async_collectives:
-        problems.append(
-            "fault_tolerance.recovery = 'in-process': not with parallel.async_collectives = true "
-            "(its communication threads cannot be aborted); use recovery = 'restart'"
         )
     interval = ft.snapshot_interval
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:

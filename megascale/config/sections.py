@@ -348,8 +348,9 @@ class FaultToleranceConfig:
     replaced ranks and roll back to the last in-memory snapshot; only the failed ranks (or a
     spare's) are new processes, restored from a peer's copy. Where it cannot apply (no snapshot
     every rank can reach, a layout change, a rank that does not pause) the job restarts from the
-    last checkpoint, as ``"restart"`` always does (every rank a new process). torchrun and
-    ``megascale train`` always restart."""
+    last checkpoint, as ``"restart"`` always does (every rank a new process). torchrun,
+    ``megascale train`` and ``parallel.async_collectives`` (whose communication threads cannot be
+    aborted) always restart."""
     snapshot_interval: int = 1
     """In-process recovery: steps between in-memory snapshots of every rank's training state
     (at most this many steps are redone after a fault); each is also copied to the host memory of

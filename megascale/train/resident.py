@@ -82,6 +82,7 @@ class Resident:
 
     def __init__(self, directory: Path, rank: int) -> None:
         self.directory, self.rank = Path(directory), rank
+        runfiles.make_dir(self.directory)
         self.training = False
         signal.signal(PAUSE_SIGNAL, self._on_pause)
 
@@ -137,6 +138,7 @@ def _newest_rejoin(directory: Path, after: int) -> tuple[int, dict[str, str]] | 
 
 def run_resident(job: JobConfig, run_dir: Path) -> None:
     """``run_rank`` until training ends, pausing and rejoining across faults (see the module)."""
+    from megascale.model.gpt import release_model_caches
     from megascale.parallel.groups import destroy_groups
     from megascale.train.memory_snapshot import SnapshotStore
     from megascale.train.run import run_rank
@@ -161,9 +163,11 @@ def run_resident(job: JobConfig, run_dir: Path) -> None:
             traceback.clear_frames(e.__traceback__)  # the dead generation's trainer goes now
             del e
         memory.detach()
+        release_model_caches()  # the last reference to the model, its groups with it
         try:
             destroy_groups()
         except Exception as e:  # a broken group may refuse an orderly end; it is dropped anyway
             logger.info("tearing down the process groups: %s", e)
-        gc.collect()
+        gc.collect()  # the model's cycles: its groups' connections close, and the peers
+        # still blocked in a collective with this rank fail and pause in turn
         resident.wait_for_rejoin(generation, reason)

@@ -25,11 +25,15 @@ class SimPool:
         self.ranks: list[int] = []
         self.generation = 0
 
-    def start(self, generation: int, ranks: list[int], env: Any, argv: Any, nice: int = 0) -> list:
+    def start(
+        self, generation: int, ranks: list[int], env: Any, argv: Any, nice: int = 0, keep=None
+    ) -> list:
         self.generation, self.ranks = generation, list(ranks)
         return []
 
-    def stop(self, grace_s: float = 0.0) -> dict[int, int | None]:
+    def stop(
+        self, grace_s: float = 0.0, keep: frozenset[int] = frozenset()
+    ) -> dict[int, int | None]:
         self.ranks = []
         return {}
 
@@ -75,6 +79,9 @@ class SimAgent(Agent):
 
     def _rendezvous(self, generation: int, master: str) -> tuple[str, int]:
         return self.opts.addr, 29500  # no rank-0 store to publish: nothing runs
+
+    def _recovery(self) -> Any:
+        return None  # no worker process to keep: every generation starts its simulated ranks
 
     def kill(self) -> float:
         """Stop heartbeating and stop refreshing the lease, now; returns the wall time."""

@@ -205,14 +205,20 @@ class Checkpointer:
     def __init__(
         self, cfg: CheckpointConfig, run_dir: Path, trainer: Trainer, resumed: int | None = None
     ) -> None:
-        self.groups, self.device = trainer.groups, trainer.device
-        check_config(cfg, self.groups.layout.world_size)
+        # the rank and world size, never the groups: a write left in flight by a fault must not
+        # keep the process groups (and their connections to the peers) alive
+        self.rank, self.world, self.device = (
+            trainer.groups.rank,
+            trainer.groups.layout.world_size,
+            trainer.device,
+        )
+        check_config(cfg, self.world)
         self.cfg = cfg
         self.storage = Storage(location(cfg, run_dir))
-        token = [uuid.uuid4().hex if self.groups.rank == 0 else None]
+        token = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         self.token: str = token[0]
-        self.layout = _layout(self.groups, trainer)
+        self.layout = _layout(trainer.groups, trainer)
         self.model_shape = model_shape(trainer)
         self._copier = HostCopier()
         self._thread: threading.Thread | None = None
@@ -232,7 +238,7 @@ class Checkpointer:
                 ) from e
         if cfg.async_save and cfg.interval > 0:
             self._copier.reserve(_tree(*snapshot(trainer)))  # the first save then stalls no longer
-        if self.groups.rank == 0:
+        if self.rank == 0:
             if resumed is not None:
                 _retire_newer_than(self.storage, resumed)
             elif cfg.interval > 0:
@@ -309,16 +315,16 @@ class Checkpointer:
             stall = self.last_save[1] if self.last_save and self.last_save[0] == step else 0.0
             self.last_save = (step, stall, done - save_started)  # one assignment: never torn
         except BaseException as e:  # reported by the next save/wait on the training thread
-            mine = f"{step_name(step)}/{rank_dir(self.groups.rank)}"
+            mine = f"{step_name(step)}/{rank_dir(self.rank)}"
             self.storage.remove(mine, recursive=True)  # no partial files left (a full disk)
             logger.error("checkpoint step %d: write failed: %s", step, os_cause(e) or e)
             self._error = e
 
     def _write(self, step: int, tree: dict) -> None:
-        rank, sdir = self.groups.rank, step_name(step)
+        rank, sdir = self.rank, step_name(step)
         mine = f"{sdir}/{rank_dir(rank)}"
         _fault("stage2_start", rank, step)
-        state = to_dcp(_entries(tree), rank, self.groups.layout.world_size)
+        state = to_dcp(_entries(tree), rank, self.world)
         fmt.write_pieces(state, self.storage.url_of(mine))
         written = {}
         for name in self.storage.listdir(mine):
@@ -375,7 +381,7 @@ class Checkpointer:
 
     def _await_markers(self, step: int) -> dict[str, dict]:
         """Every rank's files for this save (this token), from their done markers; polls storage."""
-        world, done = self.groups.layout.world_size, f"{step_name(step)}/{DONE_DIR}"
+        world, done = self.world, f"{step_name(step)}/{DONE_DIR}"
         files: dict[str, dict] = {}
         seen: set[int] = set()
         deadline = time.monotonic() + self.cfg.write_timeout_s

@@ -1,0 +1,106 @@
+"""In-process recovery end to end: real ``megascale launch`` runs on a TP2 x PP2 x DP2 layout
+(2 nodes x 4 ranks, and a spare node where the fault loses a node), a fault injected in each.
+
+What each run must show: the healthy ranks kept their processes (their log says they rejoin, with
+the pid they had), the state came back from memory (each rank of the next generation restored
+the same step from its own memory or a peer's, and no checkpoint was read), and the job finished
+with the fault-free run's parameters, bit for bit. The fault-free run is the module's reference.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.fault.test_cluster import Run
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+LAYOUT = [
+    "--nodes", "2", "--nproc-per-node", "4", "--set", f"train.steps={STEPS}",
+    "--set", "parallel.tp=2", "--set", "parallel.pp=2", "--set", "train.global_batch_size=8",
+    "--set", "checkpoint.interval=4",
+]  # fmt: skip
+RESTORED = re.compile(r"restored step (\d+) from (own memory|rank (\d+)'s memory)")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Run:
+    run = Run(tmp_path_factory.mktemp("in-process-reference"), *LAYOUT)
+    assert run.rc == 0, run.output[-6000:]
+    return run
+
+
+def restores(run_dir: Path, generation: int) -> dict[int, tuple[int, str]]:
+    """rank -> (step restored, from where) in ``generation``, from the workers' output."""
+    found = {}
+    for out in sorted((run_dir / "logs").glob("node-*/rank_*.out")):
+        rank = int(out.stem.split("_")[1])
+        text = out.read_text().split(f"==== megascale generation {generation} rank {rank}")
+        if len(text) < 2:
+            continue
+        match = RESTORED.search(text[1].split("==== megascale generation", 1)[0])
+        if match:
+            found[rank] = (int(match[1]), match[2])
+    return found
+
+
+def rejoined(run_dir: Path, generation: int) -> set[int]:
+    """The ranks whose process joined ``generation`` as it was (their pid kept)."""
+    kept = set()
+    for out in (run_dir / "logs").glob("node-*/rank_*.out"):
+        rank = int(out.stem.split("_")[1])
+        if re.search(rf"==== megascale generation {generation} rank {rank} \(rejoins, pid \d+\)",
+                     out.read_text()):  # fmt: skip
+            kept.add(rank)
+    return kept
+
+
+def check_in_process(run: Run, reference: Run, generation: int, kept: set[int]) -> None:
+    run.check_recovered(reference, generations=generation, steps=STEPS)
+    assert rejoined(run.dir, generation) == kept
+    restored = restores(run.dir, generation)
+    assert set(restored) == set(range(8)), restored
+    [step] = {s for s, _ in restored.values()}
+    assert step > 0
+    for rank, (_, where) in restored.items():
+        assert (where == "own memory") == (rank in kept), restored
+    resumed = [e for e in run.of("resumed") if e.generation == generation]
+    assert not resumed, resumed  # no checkpoint was read
+
+
+def test_killed_worker_alone_is_a_new_process_and_comes_back_from_its_peers_copy(
+    reference, tmp_path
+):
+    run = Run(tmp_path, *LAYOUT, "--inject", "kill-worker:rank=5,step=7")
+    check_in_process(run, reference, 2, kept={0, 1, 2, 3, 4, 6, 7})
+    # rank 5's copy is held by rank 1 (four ranks, one node, before it)
+    assert restores(run.dir, 2)[5][1] == "rank 1's memory"
+
+
+def test_lost_node_comes_back_on_the_spare_from_the_peer_copies(reference, tmp_path):
+    run = Run(tmp_path, *LAYOUT, "--spares", "1", "--inject", "kill-agent:node=1,step=7")
+    check_in_process(run, reference, 2, kept={0, 1, 2, 3})
+    assert run.of("generation_start")[-1].detail["replaced"] == {"node-1": "node-2"}
+    assert {r: w for r, (_, w) in restores(run.dir, 2).items() if r >= 4} == {
+        r: f"rank {r - 4}'s memory" for r in range(4, 8)
+    }
+
+
+def test_a_stopped_rank_is_killed_and_its_peers_rejoin(reference, tmp_path):
+    run = Run(tmp_path, *LAYOUT, "--inject", "hang-worker:rank=2,step=7")
+    check_in_process(run, reference, 2, kept={0, 1, 3, 4, 5, 6, 7})
+    [fault] = run.faults()
+    assert fault.detail["fault"] == "stall" and fault.rank == 2
+
+
+def test_two_faults_in_a_row(reference, tmp_path):
+    run = Run(
+        tmp_path, *LAYOUT,
+        "--inject", "kill-worker:rank=1,step=5", "--inject", "kill-worker:rank=6,step=11",
+    )  # fmt: skip
+    check_in_process(run, reference, 3, kept={0, 1, 2, 3, 4, 5, 7})
+    assert rejoined(run.dir, 2) == {0, 2, 3, 4, 5, 6, 7}
