@@ -397,6 +397,8 @@ class WorkerPool:
             self.workers = {}
             for rank, worker in keep.items():
                 worker.generation = generation
+                if worker.scanner is not None:  # the last generation's peer failure is over
+                    worker.scanner.peer_failure = False
                 self.workers[rank] = worker
         started = []
         for local_rank, rank in enumerate(ranks):

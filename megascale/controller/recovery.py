@@ -78,8 +78,16 @@ class RecoveryProtocol:
             score = fault.detail.get("score")
             actions += self._evict(fault.node, f"straggler at {score}x its peers' compute time")
         self._enter(S.DIAGNOSING)
-        actions += self._send(list(self.registered), "selfcheck", self.generation)
+        actions += self._send(self._to_selfcheck(fault), "selfcheck", self.generation)
         return actions + self._maybe_phase_done()
+
+    def _to_selfcheck(self, fault: Fault | None) -> list[str]:
+        """Every live node; under in-process recovery only the fault's culprits and the spares
+        (the other nodes' workers paused, keeping their state, and rejoin as they are)."""
+        if self.policy.recovery != "in-process" or fault is None:
+            return list(self.registered)
+        culprits = self._fault_culprits(fault)
+        return [n for n in self.registered if n in culprits or n not in self._in_order]
 
     def on_selfcheck_result(
         self, node: str, ok: bool, detail: str = "", now: float | None = None

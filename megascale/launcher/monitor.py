@@ -136,13 +136,14 @@ class Monitor:
                 if state in ("finished", "failed"):
                     self._show()
                     return state
-                self.reason = self.supervisor.check()  # etcd or controller restarted, or why not
-                if self.reason:  # logged by the supervisor
-                    return "failed"
+                # first: a moved run directory is also why a controller that wrote there died
                 moved = runfiles.run_dir_moved(self.run_dir)
                 if moved:  # the job stops; nothing more is written at the path
                     logger.error("stopping the job: %s", moved)
                     self.reason = moved
+                    return "failed"
+                self.reason = self.supervisor.check()  # etcd or controller restarted, or why not
+                if self.reason:  # logged by the supervisor
                     return "failed"
             time.sleep(0.05)
         logger.error("timed out")

@@ -159,6 +159,8 @@ def run_resident(job: JobConfig, run_dir: Path) -> None:
             resident.training = False
             if not recoverable(e):
                 raise
+            if not isinstance(e, Paused):  # as an exit would show it: the agent reads the
+                traceback.print_exception(e)  # peer's failure in it and reports it at once
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
             traceback.clear_frames(e.__traceback__)  # the dead generation's trainer goes now
             del e

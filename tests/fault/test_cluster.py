@@ -182,11 +182,9 @@ def test_kill_worker_detected_named_recovered(reference, tmp_path):
     assert fault.detail["fault"] == "worker_exit" and fault.detail["exit_code"] == -9
     assert (fault.node, fault.rank) == ("node-1", 1)
     assert fault.detail["where"] == "rank 1 (dp=1, pp=0, tp=0)"
-    # The self-check ran on both nodes and passed; the same nodes run generation 2.
-    assert sorted(e.node for e in run.of("selfcheck") if e.detail["ok"]) == [
-        "node-0",
-        "node-1",
-    ]
+    # In-process recovery (the default): the culprit's node alone was self-checked, and passed;
+    # node-0's worker paused and rejoined. The same nodes run generation 2.
+    assert sorted(e.node for e in run.of("selfcheck") if e.detail["ok"]) == ["node-1"]
     assert run.of("generation_start")[-1].detail["nodes"] == ["node-0", "node-1"]
     [timing] = run.final["fault_timings"]
     # From the injection record (written and fsynced just before the kill) to the decision: via
@@ -230,6 +228,7 @@ def test_hang_worker_stall_names_culprit_failed_node_evicted(reference, tmp_path
     run = Run(
         tmp_path / "run",
         "--spares", "1",
+        "--set", "fault_tolerance.recovery=restart",  # every node is self-checked
         "--topology", str(topology),
         "--inject", "hang-worker:rank=1,step=12",
         "--inject", "fail-selfcheck:node=1",
@@ -293,6 +292,7 @@ def test_kill_agent_spare_takes_over(reference, tmp_path):
 def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
     run = Run(
         tmp_path,
+        "--set", "fault_tolerance.recovery=restart",  # in-process reads no checkpoint
         "--inject", "kill-worker:rank=0,step=15",
         "--inject", "corrupt-checkpoint:latest",
     )  # fmt: skip

@@ -1,0 +1,229 @@
+"""The cost of a fault under each way of running a job, measured side by side in one run.
+
+The same 2-rank tiny job (``--steps``, a checkpoint every 5 steps) run by each launcher, once
+fault-free and once with rank 1 SIGKILLed at steps 50, 100 and 150 (``kill-worker``):
+
+    megascale train --nproc-per-node 2                      no control plane (fault-free only)
+    torchrun --max-restarts 5 -m megascale.cli train         torchrun's elastic restart
+    megascale launch --nodes 2 --spares 1 (recovery restart) every rank a new process, checkpoint read
+    megascale launch --nodes 2 --spares 1 (in-process)       healthy ranks kept, state from memory
+
+Effective training time = a launcher's fault-free wall time over its faulty one; cost of one
+fault = (faulty - fault-free) / faults. For the in-process run, each fault's cost broken down
+from its events and the workers' logs: detect (the kill to the controller's fault event), decide
+(to the next generation's start: stop, self-check, plan), re-form (to the restore's start: the
+rejoin and a new process for the failed rank, process groups, model), restore (from memory), and
+the first step after it; and the steps redone. Then the snapshot's cost per step: the stall of
+taking one, beside the step time, in one process (``--snapshot-steps`` steps each way).
+
+    python benchmarks/recovery_cost.py [--steps 200] [--every 50]
+
+Every run's final parameters are compared with the fault-free ``megascale train`` run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def _env(inject: str = "") -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MEGASCALE_INJECT"}
+    env["PYTHONPATH"] = str(REPO)
+    if inject:
+        env["MEGASCALE_INJECT"] = inject
+    return env
+
+
+def _timed(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    return time.perf_counter() - start, proc.returncode, proc.stdout + proc.stderr
+
+
+def commands(args, run_dir: Path, kills: list[int]) -> dict[str, tuple[list[str], str]]:
+    """launcher -> (command, MEGASCALE_INJECT) for ``run_dir``; faulty when ``kills``."""
+    from megascale.launcher.local import free_port
+
+    common = [
+        "--set", f"train.steps={args.steps}", "--set", "checkpoint.interval=5",
+        "--set", "train.log_interval=50", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    specs = [f"kill-worker:rank=1,step={s}" for s in kills]
+    launch = [
+        PY, "-m", "megascale.cli", "launch", "--nodes", "2", "--nproc-per-node", "1",
+        "--spares", "1", "--heartbeat-interval", "0.5", "--selfcheck", "builtin",
+        "--max-restarts", "20", "--timeout", "900", *common,
+        *[x for s in specs for x in ("--inject", s)],
+    ]  # fmt: skip
+    torchrun = [
+        PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "5",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        "-m", "megascale.cli", "train", *common,
+    ]  # fmt: skip
+    found = {
+        "torchrun": (torchrun, ";".join(specs)),
+        "launch, recovery restart": (
+            [*launch, "--set", "fault_tolerance.recovery=restart"],
+            "",
+        ),
+        "launch, in-process": ([*launch, "--set", "fault_tolerance.recovery=in-process"], ""),
+    }
+    if not kills:
+        train = [PY, "-m", "megascale.cli", "train", "--nproc-per-node", "2", *common]
+        found = {"megascale train": (train, ""), **found}
+    return found
+
+
+def _digest(run_dir: Path, steps: int) -> str | None:
+    from megascale.config import load
+    from megascale.launcher.outcome import parameter_digest
+
+    job = load("tiny", [f"train.steps={steps}", "checkpoint.interval=5"])
+    return parameter_digest(run_dir, job)[0]
+
+
+def _log_time(line: str) -> float:
+    stamp = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})", line)
+    when = datetime.datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S")
+    return when.timestamp() + int(stamp[2]) / 1000
+
+
+def breakdown(run_dir: Path) -> list[dict[str, float]]:
+    """Per fault of an in-process run: detect, decide, re-form, restore, first step (s), and
+    the steps redone."""
+    from megascale.controller.events import read_events
+    from megascale.probes.inject import fired
+
+    events = read_events(run_dir)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    restores = []
+    for out in (run_dir / "logs").glob("node-*/rank_*.out"):
+        for line in out.read_text().splitlines():
+            found = re.search(r"restored step (\d+) from .* in ([\d.]+) s", line)
+            if found:
+                end = _log_time(line)
+                restores.append((end - float(found[2]), end, int(found[1])))
+    rows = []
+    for kill in fired(run_dir):
+        t0 = float(kill["time"])
+        fault = next((e for e in events if e.kind == "fault" and e.time >= t0 - 0.5), None)
+        start = next((e for e in events if e.kind == "generation_start" and e.time > t0), None)
+        if fault is None or start is None:
+            continue
+        mine = sorted(r for r in restores if r[0] >= start.time - 0.5)
+        if not mine:
+            continue
+        began = min(r[0] for r in mine[:2])
+        ended = max(r[1] for r in mine if r[0] < began + 5)
+        step = mine[0][2]
+        first = next((m["time"] for m in metrics if m["step"] == step + 1), None)
+        rows.append({
+            "detect": fault.time - t0, "decide": start.time - fault.time,
+            "re-form": began - start.time, "restore": ended - began,
+            "first step": (first - ended) if first else float("nan"),
+            "redone": int(kill["step"]) - 1 - step,
+        })  # fmt: skip
+    return rows
+
+
+def snapshot_cost(steps: int) -> tuple[float, float]:
+    """(median step time, median snapshot stall) of the tiny preset, one rank, in this process."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", LOCAL_RANK="0")
+    from megascale.launcher.local import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    import torch
+
+    from megascale.config import load
+    from megascale.data.corpus import default_token_file
+    from megascale.parallel import cpu_backend
+    from megascale.parallel.groups import build_groups, destroy_groups, init_distributed
+    from megascale.train.memory_snapshot import SnapshotStore
+    from megascale.train.run import seed_everything
+    from megascale.train.trainer import Trainer
+
+    job = load("tiny", [])
+    init_distributed("cpu")
+    cpu_backend.activate()
+    torch.set_num_threads(1)
+    groups = build_groups(job.parallel)
+    seed_everything(job.train.seed, groups.tp_rank, "cpu")
+    data = Path(tempfile.mkdtemp(prefix="megascale-snapshot-"))
+    default_token_file(data)
+    trainer = Trainer(job, groups, "cpu", data_cache_dir=data)
+    memory = SnapshotStore(1, 1)
+    step_s, take_s = [], []
+    for _ in range(steps):
+        step_s.append(trainer.step().step_time_s)
+        take_s.append(memory.take(trainer))
+    destroy_groups()
+    return statistics.median(step_s[3:]), statistics.median(take_s[3:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--snapshot-steps", type=int, default=40)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="megascale-recovery-cost-"))
+    kills = list(range(args.every, args.steps, args.every))
+    walls: dict[str, dict[str, float]] = {}
+    parts: list[dict[str, float]] = []
+    digests: dict[str, str | None] = {}
+    for kind, faults in (("fault-free", []), ("faulty", kills)):
+        for n, name in enumerate(commands(args, tmp, faults)):
+            run_dir = tmp / f"{kind}-{n}"
+            cmd, inject = commands(args, run_dir, faults)[name]
+            print(
+                f"{kind}: {' '.join(cmd[1:])}"
+                + (f"  (MEGASCALE_INJECT={inject})" if inject else "")
+            )
+            wall, rc, output = _timed(cmd, _env(inject))
+            if rc != 0:
+                print(f"  exit {rc}:\n{output[-3000:]}")
+            walls.setdefault(name, {})[kind] = wall
+            digests[f"{name} {kind}"] = _digest(run_dir, args.steps)
+            if name == "launch, in-process" and kind == "faulty":
+                parts = breakdown(run_dir)
+    reference = digests["megascale train fault-free"]
+    print(f"\n{args.steps} steps, checkpoint every 5, rank 1 killed at steps {kills}\n")
+    print(f"| how the job ran | fault-free | {len(kills)} kills | effective training time | "
+          "cost of one fault | final parameters |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name, wall in walls.items():
+        free, faulty = wall.get("fault-free"), wall.get("faulty")
+        same = all(digests.get(f"{name} {k}") == reference for k in wall)
+        if faulty is None:
+            print(f"| {name} | {free:.1f} s | - | - | - | {'same' if same else 'DIFFERENT'} |")
+            continue
+        print(f"| {name} | {free:.1f} s | {faulty:.1f} s | {free / faulty:.2f} | "
+              f"{(faulty - free) / len(kills):.2f} s | {'same' if same else 'DIFFERENT'} |")  # fmt: skip
+    print(
+        "\nin-process, each fault (s): detect, decide, re-form, restore, first step; steps redone"
+    )
+    for row in parts:
+        print("  " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                               for k, v in row.items()))  # fmt: skip
+    step, take = snapshot_cost(args.snapshot_steps)
+    print(f"\nsnapshot every step, tiny preset, 1 rank: step {step * 1e3:.1f} ms, "
+          f"snapshot stall {take * 1e3:.2f} ms ({take / step:.2%} of the step)")  # fmt: skip
+    print(f"run directories: {tmp}")
+    return 0 if all(d == reference for d in digests.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
