@@ -355,7 +355,7 @@ class FaultToleranceConfig:
     """In-process recovery: steps between in-memory snapshots of every rank's training state
     (at most this many steps are redone after a fault); each is also copied to the host memory of
     a rank on the next node, so that a lost node's state comes back without reading storage."""
-    pause_timeout_s: float = 10.0
+    pause_timeout_s: float = 5.0
     """In-process recovery: longest a healthy rank may take to pause after a fault; one that does
     not (a wedged rank) is killed and comes back as a new process."""
 
