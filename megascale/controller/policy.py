@@ -69,8 +69,8 @@ class ControllerPolicy:
     """A node named culprit in this many faults is evicted even if its self-check passes."""
     recovery: str = "restart"
     """``fault_tolerance.recovery``. ``"in-process"``: after a fault only the nodes it names
-    culprit, and the spares, are self-checked; the others' workers paused with their state, a
-    better proof of health than a self-check, and rejoin at once."""
+    culprit are self-checked; the others' workers paused with their state, a better proof of
+    health than a self-check, and rejoin at once."""
 
     def __post_init__(self) -> None:
         for name in (

@@ -82,12 +82,14 @@ class RecoveryProtocol:
         return actions + self._maybe_phase_done()
 
     def _to_selfcheck(self, fault: Fault | None) -> list[str]:
-        """Every live node; under in-process recovery only the fault's culprits and the spares
-        (the other nodes' workers paused, keeping their state, and rejoin as they are)."""
+        """Every live node; under in-process recovery only the fault's culprits (the other
+        nodes' workers paused, keeping their state, and rejoin as they are), and the spares when
+        a node of the job is lost (one of them takes its slot)."""
         if self.policy.recovery != "in-process" or fault is None:
             return list(self.registered)
         culprits = self._fault_culprits(fault)
-        return [n for n in self.registered if n in culprits or n not in self._in_order]
+        lost = any(n not in self.registered for n in self.order)
+        return [n for n in self.registered if n in culprits or (lost and n not in self._in_order)]
 
     def on_selfcheck_result(
         self, node: str, ok: bool, detail: str = "", now: float | None = None

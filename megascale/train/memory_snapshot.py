@@ -30,6 +30,7 @@ import io
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,7 +50,7 @@ KEEP = 2
 class Snapshot:
     step: int
     payload: torch.Tensor  # uint8, host memory: every tensor of the state, in order, aligned
-    small: bytes  # torch.save of the small state
+    small: dict  # the small state: {"common": ..., "rng": ...}
 
 
 def _tensors(trainer: Trainer) -> list[torch.Tensor]:
@@ -63,20 +64,48 @@ def _span(tensor: torch.Tensor) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _small_state(trainer: Trainer) -> bytes:
+def _views(payload: torch.Tensor, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each source's place in ``payload``, as a view of its dtype."""
+    views, offset = [], 0
+    for t in sources:
+        n = t.numel() * t.element_size()
+        views.append(payload[offset : offset + n].view(t.dtype))
+        offset += _span(t)
+    return views
+
+
+def _small_state(trainer: Trainer) -> dict:
+    """The step, schedule, data position, optimizer step count and RNG: fresh objects, never
+    the live ones (serialized only to travel, off the training path)."""
     from megascale.train.checkpoint.save import _common_state
     from megascale.train.checkpoint.storage import rng_state
 
+    return {"common": _common_state(trainer), "rng": _cloned(rng_state())}
+
+
+def _cloned(state):
+    """``state`` with every tensor copied (an RNG tracker hands out its live state tensors)."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _cloned(v) for k, v in state.items()}
+    return state
+
+
+def _small_bytes(small: dict) -> torch.Tensor:
     out = io.BytesIO()
-    torch.save({"common": _common_state(trainer), "rng": rng_state()}, out)
-    return out.getvalue()
+    torch.save(small, out)
+    return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
 
 
-def _apply_small(trainer: Trainer, small: bytes) -> None:
+def _small_from(data: torch.Tensor) -> dict:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+def _apply_small(trainer: Trainer, state: dict) -> None:
     from megascale.train.checkpoint.save import _apply_common
     from megascale.train.checkpoint.storage import set_rng_state
 
-    state = torch.load(io.BytesIO(small), weights_only=True)
     _apply_common(trainer, state["common"])
     set_rng_state(state["rng"])
 
@@ -100,6 +129,8 @@ class SnapshotStore:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._epoch = 0  # one per attach: an exchange of a dead generation stores nothing
+        self._plan: tuple[weakref.ref, list[torch.Tensor], int] | None = None
+        self._targets: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     # -- binding to a generation ------------------------------------------------------------
 
@@ -136,6 +167,7 @@ class SnapshotStore:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._thread, self._group, self._peers = None, None, None
+        self._plan, self._targets = None, {}  # nothing of the dead generation's trainer is kept
 
     # -- taking --------------------------------------------------------------------------------
 
@@ -149,19 +181,18 @@ class SnapshotStore:
         with self._busy:  # the oldest buffer may still be on its way to the peer
             while self._pending is not None and not self._closed:
                 self._busy.wait(0.05)
-        tensors = _tensors(trainer)
-        total = sum(_span(t) for t in tensors)
+        sources, total = self._sources(trainer)
         reuse = self.own.pop(0) if len(self.own) >= KEEP else None
         if reuse is not None and reuse.payload.numel() == total:
             payload = reuse.payload
         else:
-            pin = any(t.is_cuda for t in tensors)
+            pin = any(t.is_cuda for t in sources)
             payload = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-        offset = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            payload[offset : offset + n].view(t.dtype).copy_(t.reshape(-1), non_blocking=True)
-            offset += _span(t)
+        targets = self._targets.pop(id(reuse.payload), None) if reuse is not None else None
+        if targets is None or targets[0] is not payload:
+            targets = (payload, _views(payload, sources))
+        self._targets[id(payload)] = targets
+        torch._foreach_copy_(targets[1], sources, non_blocking=True)
         if payload.is_pinned():
             torch.cuda.current_stream().synchronize()
         snapshot = Snapshot(trainer.step_num, payload, _small_state(trainer))
@@ -172,6 +203,16 @@ class SnapshotStore:
                 self._busy.notify_all()
         self.take_s = time.perf_counter() - start
         return self.take_s
+
+    def _sources(self, trainer: Trainer) -> tuple[list[torch.Tensor], int]:
+        """The flat views of what ``take`` copies, and their bytes with alignment; found once per
+        trainer (the views stay valid: the optimizer updates its tensors in place)."""
+        cached = self._plan
+        if cached is None or cached[0]() is not trainer:
+            sources = [t.reshape(-1) for t in _tensors(trainer)]
+            self._plan = cached = (weakref.ref(trainer), sources, sum(_span(t) for t in sources))
+            self._targets = {}
+        return cached[1], cached[2]
 
     def _exchange_loop(self, epoch: int) -> None:
         """Send each new snapshot to the next node's peer, receive the previous node's."""
@@ -269,13 +310,13 @@ def _sync_parameters(trainer: Trainer) -> None:
             chunk.start_param_sync(force_sync=True)
 
 
-def _header(snapshot: Snapshot) -> torch.Tensor:
-    return torch.tensor([snapshot.step, snapshot.payload.numel(), len(snapshot.small)])
+def _header(snapshot: Snapshot, small: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([snapshot.step, snapshot.payload.numel(), small.numel()])
 
 
 def _send(snapshot: Snapshot, to: int, group: dist.ProcessGroup | None = None) -> None:
-    small = torch.frombuffer(bytearray(snapshot.small), dtype=torch.uint8)
-    for tensor in (_header(snapshot), snapshot.payload, small):
+    small = _small_bytes(snapshot.small)
+    for tensor in (_header(snapshot, small), snapshot.payload, small):
         dist.send(tensor, to, group=group)
 
 
@@ -287,15 +328,15 @@ def _recv(source: int, group: dist.ProcessGroup | None = None) -> Snapshot:
     small = torch.empty(small_size, dtype=torch.uint8)
     dist.recv(payload, source, group=group)
     dist.recv(small, source, group=group)
-    return Snapshot(step, payload, small.numpy().tobytes())
+    return Snapshot(step, payload, _small_from(small))
 
 
 def _swap(snapshot: Snapshot, group: dist.ProcessGroup, to: int, source: int) -> Snapshot:
     """Send ``snapshot`` to rank ``to`` and receive rank ``source``'s, over ``group`` (the
     ranks' process group of their own: this runs beside the training path's collectives)."""
-    small = torch.frombuffer(bytearray(snapshot.small), dtype=torch.uint8)
+    small = _small_bytes(snapshot.small)
     header = torch.zeros(3, dtype=torch.int64)
-    works = [group.send([_header(snapshot)], _group_rank(group, to), 0)]
+    works = [group.send([_header(snapshot, small)], _group_rank(group, to), 0)]
     group.recv([header], _group_rank(group, source), 0).wait()
     step, size, small_size = (int(x) for x in header)
     payload = torch.empty(size, dtype=torch.uint8)
@@ -308,7 +349,7 @@ def _swap(snapshot: Snapshot, group: dist.ProcessGroup, to: int, source: int) ->
     group.recv([small_in], _group_rank(group, source), 2).wait()
     for work in works:
         work.wait()
-    return Snapshot(step, payload, small_in.numpy().tobytes())
+    return Snapshot(step, payload, _small_from(small_in))
 
 
 def _group_rank(group: dist.ProcessGroup, rank: int) -> int:
