@@ -216,9 +216,12 @@ def recovery_problems(ft: FaultToleranceConfig) -> list[str]:
             f"fault_tolerance.recovery = {ft.recovery!r}: must be one of {', '.join(RECOVERY_MODES)}"
         )
     interval = ft.snapshot_interval
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+    if interval is not None and (
+        isinstance(interval, bool) or not isinstance(interval, int) or interval < 1
+    ):
         problems.append(
-            f"fault_tolerance.snapshot_interval = {interval!r}: must be an integer >= 1"
+            f"fault_tolerance.snapshot_interval = {interval!r}: must be an integer >= 1, or "
+            "left out (every step on CPU, every checkpoint.interval steps on a GPU)"
         )
     if not ft.pause_timeout_s > 0:
         problems.append(f"fault_tolerance.pause_timeout_s = {ft.pause_timeout_s}: must be > 0 s")

@@ -351,10 +351,12 @@ class FaultToleranceConfig:
     last checkpoint, as ``"restart"`` always does (every rank a new process). torchrun,
     ``megascale train`` and ``parallel.async_collectives`` (whose communication threads cannot be
     aborted) always restart."""
-    snapshot_interval: int = 1
+    snapshot_interval: int | None = None
     """In-process recovery: steps between in-memory snapshots of every rank's training state
-    (at most this many steps are redone after a fault); each is also copied to the host memory of
-    a rank on the next node, so that a lost node's state comes back without reading storage."""
+    (the steps since the last one are redone after a fault); each is also copied to the host
+    memory of a rank on the next node, so that a lost node's state comes back without reading
+    storage. None: every step on CPU; on a GPU every ``checkpoint.interval`` steps (the snapshot
+    is a synchronous copy of the rank's state to host memory: measure it before setting 1)."""
     pause_timeout_s: float = 5.0
     """In-process recovery: longest a healthy rank may take to pause after a fault; one that does
     not (a wedged rank) is killed and comes back as a new process."""

@@ -26,6 +26,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,9 +92,18 @@ class Resident:
             self.training = False
             raise Paused("the node agent paused this rank")
 
-    def wait_for_rejoin(self, generation: int, reason: str, limit_s: float = WAIT_LIMIT_S) -> int:
-        """Say this rank is paused after ``generation`` and wait for a later generation's
-        rejoin file; take its environment; returns the new generation."""
+    def wait_for_rejoin(
+        self,
+        generation: int,
+        reason: str,
+        limit_s: float = WAIT_LIMIT_S,
+        before_waiting: Callable[[], object] = lambda: None,
+    ) -> int:
+        """Say this rank is paused after ``generation``, run ``before_waiting`` (the full
+        collection that frees the model's cycles: its groups' connections close, and the peers
+        still blocked in a collective with this rank fail and pause in turn; it overlaps with
+        the controller's decision), wait for a later generation's rejoin file and take its
+        environment; returns the new generation."""
         record = {
             "rank": self.rank,
             "generation": generation,
@@ -105,6 +115,7 @@ class Resident:
             json.dumps({**record, "reason": reason[:500], "time": time.time()}),
         )
         logger.warning("paused after generation %d: %s", generation, reason)
+        before_waiting()
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             newest = _newest_rejoin(self.directory, generation)
@@ -136,6 +147,17 @@ def _newest_rejoin(directory: Path, after: int) -> tuple[int, dict[str, str]] | 
     return best[0], {str(k): str(v) for k, v in env.items()}
 
 
+def snapshot_interval(job: JobConfig) -> int:
+    """``fault_tolerance.snapshot_interval``, or when left out: every step on CPU, every
+    ``checkpoint.interval`` steps on a GPU."""
+    from megascale.machine_check import resolve_device
+
+    interval = job.fault_tolerance.snapshot_interval
+    if interval is not None:
+        return interval
+    return 1 if resolve_device(job.train.device) == "cpu" else max(1, job.checkpoint.interval)
+
+
 def run_resident(job: JobConfig, run_dir: Path) -> None:
     """``run_rank`` until training ends, pausing and rejoining across faults (see the module)."""
     from megascale.model.gpt import release_model_caches
@@ -145,9 +167,7 @@ def run_resident(job: JobConfig, run_dir: Path) -> None:
 
     rank = int(os.environ["RANK"])
     resident = Resident(Path(os.environ[REJOIN_DIR_ENV]), rank)
-    memory = SnapshotStore(
-        job.fault_tolerance.snapshot_interval, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    )
+    memory = SnapshotStore(snapshot_interval(job), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     while True:
         generation = int(os.environ.get("MEGASCALE_GENERATION", "0"))
         resident.training = True
@@ -170,6 +190,4 @@ def run_resident(job: JobConfig, run_dir: Path) -> None:
             destroy_groups()
         except Exception as e:  # a broken group may refuse an orderly end; it is dropped anyway
             logger.info("tearing down the process groups: %s", e)
-        gc.collect()  # the model's cycles: its groups' connections close, and the peers
-        # still blocked in a collective with this rank fail and pause in turn
-        resident.wait_for_rejoin(generation, reason)
+        resident.wait_for_rejoin(generation, reason, before_waiting=gc.collect)
