@@ -253,16 +253,10 @@ class SnapshotStore:
         }
         everyone: list[dict] = [{}] * world
         dist.all_gather_object(everyone, mine)
-        reach: list[dict[int, int]] = [{s: r for s in e["own"]} for r, e in enumerate(everyone)]
-        for holder, e in enumerate(everyone):
-            for of, steps in e["held"].items():
-                for s in steps:
-                    reach[of].setdefault(s, holder)  # its own copy first, else the holder's
-        common = set.intersection(*(set(r) for r in reach))
-        floor = -1 if newest_checkpoint is None else newest_checkpoint
-        step = max((s for s in common if s >= floor), default=None)
-        if step is None:
+        plan = restore_plan(everyone, newest_checkpoint)
+        if plan is None:
             return None
+        step, reach = plan
         snapshot = self._gather(step, reach, rank, world)
         tensors = _tensors(trainer)
         total = sum(_span(t) for t in tensors)
@@ -296,6 +290,23 @@ class SnapshotStore:
         self.own = [mine]  # what is newer is abandoned; what is older is not needed
         self.held = {}
         return mine
+
+
+def restore_plan(
+    everyone: list[dict], newest_checkpoint: int | None
+) -> tuple[int, list[dict[int, int]]] | None:
+    """The step to restore and, per rank, step -> the rank holding its snapshot of it (itself,
+    or the peer holding its copy), from every rank's ``{"own": [steps], "held": {rank: [steps]}}``;
+    None when no step at least as new as ``newest_checkpoint`` is within every rank's reach."""
+    reach: list[dict[int, int]] = [{s: r for s in e["own"]} for r, e in enumerate(everyone)]
+    for holder, e in enumerate(everyone):
+        for of, steps in e["held"].items():
+            for s in steps:
+                reach[int(of)].setdefault(s, holder)  # its own copy first, else the holder's
+    common = set.intersection(*(set(r) for r in reach))
+    floor = -1 if newest_checkpoint is None else newest_checkpoint
+    step = max((s for s in common if s >= floor), default=None)
+    return None if step is None else (step, reach)
 
 
 def _sync_parameters(trainer: Trainer) -> None:
