@@ -25,7 +25,7 @@ from megascale.launcher.job_store import NODE_ADDR_ENV
 from megascale.messages import Ack, Command, GenerationRecord
 from megascale.probes import inject
 from megascale.probes.fatal import RUN_DIR_ENV
-from megascale.train.resident import REJOIN_DIR_ENV
+from megascale.train.resident import REJOIN_DIR_ENV, in_process_applies
 
 logger = logging.getLogger("megascale.agent.service")
 
@@ -131,8 +131,7 @@ class CommandRunner:
         if self._in_process is None:
             try:
                 job = self._job_config()
-                ft, threads = job.fault_tolerance, job.parallel.async_collectives
-                self._in_process = ft if ft.recovery == "in-process" and not threads else False
+                self._in_process = job.fault_tolerance if in_process_applies(job) else False
             except Exception as e:  # the workers will report the config's problem themselves
                 logger.warning("in-process recovery off: the job's config: %s", e)
                 self._in_process = False

@@ -349,8 +349,9 @@ class FaultToleranceConfig:
     spare's) are new processes, restored from a peer's copy. Where it cannot apply (no snapshot
     every rank can reach, a layout change, a rank that does not pause) the job restarts from the
     last checkpoint, as ``"restart"`` always does (every rank a new process). torchrun,
-    ``megascale train`` and ``parallel.async_collectives`` (whose communication threads cannot be
-    aborted) always restart."""
+    ``megascale train``, ``parallel.async_collectives`` (whose communication threads cannot be
+    aborted) and, for now, CUDA jobs (a rank blocked in an NCCL collective with a dead peer does not
+    return until its communicator is aborted, which is not done yet) always restart."""
     snapshot_interval: int | None = None
     """In-process recovery: steps between in-memory snapshots of every rank's training state
     (the steps since the last one are redone after a fault); each is also copied to the host

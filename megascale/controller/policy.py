@@ -68,9 +68,11 @@ class ControllerPolicy:
     evict_repeat_culprit: int = FaultToleranceConfig.evict_repeat_culprit
     """A node named culprit in this many faults is evicted even if its self-check passes."""
     recovery: str = "restart"
-    """``fault_tolerance.recovery``. ``"in-process"``: after a fault only the nodes it names
-    culprit are self-checked; the others' workers paused with their state, a better proof of
-    health than a self-check, and rejoin at once."""
+    """How the agents recover (``train.resident.in_process_applies``). ``"in-process"``: after a
+    fault only the nodes it names culprit are self-checked; the others' workers paused with their
+    state, a better proof of health than a self-check, and rejoin at once. ``megascale launch``
+    sets it; a ``megascale controller`` of its own (the operator's, Slurm's) self-checks every
+    node, whatever the agents do."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -144,7 +146,6 @@ def policy_for(
         "node_wait_timeout_s": ft.node_wait_timeout_s,
         "evict_repeat_culprit": ft.evict_repeat_culprit,
         "selfcheck_timeout_s": ft.selfcheck_timeout_s,
-        "recovery": ft.recovery,
     }
     return ControllerPolicy(nodes, nproc_per_node, tp, pp, **{**base, **overrides})
 

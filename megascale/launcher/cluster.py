@@ -281,6 +281,7 @@ class LocalCluster:
 
     def start_controllers(self) -> None:
         from megascale.controller.policy import policy_for
+        from megascale.train.resident import in_process_applies
 
         o, p, ft, t = self.opts, self.job.parallel, self.job.fault_tolerance, self.job.train
         policy = policy_for(
@@ -296,6 +297,7 @@ class LocalCluster:
             init_timeout_s=120.0,
             start_timeout_s=60.0,
             stop_timeout_s=15.0,
+            recovery="in-process" if in_process_applies(self.job) else "restart",
         )
         self._policy = policy
         for i in range(2 if o.standby_controller else 1):

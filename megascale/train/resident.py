@@ -147,6 +147,22 @@ def _newest_rejoin(directory: Path, after: int) -> tuple[int, dict[str, str]] | 
     return best[0], {str(k): str(v) for k, v in env.items()}
 
 
+def in_process_applies(job: JobConfig) -> bool:
+    """Whether this job's ranks pause and rejoin on a fault on this machine: ``recovery =
+    "in-process"``, blocking gloo collectives (an NCCL-like thread of
+    ``parallel.async_collectives`` cannot be aborted) and a CPU job: a rank blocked in an NCCL
+    collective with a dead peer does not return to Python until the communicator is aborted,
+    which is not done yet, so CUDA jobs restart."""
+    from megascale.machine_check import resolve_device
+
+    if job.fault_tolerance.recovery != "in-process" or job.parallel.async_collectives:
+        return False
+    try:
+        return resolve_device(job.train.device) == "cpu"
+    except ValueError:  # cuda asked where none is: the workers say so
+        return False
+
+
 def snapshot_interval(job: JobConfig) -> int:
     """``fault_tolerance.snapshot_interval``, or when left out: every step on CPU, every
     ``checkpoint.interval`` steps on a GPU."""
