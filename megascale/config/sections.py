@@ -358,7 +358,7 @@ class FaultToleranceConfig:
     memory of a rank on the next node, so that a lost node's state comes back without reading
     storage. None: every step on CPU; on a GPU every ``checkpoint.interval`` steps (the snapshot
     is a synchronous copy of the rank's state to host memory: measure it before setting 1)."""
-    pause_timeout_s: float = 5.0
+    pause_timeout_s: float = 10.0
     """In-process recovery: longest a healthy rank may take to pause after a fault; one that does
     not (a wedged rank) is killed and comes back as a new process."""
 

@@ -178,6 +178,7 @@ def run_resident(job: JobConfig, run_dir: Path) -> None:
     """``run_rank`` until training ends, pausing and rejoining across faults (see the module)."""
     from megascale.model.gpt import release_model_caches
     from megascale.parallel.groups import destroy_groups
+    from megascale.probes.progress import progress_path
     from megascale.train.memory_snapshot import SnapshotStore
     from megascale.train.run import run_rank
 
@@ -206,4 +207,7 @@ def run_resident(job: JobConfig, run_dir: Path) -> None:
             destroy_groups()
         except Exception as e:  # a broken group may refuse an orderly end; it is dropped anyway
             logger.info("tearing down the process groups: %s", e)
+        # The last generation's progress (same pid) must not be read as the next one's: its step
+        # would be followed by the step 0 of the rejoined rank's start, a step backwards.
+        progress_path(run_dir, rank).unlink(missing_ok=True)
         resident.wait_for_rejoin(generation, reason, before_waiting=gc.collect)

@@ -70,6 +70,9 @@ def check_in_process(run: Run, reference: Run, generation: int, kept: set[int]) 
         assert (where == "own memory") == (rank in kept), restored
     resumed = [e for e in run.of("resumed") if e.generation == generation]
     assert not resumed, resumed  # no checkpoint was read
+    # every heartbeat of a rejoined rank was taken: its last generation's progress is not reported
+    # as the next one's (a step backwards the controller would drop)
+    assert "dropping its Heartbeat" not in run.output, run.output[-3000:]
 
 
 def test_killed_worker_alone_is_a_new_process_and_comes_back_from_its_peers_copy(
