@@ -265,11 +265,8 @@ class SnapshotStore:
                 f"snapshot of step {step} holds {snapshot.payload.numel()} bytes; this rank's "
                 f"state takes {total}: not the layout it was taken at"
             )
-        offset = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            t.view(-1).copy_(snapshot.payload[offset : offset + n].view(t.dtype))
-            offset += _span(t)
+        targets = [t.view(-1) for t in tensors]  # the live tensors, in the order taken
+        torch._foreach_copy_(targets, _views(snapshot.payload, targets))
         _sync_parameters(trainer)
         _apply_small(trainer, snapshot.small)
         where = "own memory" if reach[rank][step] == rank else f"rank {reach[rank][step]}'s memory"
