@@ -78,7 +78,12 @@ def _launch(args: argparse.Namespace) -> int:
     from megascale.launcher import cluster
 
     try:
-        return cluster.launch(cluster.options_from_args(args))
+        opts = cluster.options_from_args(args)
+        if opts.slurm:
+            from megascale.launcher import slurm
+
+            return slurm.launch(opts)
+        return cluster.launch(opts)
     except (cluster.LaunchError, cluster.inject.InjectError) as e:
         print(f"megascale launch: {e}", file=sys.stderr)
         return 2

@@ -85,7 +85,8 @@ class LaunchOptions:
     overrides: list[str] = field(default_factory=list)
     nodes: int = 2
     nproc_per_node: int = 1
-    spares: int = 0
+    spares: int | None = 0
+    """None: 0 on one machine, the rest of the allocation under ``slurm``."""
     faults: list[inject.FaultSpec] = field(default_factory=list)
     run_dir: Path | None = None
     heartbeat_interval: float = 0.5
@@ -104,6 +105,14 @@ class LaunchOptions:
     """node -> switch/rack label: the self-check's neighbour all-reduce groups nodes under one
     label; nodes not listed are grouped by order."""
     job_id: str = field(default_factory=lambda: f"local-{uuid.uuid4().hex[:8]}")
+    slurm: bool = False
+    """``--slurm``: agents on the hosts of the Slurm allocation (``launcher.slurm``)."""
+    addr: str | None = None
+    """``--addr``: this host's address on the cluster network, for etcd (``--slurm`` only)."""
+    hosts: list[str] = field(default_factory=list)
+    """The allocation's hosts that run agents (``--slurm``; filled in by ``check_slurm``)."""
+    notes: list[str] = field(default_factory=list)
+    """Lines for the log about what was filled in before ``check_options``."""
 
 
 def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
@@ -111,11 +120,18 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
     on what was filled in (for the log)."""
     from megascale import config as config_mod
 
+    if opts.spares is None and not opts.slurm:
+        opts.spares = 0
     for name, low in (("nodes", 1), ("nproc_per_node", 1), ("spares", 0)):
         value = getattr(opts, name)
+        if value is None and name == "spares":
+            continue  # --slurm: the rest of the allocation
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             flag = "--" + name.replace("_", "-")
             raise LaunchError(f"{flag} = {value!r}: must be an integer >= {low}")
+    notes = list(opts.notes)
+    if not opts.slurm and opts.addr is not None:
+        raise LaunchError(f"--addr {opts.addr}: only with --slurm (one machine keeps loopback)")
     if opts.timeout_s is not None and not 0 < opts.timeout_s < float("inf"):
         raise LaunchError(f"--timeout = {opts.timeout_s}: must be a number of seconds > 0")
     if not 0.05 <= opts.heartbeat_interval <= 60:
@@ -136,7 +152,7 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
         ft.node_wait_timeout_s = 60.0
     world = opts.nodes * opts.nproc_per_node
     job = config_mod.validate(job, world, "nccl" if _device(job) == "cuda" else "gloo")
-    available = _gpus(job)
+    available = 0 if opts.slurm else _gpus(job)  # each host of an allocation has its own
     if available and (opts.nodes + opts.spares) * opts.nproc_per_node > available:
         raise LaunchError(
             f"train.device = cuda: (--nodes + --spares) x --nproc-per-node = "
@@ -154,13 +170,12 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
     if opts.topology_file is not None:
         from megascale.agent.neighbour_check import TopologyError, load_topology
 
-        nodes = [f"node-{i}" for i in range(opts.nodes + opts.spares)]
+        nodes = opts.hosts or [f"node-{i}" for i in range(opts.nodes + opts.spares)]
         try:
             opts.topology = load_topology(opts.topology_file, nodes)
         except TopologyError as e:
             raise LaunchError(str(e)) from e
-    check_machine(job, _device(job), ranks_here=world)
-    notes = []
+    check_machine(job, _device(job), ranks_here=0 if opts.slurm else world)
     if job.checkpoint.interval == 0:
         job.checkpoint.interval = max(1, job.train.steps // 5)
         notes.append(f"checkpoint.interval = 0: using {job.checkpoint.interval} (restarts resume)")
@@ -229,7 +244,10 @@ class LocalCluster:
         password = secrets.token_urlsafe(32)
         write_secret(run_dir / ETCD_PASSWORD_FILE, password)
         self.etcd = EmbeddedEtcd(
-            unsafe_no_fsync=True, die_with_parent=True, credentials=(ETCD_USER, password)
+            unsafe_no_fsync=True,
+            die_with_parent=True,
+            credentials=(ETCD_USER, password),
+            host=self.etcd_host(),
         ).start()
         self.store_cfg = StoreConfig.parse(
             self.etcd.endpoint, username=ETCD_USER, password=password
@@ -238,6 +256,16 @@ class LocalCluster:
         self.ctx = mp.get_context("fork")
         self.agents: dict[str, Any] = {}
         self.controllers: dict[str, Any] = {}
+
+    def etcd_host(self) -> str:
+        return "127.0.0.1"
+
+    def node_names(self) -> list[str]:
+        return [f"node-{i}" for i in range(self.opts.nodes + self.opts.spares)]
+
+    def start_agents(self) -> None:
+        for node in self.node_names():
+            self.start_agent(node)
 
     def agent_options(self, node: str) -> Any:
         from megascale.agent.service import AgentOptions
@@ -321,6 +349,7 @@ class LocalCluster:
             name,
             o.heartbeat_interval,
             metrics_port=0,
+            metrics_addr=self.etcd_host(),
             **straggler_options(self.job.fault_tolerance),
             train_steps=self.job.train.steps,
             config_hash=config_hash(str(self.run_dir / "job.toml")),  # as each agent hashes it
@@ -395,9 +424,10 @@ class LocalCluster:
         self.etcd.stop()
 
 
-def launch(opts: LaunchOptions) -> int:
+def launch(opts: LaunchOptions, cluster_class: type[LocalCluster] | None = None) -> int:
     """Run the local cluster to the end (see the module docstring); returns the exit code.
-    SIGTERM and SIGINT stop it in order (``signals.StopSignals``), final.json included."""
+    SIGTERM and SIGINT stop it in order (``signals.StopSignals``), final.json included.
+    ``cluster_class``: ``LocalCluster`` or a subclass (``launcher.slurm.SlurmCluster``)."""
     from megascale.config import to_toml
     from megascale.process import setup_logging
 
@@ -408,7 +438,8 @@ def launch(opts: LaunchOptions) -> int:
     setup_logging("launch", run_dir / "logs" / "launch.log")
     stop_signals = StopSignals().install()
     started = time.monotonic()
-    state, reason = _run_cluster(opts, job, notes, run_dir, stop_signals, started)
+    cluster_class = cluster_class or LocalCluster
+    state, reason = _run_cluster(opts, job, notes, run_dir, stop_signals, started, cluster_class)
     wall_s = time.monotonic() - started
     try:
         final = summarize(run_dir, job, state, wall_s, opts, reason=reason)
@@ -438,7 +469,13 @@ def launch(opts: LaunchOptions) -> int:
 
 
 def _run_cluster(
-    opts: LaunchOptions, job: Any, notes: list[str], run_dir: Path, stops: StopSignals, t0: float
+    opts: LaunchOptions,
+    job: Any,
+    notes: list[str],
+    run_dir: Path,
+    stops: StopSignals,
+    t0: float,
+    cluster_class: type[LocalCluster],
 ) -> tuple[str, str | None]:
     """Start the cluster, watch it to the end, stop it; (state, reason the launcher stopped it)."""
     cluster: LocalCluster | None = None
@@ -448,7 +485,7 @@ def _run_cluster(
         import megascale.train.command  # noqa: F401  (imported once here, inherited by every fork)
         import megascale.train.run  # noqa: F401
 
-        cluster = LocalCluster(opts, job, run_dir)
+        cluster = cluster_class(opts, job, run_dir)
         logger.info(
             "job %s: %d nodes x %d ranks + %d spare(s); etcd at %s; run dir %s",
             opts.job_id, opts.nodes, opts.nproc_per_node, opts.spares, cluster.etcd.endpoint,
@@ -456,8 +493,7 @@ def _run_cluster(
         )  # fmt: skip
         for line in [*notes, *(f"fault to inject: {f.text}" for f in opts.faults)]:
             logger.info("%s", line)
-        for i in range(opts.nodes + opts.spares):
-            cluster.start_agent(f"node-{i}")
+        cluster.start_agents()
         cluster.start_controllers()
         monitor = Monitor(cluster)
         state = monitor.run(None if opts.timeout_s is None else t0 + opts.timeout_s)
@@ -483,7 +519,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--nodes", type=int, default=2, help="nodes per generation (M)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (K)")
-    parser.add_argument("--spares", type=int, default=0, help="spare nodes (S)")
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="spare nodes (S; default 0, under --slurm the rest of the allocation)",
+    )
     parser.add_argument(
         "--inject",
         action="append",
@@ -515,6 +556,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "self-check's neighbour all-reduce pairs nodes under one label (default: by order)",
     )
     parser.add_argument("--timeout", type=float, default=None, help="give up after (s)")
+    parser.add_argument(
+        "--slurm",
+        action="store_true",
+        help="inside a Slurm allocation (sbatch/salloc, with --no-kill): etcd and the controller "
+        "here, an agent per host of the allocation through srun, the rest of it as spares",
+    )
+    parser.add_argument(
+        "--addr",
+        default=None,
+        help="--slurm: this host's address on the cluster network, for etcd (default: the "
+        "address its host name resolves to)",
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
@@ -543,4 +596,6 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         selfcheck=args.selfcheck,
         timeout_s=args.timeout,
         topology_file=args.topology,
+        slurm=args.slurm,
+        addr=args.addr,
     )

@@ -73,11 +73,7 @@ class MultiHostJob:
         """etcd; the training nodes' agents (together) until all have registered; then the
         spares' agents and the controller (together), until the spares have registered too. A
         spare that registers after the first generation started waits as a spare all the same."""
-        from megascale import config
-
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        job = config.validate(config.load("tiny", self.overrides), self.nodes, "gloo")
-        (self.run_dir / "job.toml").write_text(config.to_toml(job))
+        self.write_config()
         self.start_etcd()
         first, spares = self.workers[: self.nodes], self.workers[self.nodes :]
         for host in first:
@@ -89,6 +85,14 @@ class MultiHostJob:
         self.start_controller()
         for host in spares:
             self.wait_registered(host, wait_s)
+
+    def write_config(self) -> None:
+        """``RUN_DIR/job.toml``: the tiny preset with ``overrides``, validated for ``nodes``."""
+        from megascale import config
+
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        job = config.validate(config.load("tiny", self.overrides), self.nodes, "gloo")
+        (self.run_dir / "job.toml").write_text(config.to_toml(job))
 
     def start_etcd(self, wait_s: float = 60.0) -> None:
         """``megascale etcd`` on the etcd host's address, authenticated: the job's password in
@@ -128,13 +132,18 @@ class MultiHostJob:
             "--selfcheck", "builtin", "--metrics-port", "0", "--metrics-addr", a,
         ])  # fmt: skip
 
-    def start_controller(self) -> subprocess.Popen:
-        a = self.cluster.addr(self.etcd_host)
-        return self.megascale(self.etcd_host, "controller", [
+    def start_controller(
+        self, host: str | None = None, name: str = "controller", cid: str = "controller-0"
+    ) -> subprocess.Popen:
+        """``megascale controller --id CID`` on ``host`` (default: the etcd host); a second one
+        with another id is its standby."""
+        host = host or self.etcd_host
+        a = self.cluster.addr(host)
+        return self.megascale(host, name, [
             "controller", "--job", self.job_id, "--run-dir", str(self.run_dir),
             "--nodes", str(self.nodes), "--nproc-per-node", "1",
             "--heartbeat-interval", str(self.heartbeat_interval), "--init-timeout", "120",
-            "--metrics-port", "0", "--metrics-addr", a, "--id", "controller-0",
+            "--metrics-port", "0", "--metrics-addr", a, "--id", cid,
         ])  # fmt: skip
 
     def wait_registered(self, host: str, wait_s: float) -> None:
@@ -198,14 +207,19 @@ class MultiHostJob:
 
     def steps(self) -> list[dict]:
         """``metrics.jsonl`` records so far (one per logged step)."""
+        return read_steps(self.run_dir)
+
+
+def read_steps(run_dir: Path) -> list[dict]:
+    """``RUN_DIR/metrics.jsonl`` records so far; a line being written is skipped."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
         try:
-            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
-        except OSError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line being written
-        return out
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out

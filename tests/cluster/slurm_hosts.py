@@ -26,7 +26,7 @@ from pathlib import Path
 
 from netns_hosts import Cluster, HostsError
 
-BINARIES = ("slurmctld", "slurmd", "srun", "sinfo", "munged")
+BINARIES = ("slurmctld", "slurmd", "srun", "salloc", "sinfo", "scontrol", "munged")
 
 
 def unavailable() -> str | None:
@@ -158,6 +158,22 @@ class Slurm:
             timeout=timeout_s,
             cwd=cwd,
         )
+
+    def salloc(
+        self, argv: Sequence[str], nodes: int, env: Mapping[str, str], log: Path, cwd: Path
+    ) -> subprocess.Popen:
+        """``salloc -N nodes --no-kill ARGV`` started in the controller's host (a login node's
+        view: ARGV runs there, inside the allocation), output to ``log``."""
+        cmd = ["salloc", "-N", str(nodes), "--no-kill", *argv]
+        return self.cluster.run(self.ctl, cmd, env=self.env(env), log=log, cwd=cwd)
+
+    def node_state(self, node: str) -> str:
+        """Slurm's state of ``node`` (``idle``, ``alloc``, ``down*``, ...)."""
+        argv = ["sinfo", "-h", "-n", node, "-o", "%t"]
+        proc = subprocess.run(
+            self.cluster.command(self.ctl, argv), capture_output=True, text=True, env=self.env()
+        )
+        return proc.stdout.strip()
 
     def log_tail(self, chars: int = 1500) -> str:
         out = []

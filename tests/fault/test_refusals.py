@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -188,4 +189,30 @@ def test_a_run_directory_component_over_255_bytes_is_refused(tmp_path, command):
 def test_fault_injection_out_of_range_is_refused(tmp_path, spec, fragment):
     line = refused("launch", "--inject", spec, "--run-dir", str(tmp_path / "run"))
     assert fragment in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_launch_slurm_is_refused_outside_an_allocation_and_beyond_it(tmp_path):
+    """``--slurm`` needs an allocation and fits in it; ``--addr`` is for ``--slurm`` only; a fault
+    that names a node by index cannot be injected on an allocation's hosts."""
+    run = str(tmp_path / "run")
+    env = {k: v for k, v in _env().items() if not k.startswith("SLURM_")}
+    line = refused("launch", "--slurm", "--run-dir", run, env=env)
+    assert "--slurm: not inside a Slurm allocation" in line, line
+    line = refused("launch", "--addr", "127.0.0.1", "--run-dir", run, env=env)
+    assert "--addr 127.0.0.1: only with --slurm" in line, line
+    if not shutil.which("scontrol") or not shutil.which("srun"):
+        pytest.skip("scontrol/srun not installed: the allocation checks need them")
+    conf = tmp_path / "slurm.conf"  # what scontrol needs to expand a host list
+    conf.write_text("ClusterName=refusals\nSlurmctldHost=localhost\n")
+    alloc = {**env, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[1-2]", "SLURM_CONF": str(conf)}
+    line = refused("launch", "--slurm", "--nodes", "3", "--run-dir", run, env=alloc)
+    assert "--nodes = 3: the allocation has 2 host(s) (gpu1, gpu2)" in line, line
+    line = refused(
+        "launch", "--slurm", "--nodes", "1", "--spares", "2", "--run-dir", run, env=alloc
+    )
+    assert "--nodes + --spares = 3: the allocation has 2 host(s)" in line, line
+    spec = "kill-agent:node=1,step=3"
+    line = refused("launch", "--slurm", "--inject", spec, "--run-dir", run, env=alloc)
+    assert "--inject kill-agent: not with --slurm" in line, line
     assert not (tmp_path / "run").exists()
