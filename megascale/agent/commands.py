@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from queue import Empty
 from typing import Any
@@ -40,11 +41,17 @@ class _Reported:
     seq: int = 0
 
 
-def ack_message(command: Command, ok: bool, detail: str) -> Ack:
+def ack_message(command: Command, ok: bool, detail: str, suspects: Sequence[str] = ()) -> Ack:
     """The ``acks/<node>`` value (``messages.Ack``, encoded) answering ``command``: its id,
-    generation and kind, whether it succeeded, and ``detail`` (cut to 2,000 characters)."""
+    generation and kind, whether it succeeded, ``detail`` (cut to 2,000 characters) and, for a
+    self-check, the neighbours the node suspects."""
     return Ack(
-        id=command.id, generation=command.generation, kind=command.kind, ok=ok, detail=detail[:2000]
+        id=command.id,
+        generation=command.generation,
+        kind=command.kind,
+        ok=ok,
+        detail=detail[:2000],
+        suspects=list(suspects),
     )
 
 
@@ -78,12 +85,16 @@ class CommandRunner:
         self._done_ids.add(command.id)
         self.generation = max(self.generation, command.generation)
         logger.info("command %s %s (generation %d)", command.kind, command.id, self.generation)
+        suspects: list[str] = []
         try:
-            ok, detail = getattr(self, f"_cmd_{command.kind}")(command)
+            if command.kind == "selfcheck":
+                ok, detail, suspects = self._cmd_selfcheck(command)
+            else:
+                ok, detail = getattr(self, f"_cmd_{command.kind}")(command)
         except Exception as e:  # a failed command is a failed ack, not a dead agent
             logger.exception("command %s failed", command.id)
             ok, detail = False, f"{type(e).__name__}: {e}"
-        return ack_message(command, ok, detail)
+        return ack_message(command, ok, detail, suspects)
 
     def _published(self, command: Command) -> bool:
         """Whether the controller has published ``command``'s generation (``generation``, which
@@ -116,7 +127,11 @@ class CommandRunner:
     def _cmd_stop(self, command: Command) -> tuple[bool, str]:
         recovery = self._recovery()
         if recovery is not None:  # in-process: the healthy workers pause, keeping their state
-            paused, killed = rejoin.pause(self.pool, self._rejoin_dir(), recovery.pause_timeout_s)
+            wait_s = recovery.pause_timeout_s
+            bound = command.pause_wait_s  # a peer's number: used within its bounds only
+            if bound is not None and 0 <= bound < wait_s:  # ranks likely blocked: no pause
+                wait_s = bound
+            paused, killed = rejoin.pause(self.pool, self._rejoin_dir(), wait_s)
             self.wake()
             return True, f"paused ranks {paused}; killed {killed} (could not pause)"
         codes = self.pool.stop(self.opts.stop_grace_s)
@@ -137,7 +152,7 @@ class CommandRunner:
                 self._in_process = False
         return self._in_process or None
 
-    def _cmd_selfcheck(self, command: Command) -> tuple[bool, str]:
+    def _cmd_selfcheck(self, command: Command) -> tuple[bool, str, list[str]]:
         self.selfchecks += 1
         # nothing of ours may run during the check; paused workers wait, keeping their state
         paused = rejoin.paused_workers(self.pool, self._rejoin_dir()) if self._recovery() else {}
@@ -147,14 +162,14 @@ class CommandRunner:
                 inject.corrupt_latest_checkpoint(
                     self.opts.run_dir, self.opts.config, self.opts.overrides, spec
                 )
-        ok, detail = self._run_selfcheck(self._neighbour_job(command))
+        ok, detail, suspects = self._run_selfcheck(self._neighbour_job(command))
         for spec in self.opts.faults:
             if spec.kind == "fail-selfcheck" and self.opts.node == f"node-{spec.get('node')}":
                 inject.claim(self.opts.run_dir, spec, node=self.opts.node)
                 ok, detail = False, f"injected fault {spec.text}; {detail}"
         log = logger.info if ok else logger.warning
         log("self-check %s: %s", "passed" if ok else "FAILED", detail)
-        return ok, detail
+        return ok, detail, suspects
 
     def _neighbour_job(self, command: Command) -> dict[str, Any] | None:
         """``run_selfcheck_neighbours``'s arguments for the command's neighbours (None: none)."""
@@ -181,7 +196,9 @@ class CommandRunner:
             return None
         return None if kv is None else kv.json()
 
-    def _run_selfcheck(self, neighbours: dict[str, Any] | None = None) -> tuple[bool, str]:
+    def _run_selfcheck(
+        self, neighbours: dict[str, Any] | None = None
+    ) -> tuple[bool, str, list[str]]:
         mode = self.opts.selfcheck
         if mode == "auto":
             try:

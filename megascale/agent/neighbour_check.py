@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from megascale import runfiles
-from megascale.controller.neighbours import ABSENT, NeighbourResult, NeighbourTest, judge
+from megascale.controller.neighbours import (
+    ABSENT,
+    NeighbourResult,
+    NeighbourTest,
+    judge,
+    suspected,
+)
 from megascale.messages.job import NeighbourEntry
 
 logger = logging.getLogger(__name__)
@@ -118,7 +124,8 @@ def run_selfcheck_neighbours(
         results = list(pool.map(lambda t: _one_test(host, port, t, timeout_s, down), tests))
     ok, detail = judge(results)
     seconds = round(time.perf_counter() - start, 3)
-    runfiles.write_text(out, json.dumps({"ok": ok, "detail": detail, "seconds": seconds}))
+    result = {"ok": ok, "detail": detail, "seconds": seconds, "suspects": suspected(results)}
+    runfiles.write_text(out, json.dumps(result))
     return 0 if ok else 1
 
 

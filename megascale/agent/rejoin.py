@@ -4,6 +4,10 @@
 each has written ``paused_rank_NNNNN.json`` in the node's rejoin directory
 (``RUN_DIR/rejoin/<node>/``) or exited. One that cannot pause (stopped by a signal, wedged: not
 paused within ``fault_tolerance.pause_timeout_s``) is killed; its rank comes back as a new process.
+A ``stop`` may bound the wait (``Command.pause_wait_s``): after a fault that leaves ranks blocked
+in a collective that cannot complete (a node lost or silent, a stall), a blocked rank never returns
+to Python to pause (gloo waits out its own timeout), while one between collectives pauses within
+one operation.
 ``start`` lets the paused workers rejoin: it writes ``generation_G.json`` (the generation's
 rendezvous environment) there and forks new workers for the node's other ranks only. When the
 paused workers cannot rejoin as they are (the node got other ranks, or the world size changed:

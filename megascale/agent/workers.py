@@ -507,12 +507,13 @@ class WorkerPool:
         neighbours: dict[str, Any] | None = None,
         tests: list[str] | None = None,
         env: Mapping[str, str] | None = None,
-    ) -> tuple[bool, str]:
+    ) -> tuple[bool, str, list[str]]:
         """Run the node self-check: the built-in one (``selfcheck.builtin.selfcheck_rank``) as ``nproc`` processes,
         with ``full`` the diagnostics one (``run_selfcheck_full``, held to the ``thresholds``
         file when given, of the checks ``tests`` selects), and with ``neighbours``
         (``run_selfcheck_neighbours``'s arguments but ``out``) the neighbour all-reduces, all
-        beside each other; (ok, detail). ``env``: set in every check process on top of the
+        beside each other; (ok, detail, the neighbours the node suspects: ``neighbours.suspected``).
+        ``env``: set in every check process on top of the
         agent's environment; the node's ``CUDA_VISIBLE_DEVICES``, so that the check runs on the
         GPUs the node's workers get (without it, on every GPU of the machine)."""
         port, out_dir = free_port(), self.run_dir / "selfcheck"
@@ -541,16 +542,17 @@ class WorkerPool:
         for pid, code in codes.items():
             if code is None:
                 os.kill(pid, signal.SIGKILL)
-        details = []
+        details, suspects = [], []
         for pid, out in outs.items():
             try:
                 result = json.loads(out.read_text())
                 details.append(f"{result['detail']} in {result['seconds']} s")
+                suspects += [str(n) for n in result.get("suspects", ())]
             except (OSError, ValueError, KeyError):
                 details.append(f"process {pid} exited with {codes[pid]} and no result")
         ok = done and all(code == 0 for code in codes.values())
         detail = "; ".join(sorted(set(details)))
-        return ok, detail if done else f"timed out after {timeout_s} s: {detail}"
+        return ok, detail if done else f"timed out after {timeout_s} s: {detail}", suspects
 
     def status(self, generation: int) -> dict[str, dict[str, Any]]:
         """rank -> pid, alive, exit code, peer failure; of ``generation``'s workers only."""

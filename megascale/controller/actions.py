@@ -16,6 +16,14 @@ if TYPE_CHECKING:
     from megascale.messages.job import Command
 
 
+BLOCKING_FAULTS = ("node_lost", "heartbeat_timeout", "stall")
+"""Faults after which ranks are likely blocked in a collective that cannot complete: a peer
+is gone or silent, or no rank has progressed for the section's timeout."""
+BLOCKED_PAUSE_WAIT_S = 1.0
+"""The pause wait after one of them (``SendCommand.pause_wait_s``): a rank between collectives
+pauses within one operation; a blocked one never does."""
+
+
 @dataclass(frozen=True)
 class SendCommand:
     """Write ``commands/<node>``; the agent acks ``id`` under ``acks/<node>``."""
@@ -27,12 +35,20 @@ class SendCommand:
     rank_assignment: Mapping[str, Any] | None = None
     neighbours: tuple[NeighbourTest, ...] = ()
     """``selfcheck``: the neighbour all-reduces the node runs (``controller.neighbours``)."""
+    pause_wait_s: float | None = None
+    """``stop``: the pause wait's bound (``messages.Command.pause_wait_s``)."""
 
     def message(self, job_id: str) -> Command:
         """The ``commands/<node>`` message (see ``keys.make_command``)."""
         neighbours = [n.to_json() for n in self.neighbours]
         return make_command(
-            job_id, self.generation, self.kind, self.id, self.rank_assignment, neighbours
+            job_id,
+            self.generation,
+            self.kind,
+            self.id,
+            self.rank_assignment,
+            neighbours,
+            self.pause_wait_s,
         )
 
 

@@ -65,6 +65,8 @@ from typing import Any
 
 from megascale.controller import snapshot as controller_snapshot
 from megascale.controller.actions import (  # noqa: F401  (every name re-exported)
+    BLOCKED_PAUSE_WAIT_S,
+    BLOCKING_FAULTS,
     Action,
     Evict,
     Fault,
@@ -117,6 +119,7 @@ class ControllerFSM(RecoveryProtocol):
         self.fault: Fault | None = None
         self.faults: list[Fault] = []
         self.culprits: Counter[str] = Counter()
+        self.suspected: dict[str, set[str]] = {}  # node -> neighbours its self-check suspects
         self.counted: dict[str, int] = {}  # node -> the generation it was last counted culprit in
         self.budget = RestartBudget(policy.max_restarts, policy.restart_window_s)
         self.failure: str | None = None  # why the job failed, once it has
@@ -268,7 +271,9 @@ class ControllerFSM(RecoveryProtocol):
         self.failure = reason
         return self._record("failed", node, rank, reason=reason, **detail)
 
-    def _send(self, nodes: Iterable[str], kind: str, generation: int) -> list[Action]:
+    def _send(
+        self, nodes: Iterable[str], kind: str, generation: int, pause_wait_s: float | None = None
+    ) -> list[Action]:
         actions: list[Action] = []
         nodes = list(nodes)
         self._neighbours = {}
@@ -283,11 +288,13 @@ class ControllerFSM(RecoveryProtocol):
             self._commands += 1
             command_id = f"g{generation}-{kind}-{self._commands}"
             self.awaiting[node] = command_id
-            actions.append(self._command(node, kind, generation, command_id, assignment))
+            actions.append(
+                self._command(node, kind, generation, command_id, assignment, pause_wait_s)
+            )
         return actions
 
     def _command(
-        self, node: str, kind: str, generation: int, command_id: str, assignment: Mapping
+        self, node: str, kind: str, generation: int, command_id: str, assignment: Mapping, wait=None
     ) -> SendCommand:
         ranks = None
         if kind == "start":
@@ -297,7 +304,7 @@ class ControllerFSM(RecoveryProtocol):
                 "master_node": self.order[0],
             }
         neighbours = tuple(self._neighbours.get(node, ())) if kind == "selfcheck" else ()
-        return SendCommand(node, kind, generation, command_id, ranks, neighbours)
+        return SendCommand(node, kind, generation, command_id, ranks, neighbours, wait)
 
     def pending_commands(self) -> list[Action]:
         """The commands still awaited, as sent (same ids): a controller taking over sends them
@@ -505,7 +512,8 @@ class ControllerFSM(RecoveryProtocol):
         ]
         self._enter(S.STOPPING)
         live = [n for n in self.order if n in self.registered]
-        actions += self._send(live, "stop", self.generation)
+        wait = BLOCKED_PAUSE_WAIT_S if fault.kind in BLOCKING_FAULTS else None
+        actions += self._send(live, "stop", self.generation, wait)
         return actions + self._maybe_phase_done()
 
     def on_straggler(

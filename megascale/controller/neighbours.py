@@ -87,6 +87,17 @@ def plan_neighbour_tests(
     return plan
 
 
+def suspected(results: Sequence[NeighbourResult]) -> list[str]:
+    """The neighbours this node names suspect: those it failed with while it passed with
+    another (``judge``'s "(suspected)"); none when it passed with all or failed with all. The
+    controller reads them from every node's self-check: two nodes that name each other cannot
+    reach each other (a cut link) and must not train in one generation."""
+    present = [r for r in results if r.ok or r.detail != ABSENT]
+    if not any(r.ok for r in present):
+        return []
+    return [r.node for r in present if not r.ok]
+
+
 @dataclass(frozen=True)
 class NeighbourResult:
     """One all-reduce's outcome as the node saw it."""

@@ -12,6 +12,7 @@ what it reads and uses. Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from megascale.controller.actions import Action, Evict, Fault, StartGeneration
@@ -36,14 +37,15 @@ class RecoveryProtocol:
         ok: bool = True,
         detail: str = "",
         now: float | None = None,
+        suspects: Sequence[str] = (),
     ) -> list[Action]:
         """``acks/<node>`` changed: the node finished command ``command_id`` (a self-check's
-        ``ok``/``detail`` are its result). Acks of commands not awaited are ignored."""
+        ``ok``/``detail``/``suspects`` are its result). Acks of commands not awaited are ignored."""
         self._begin(E.ACK, now)
         if self.awaiting.get(node) != command_id:
             return []
         if self.awaiting_kind == "selfcheck":
-            return self._selfcheck_result(node, ok, detail)
+            return self._selfcheck_result(node, ok, detail, suspects)
         del self.awaiting[node]
         if self.awaiting_kind == "start" and not ok:
             return self._on_fault(Fault("start_failed", node, detail={"detail": detail}))
@@ -78,34 +80,68 @@ class RecoveryProtocol:
             score = fault.detail.get("score")
             actions += self._evict(fault.node, f"straggler at {score}x its peers' compute time")
         self._enter(S.DIAGNOSING)
+        self.suspected = {}
         actions += self._send(self._to_selfcheck(fault), "selfcheck", self.generation)
         return actions + self._maybe_phase_done()
 
     def _to_selfcheck(self, fault: Fault | None) -> list[str]:
         """Every live node; under in-process recovery only the fault's culprits (the other
         nodes' workers paused, keeping their state, and rejoin as they are), and the spares when
-        a node of the job is lost (one of them takes its slot)."""
+        a node of the job is lost (one of them takes its slot). A fault that blames nodes but
+        names none (a stall every rank is blocked in) checks every node: any may be at fault."""
         if self.policy.recovery != "in-process" or fault is None:
             return list(self.registered)
         culprits = self._fault_culprits(fault)
+        if not culprits and fault.blames_nodes and fault.kind != "job_fatal":
+            return list(self.registered)
         lost = any(n not in self.registered for n in self.order)
         return [n for n in self.registered if n in culprits or (lost and n not in self._in_order)]
 
     def on_selfcheck_result(
-        self, node: str, ok: bool, detail: str = "", now: float | None = None
+        self,
+        node: str,
+        ok: bool,
+        detail: str = "",
+        now: float | None = None,
+        suspects: Sequence[str] = (),
     ) -> list[Action]:
         """A node's self-check result (``on_ack`` calls this for self-check acks)."""
         self._begin(E.SELFCHECK_RESULT, now)
         if node not in self.awaiting:
             return []
-        return self._selfcheck_result(node, ok, detail)
+        return self._selfcheck_result(node, ok, detail, suspects)
 
-    def _selfcheck_result(self, node: str, ok: bool, detail: str) -> list[Action]:
+    def _selfcheck_result(
+        self, node: str, ok: bool, detail: str, suspects: Sequence[str] = ()
+    ) -> list[Action]:
         del self.awaiting[node]
+        named = sorted({str(n) for n in suspects} & (set(self.registered) - {node}))
         actions: list[Action] = [self._record("selfcheck", node, ok=ok, detail=detail)]
+        if named:  # only nodes of the job: a peer's message is evidence within its bounds
+            self.suspected[node] = set(named)
         if not ok:
             actions += self._evict(node, f"self-check failed: {detail}")
         return actions + self._maybe_phase_done()
+
+    def _unreachable_pairs(self) -> list[Action]:
+        """Two nodes that each passed their neighbour all-reduce with another node but failed it
+        with each other cannot reach each other (a cut link, a switch that drops one path): they
+        must not train in one generation, or its first collective hangs again. Of each such
+        pair, the node later in slot order (a spare after every slot) is evicted; a spare then
+        takes its place, or the policy for a lost node applies."""
+        place = {n: i for i, n in enumerate(dict.fromkeys([*self.order, *self.registered]))}
+        actions: list[Action] = []
+        for a, named in sorted(self.suspected.items()):
+            for b in sorted(named):
+                pair = (a, b)
+                if a not in self.suspected.get(b, ()) or not set(pair) <= set(self.registered):
+                    continue
+                drop = max(pair, key=lambda n: place.get(n, len(place)))
+                keep = a if drop == b else b
+                why = f"cannot reach {keep}: their neighbour all-reduce failed both ways, while "
+                actions += self._evict(drop, why + "each passed with another node")
+        self.suspected = {}
+        return actions
 
     def _fault_culprits(self, fault: Fault) -> set[str]:
         """The nodes ``fault`` names culprit: its node (unless job-fatal) and its suspects'."""
@@ -129,7 +165,7 @@ class RecoveryProtocol:
         return [Evict(node, reason), self._record("evict", node, reason=reason)]
 
     def _after_diagnosis(self) -> list[Action]:
-        actions: list[Action] = []
+        actions: list[Action] = self._unreachable_pairs()
         for node, count in sorted(self.culprits.items()):
             if count >= self.policy.evict_repeat_culprit and node not in self.blocklist:
                 actions += self._evict(node, f"named culprit in {count} faults")

@@ -362,7 +362,7 @@ class ControllerService(HeartbeatIntake):
         elif what == "ack" and event.kind == "put":
             ack = self._decode(Ack, node, event)
             if ack is not None:
-                self._act(self.fsm.on_ack(node, ack.id, ack.ok, ack.detail, now))
+                self._act(self.fsm.on_ack(node, ack.id, ack.ok, ack.detail, now, ack.suspects))
 
     def _decode(self, kind: type, node: str, event: WatchEvent):
         """``event``'s value as message ``kind``; None (logged once per node and kind) when this

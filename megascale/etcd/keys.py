@@ -178,6 +178,7 @@ def make_command(
     command_id: str,
     rank_assignment: Mapping[str, Any] | None = None,
     neighbours: Sequence[Mapping[str, Any]] = (),
+    pause_wait_s: float | None = None,
 ) -> Command:
     """The ``commands/<node>`` message (``messages.Command``).
 
@@ -205,6 +206,7 @@ def make_command(
             master_node=str(rank_assignment["master_node"]),
         ),
         neighbours=[NeighbourEntry(str(n["node"]), int(n["channel"])) for n in neighbours],
+        pause_wait_s=None if pause_wait_s is None else float(pause_wait_s),
     )
 
 

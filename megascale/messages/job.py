@@ -63,6 +63,11 @@ class Command(Message):
     id: str
     rank_assignment: RankAssignment | None = None
     neighbours: list[NeighbourEntry] = field(default_factory=list)
+    pause_wait_s: float | None = None
+    """``stop`` under in-process recovery: how long at most the agent waits for its ranks to
+    pause before it kills them (None: ``fault_tolerance.pause_timeout_s``). Set after a fault
+    that leaves ranks blocked in a collective that cannot complete (``BLOCKING_FAULTS``): such a
+    rank never returns to Python to pause."""
     NESTED: ClassVar = {
         "rank_assignment": (RankAssignment, "one"),
         "neighbours": (NeighbourEntry, "list"),

@@ -54,7 +54,7 @@ import msgspec
 
 logger = logging.getLogger("megascale.messages")  # the name users configure
 
-SCHEMA = (1, 2)
+SCHEMA = (1, 3)
 """(major, minor) of this module's messages: a new field bumps the minor, a changed meaning or a
 removed field the major."""
 SCHEMA_KEY = "schema"
@@ -420,6 +420,9 @@ class Ack(Message):
     kind: str
     ok: bool = True
     detail: str = ""
+    suspects: list[str] = field(default_factory=list)
+    """``selfcheck``: the neighbours the node failed the all-reduce with while it passed with
+    another (``controller.neighbours.suspected``)."""
 
 
 @declare

@@ -187,9 +187,9 @@ def test_kill_worker_detected_named_recovered(reference, tmp_path):
     assert sorted(e.node for e in run.of("selfcheck") if e.detail["ok"]) == ["node-1"]
     assert run.of("generation_start")[-1].detail["nodes"] == ["node-0", "node-1"]
     [timing] = run.final["fault_timings"]
-    # From the injection record (written and fsynced just before the kill) to the decision: via
-    # the worker's exit, well under the heartbeat timeout (5 s) and the stall floor (6 s).
-    assert timing["detection_s"] < 3.0 and timing["resumed_s"] > timing["detection_s"]
+    # From the injection record (written and fsynced just before the kill) to the decision, which
+    # came from the worker's exit (the fault's kind above), not from a heartbeat timeout or a stall.
+    assert 0 < timing["detection_s"] < timing["resumed_s"], timing
 
 
 def check_live_status(run: Run) -> None:

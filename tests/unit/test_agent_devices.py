@@ -46,7 +46,7 @@ def _agent(tmp_path, visible_devices: str | None) -> tuple[CommandRunner, FakeZy
 @pytest.mark.parametrize("devices", ["4,5", None], ids=["node's GPUs", "machine's GPUs"])
 def test_self_check_processes_get_the_nodes_gpus(tmp_path, devices):
     runner, zygote = _agent(tmp_path, devices)
-    ok, detail = runner._run_selfcheck()
+    ok, detail, _ = runner._run_selfcheck()
     assert ok, detail
     assert [target for target, _ in zygote.spawned] == ["selfcheck", "selfcheck"]
     expected = {} if devices is None else {"CUDA_VISIBLE_DEVICES": devices}

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from megascale.controller.fsm import (
+    BLOCKED_PAUSE_WAIT_S,
     TRANSITIONS,
     ControllerFSM,
     ControllerPolicy,
@@ -140,6 +141,7 @@ def test_worker_crash_stops_diagnoses_and_restarts_on_the_same_nodes():
     assert fault.detail["exit_code"] == -9
     stops = commands(out, "stop")
     assert [c.node for c in stops] == ["n0", "n1"] and {c.generation for c in stops} == {1}
+    assert {c.pause_wait_s for c in stops} == {None}  # a dead worker: its peers fail and pause
     out = ack_all(fsm, out, clock)
     assert fsm.state is State.DIAGNOSING
     checks = commands(out, "selfcheck")
@@ -182,6 +184,11 @@ def test_node_lost_while_running_uses_the_spare():
     (fault,) = records(out, "fault")
     assert fault.detail["fault"] == "node_lost" and fault.node == "n1"
     assert [c.node for c in commands(out, "stop")] == ["n0"]  # nobody left to stop on n1
+    # n0's ranks may be blocked in a collective with n1's: no long wait for them to pause
+    [stop] = commands(out, "stop")
+    assert stop.pause_wait_s == BLOCKED_PAUSE_WAIT_S
+    sent = Command.decode(json.loads(json.dumps(stop.message("job").encode())))
+    assert sent.pause_wait_s == BLOCKED_PAUSE_WAIT_S
     out = ack_all(fsm, out, clock)
     assert sorted(c.node for c in commands(out, "selfcheck")) == ["n0", "n2"]
     out = ack_all(fsm, out, clock)
@@ -198,6 +205,7 @@ def test_silent_node_is_a_heartbeat_timeout():
         out = fsm.on_tick(beat(fsm, clock, step=1, nodes=["n1"]))
     (fault,) = records(out, "fault")
     assert fault.detail["fault"] == "heartbeat_timeout" and fault.node == "n0"
+    assert {c.pause_wait_s for c in commands(out, "stop")} == {BLOCKED_PAUSE_WAIT_S}
 
 
 def test_stall_timeout_is_learned_and_the_rank_that_never_entered_is_named():
@@ -236,6 +244,7 @@ def test_stall_without_flight_records_names_nobody_and_checks_every_node():
     assert fault.detail["fault"] == "stall" and fault.detail["section"] == "init"
     assert fault.node is None and fault.detail["suspects"] == []
     assert fault.detail["timeout_s"] == 30.0
+    assert {c.pause_wait_s for c in commands(out, "stop")} == {BLOCKED_PAUSE_WAIT_S}
     checks = commands(ack_all(fsm, out, clock), "selfcheck")
     assert sorted(c.node for c in checks) == ["n0", "n1", "n2"]
 

@@ -5,17 +5,19 @@ after a takeover)."""
 from __future__ import annotations
 
 import pytest
-from test_controller_fsm import ack_all, commands, records, running
+from test_controller_fsm import ack_all, beat, commands, records, running
 
 from megascale.agent.neighbour_check import TopologyError, load_topology, resolve
-from megascale.controller.fsm import ControllerFSM, SendCommand
+from megascale.controller.fsm import ControllerFSM, Evict, SendCommand, StartGeneration
 from megascale.controller.neighbours import (
+    ABSENT,
     NeighbourResult,
     NeighbourTest,
     judge,
     neighbour_groups,
     plan_neighbour_tests,
     ring_tests,
+    suspected,
 )
 
 
@@ -111,3 +113,53 @@ def test_controller_sends_each_node_its_neighbours_by_topology():
     assert successor.topology["n1"] == "b"
     pending = [a for a in successor.pending_commands() if isinstance(a, SendCommand)]
     assert pending and all(not c.neighbours for c in pending)
+
+
+def test_a_node_suspects_the_neighbours_it_failed_with_only_when_it_passed_with_another():
+    assert suspected([_r("n1", False), _r("n2", True)]) == ["n1"]
+    assert suspected([_r("n1", False), _r("n2", False)]) == []  # the node itself is the suspect
+    assert suspected([_r("n1", False)]) == []  # a pair tells nothing
+    assert suspected([_r("n1", False, ABSENT), _r("n2", True)]) == []  # absent: no evidence
+    assert suspected([_r("n1", True), _r("n2", True)]) == []
+
+
+def _diagnose(fsm, clock, suspects):
+    """A stall that names nobody; each self-check passes, naming ``suspects[node]``."""
+    out = []
+    while not out:  # no step reported at all: the init timeout applies
+        out = fsm.on_tick(beat(fsm, clock, step=None))
+    out = ack_all(fsm, out, clock)  # the stop
+    checks = commands(out, "selfcheck")
+    assert sorted(c.node for c in checks) == ["n0", "n1", "n2"]
+    result = []
+    for c in checks:
+        result += fsm.on_ack(c.node, c.id, True, "passed", now=clock(), suspects=suspects[c.node])
+    return result
+
+
+def test_two_nodes_that_cannot_reach_each_other_never_train_together_again():
+    # n0 and n1 train, n2 is the spare; the n0-n1 link is cut: each fails its all-reduce with the
+    # other and passes with n2. n1 (later in slot order) is evicted and n2 takes its slot.
+    fsm, clock = running()
+    out = _diagnose(fsm, clock, {"n0": ["n1"], "n1": ["n0"], "n2": []})
+    [evict] = [a for a in out if isinstance(a, Evict)]
+    assert evict.node == "n1" and "cannot reach n0" in evict.reason
+    start = next(a for a in out if isinstance(a, StartGeneration))
+    assert start.assignment == {"n0": (0, 1), "n2": (2, 3)}
+
+
+def test_one_sided_or_unknown_suspicions_evict_nobody():
+    fsm, clock = running()
+    out = _diagnose(fsm, clock, {"n0": ["n1"], "n1": [], "n2": ["n9"]})
+    assert not [a for a in out if isinstance(a, Evict)]
+    start = next(a for a in out if isinstance(a, StartGeneration))
+    assert start.assignment == {"n0": (0, 1), "n1": (2, 3)}
+
+
+def test_in_process_checks_the_culprit_alone_and_every_node_when_a_stall_names_nobody():
+    fsm, clock = running(recovery="in-process")
+    out = ack_all(fsm, fsm.on_worker_exit("n1", 2, -9, now=clock()), clock)
+    assert [c.node for c in commands(out, "selfcheck")] == ["n1"]  # n0's ranks paused
+    fsm, clock = running(recovery="in-process")
+    out = _diagnose(fsm, clock, {"n0": ["n1"], "n1": ["n0"], "n2": []})  # every node checked
+    assert [a.node for a in out if isinstance(a, Evict)] == ["n1"]

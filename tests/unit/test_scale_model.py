@@ -85,6 +85,6 @@ def test_percentile_and_sim_pool():
     pool = SimPool()
     pool.start(2, [8, 9], {}, [])
     assert set(pool.status(2)) == {"8", "9"} and pool.status(1) == {}
-    assert pool.selfcheck(8) == (True, "simulated")
+    assert pool.selfcheck(8) == (True, "simulated", [])
     pool.stop()
     assert pool.status(2) == {}

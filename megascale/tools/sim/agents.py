@@ -57,9 +57,9 @@ class SimPool:
         neighbours: dict[str, Any] | None = None,
         tests: list[str] | None = None,
         env: Mapping[str, str] | None = None,
-    ) -> tuple[bool, str]:
+    ) -> tuple[bool, str, list[str]]:
         """``WorkerPool.selfcheck``'s signature: every simulated node is fit."""
-        return True, "simulated"
+        return True, "simulated", []
 
 
 class _NoZygote:
