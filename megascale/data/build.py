@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 SPLITS = ("paragraph", "file")
 JSONL_SUFFIXES = (".jsonl", ".json")
 PROGRESS_INTERVAL_S = 5.0
+_BATCH = 512  # documents encoded per call of a megatron-core tokenizer
 
 
 def split_documents(text: str, split: str = "paragraph") -> list[str]:
@@ -164,11 +165,24 @@ def _token_documents(
     tok: ByteTokenizer | MegatronTextTokenizer, paths: list[Path], split: str, json_key: str
 ) -> Iterator[np.ndarray]:
     """Token ids of every document, each followed by the tokenizer's EOD id; a document that
-    encodes to no ids is skipped."""
+    encodes to no ids is skipped. megatron-core's tokenizers get ``_BATCH`` documents a call."""
+    batch: list[str] = []
     for source, text in _texts(paths, split, json_key):
-        ids = tok.encode(text, source=source)
+        if isinstance(tok, ByteTokenizer):
+            yield np.array(tok.encode(text, source=source) + [tok.eod], dtype=np.int64)
+            continue
+        batch.append(text)
+        if len(batch) == _BATCH:
+            yield from _encode_batch(tok, batch)
+            batch = []
+    if batch:
+        yield from _encode_batch(tok, batch)
+
+
+def _encode_batch(tok: MegatronTextTokenizer, texts: list[str]) -> Iterator[np.ndarray]:
+    for ids in tok.encode_batch(texts):
         if ids:
-            yield np.array(ids + [tok.eod], dtype=np.int64)
+            yield np.array(list(ids) + [tok.eod], dtype=np.int64)
 
 
 class _Progress:

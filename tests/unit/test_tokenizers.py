@@ -119,3 +119,22 @@ def test_sentencepiece_without_eos_and_unknown_eod_token(capsys, tmp_path):
     assert f"--eod-token '<nope>': not in the vocabulary of {model}" in err
     with pytest.raises(DataError, match="--eod-token '<nope>': not in the vocabulary"):
         load_tokenizer(write_tiktoken_vocab(tmp_path / "t.json") and tmp_path / "t.json", "<nope>")
+
+
+def test_hf_directory_eos_from_its_config_and_batch_encoding_equals_megatron_core(tmp_path):
+    """A transformers tokenizer directory: the EOD is its configured eos token (not the first
+    candidate), and ``encode_batch`` (used by data build) gives megatron-core's ``tokenize`` ids."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    lib = Tokenizer.from_file(str(train_bpe(corpus_texts(), 400, tmp_path / "bpe.json")))
+    lib.add_special_tokens(["</s>"])
+    saved = tmp_path / "hf"
+    PreTrainedTokenizerFast(tokenizer_object=lib, eos_token="</s>").save_pretrained(saved)
+    tok = load_tokenizer(saved)
+    assert tok.eod == lib.token_to_id("</s>") != lib.token_to_id("<|endoftext|>")
+    texts = [*DOCS, "two documents<|endoftext|>in one line", "", "</s> at the start"]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    auto = AutoTokenizer.from_pretrained(saved)
+    assert tok.encode_batch(texts) == [auto.encode(t, add_special_tokens=False) for t in texts]
+    prefix, docs = _build(tmp_path, str(saved))
+    assert docs == [auto.encode(d, add_special_tokens=False) + [tok.eod] for d in DOCS]
