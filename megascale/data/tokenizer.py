@@ -199,7 +199,8 @@ def _from_pretrained(library: str, path: Path, spec: str):
 _KINDS = {
     "huggingface": "Hugging Face tokenizer.json",
     "sentencepiece": "SentencePiece model",
-    "tiktoken": "tiktoken vocabulary in megatron-core's format",
+    "tiktoken": "tiktoken vocabulary in megatron-core's format, a JSON list of {rank, "
+    "token_bytes (base64), token_str} with ranks 0..n-1, the first 256 the single bytes",
 }
 
 
@@ -226,11 +227,10 @@ def _resolve(spec: str) -> tuple[str, Path]:
     else:
         name, path = "", Path(spec)
     if path.is_dir():
-        if name not in ("", "hf") or not (path / "tokenizer.json").is_file():
-            raise DataError(
-                f"--tokenizer {spec}: a directory without tokenizer.json; accepted: {ACCEPTED}"
-            )
-        return "hf", path / "tokenizer.json"
+        if name in ("", "hf") and (path / "tokenizer.json").is_file():
+            return "hf", path / "tokenizer.json"
+        what = "without tokenizer.json" if name in ("", "hf") else f"({name}: takes a file)"
+        raise DataError(f"--tokenizer {spec}: a directory {what}; accepted: {ACCEPTED}")
     if not path.is_file():
         raise DataError(f"--tokenizer {spec}: no such file; accepted: {ACCEPTED}")
     return (name or _library_of(path, spec)), path

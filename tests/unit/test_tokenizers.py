@@ -5,6 +5,7 @@ end-of-document id; bad ``--tokenizer`` values are one-line errors."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,12 @@ def test_bad_tokenizer_specs_are_one_line_errors(capsys, tmp_path):
     short.write_text('[{"rank": 0, "token_bytes": "AA==", "token_str": ""}]')
     err = _one_line_error(capsys, tmp_path, str(short))
     assert f"--tokenizer {short}: not a list of at least 256 entries; accepted:" in err
+    bad_first = json.loads(short.read_text()) * 300  # rank 0 again and again
+    short.write_text(json.dumps(bad_first))
+    err = _one_line_error(capsys, tmp_path, str(short))
+    assert "not a tiktoken vocabulary in megatron-core's format, a JSON list of {rank" in err
+    err = _one_line_error(capsys, tmp_path, f"sentencepiece:{tmp_path / 'empty'}")
+    assert "a directory (sentencepiece: takes a file); accepted:" in err
     err = _one_line_error(capsys, tmp_path, f"sentencepiece:{short}")
     assert f"--tokenizer sentencepiece:{short}: not a SentencePiece model (" in err
     other = tmp_path / "vocab.txt"
