@@ -292,7 +292,7 @@ class MetricsConfig:
     tensorboard_dir: str = "tensorboard"
     """Where, relative to the run directory."""
     wandb: bool = False
-    """Log to Weights & Biases (needs the ``wandb`` package, not installed by megascale)."""
+    """Log to Weights & Biases (needs the ``wandb`` package: ``pip install 'megascale[wandb]'``)."""
     wandb_project: str = "megascale"
     """The W&B project; the run is named after the run directory."""
     wandb_mode: str = "online"

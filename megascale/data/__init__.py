@@ -1,9 +1,9 @@
 """megascale.data: Megatron-LM indexed datasets, tokenizers, blends; deterministic, resumable.
 
 Read in this order: ``indexed`` (Megatron's ``PREFIX.bin``/``PREFIX.idx`` through megatron-core,
-the checks, the ``PREFIX.json`` sidecar) -> ``tokenizer`` (byte, Hugging Face) -> ``build``
-(``megascale data build``) -> ``convert`` (old MSTOKEN files) -> ``corpus`` (the built-in corpus)
--> ``blend`` (``data.blend``/``data.split`` parsing) -> ``dataset`` (megatron-core's blended GPT
+the checks, the ``PREFIX.json`` sidecar) -> ``tokenizer`` (byte; megatron-core's Hugging Face,
+SentencePiece, tiktoken) -> ``build`` (``megascale data build``) -> ``convert`` (old MSTOKEN
+files) -> ``corpus`` (the built-in corpus) -> ``blend`` (``data.blend``/``data.split`` parsing) -> ``dataset`` (megatron-core's blended GPT
 datasets, ``ShardedBatches``, validation batches) -> ``node_loader`` (``data.loader``: one loader
 per machine in shared memory).
 

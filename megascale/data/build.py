@@ -7,12 +7,13 @@ newlines inside a paragraph are kept, blank lines between paragraphs dropped); w
 the whole file is one document. Text is UTF-8.
 
 Every document is tokenized (``--tokenizer``: ``byte``, the default, or a Hugging Face
-``tokenizer.json`` / a directory holding one) and followed by the tokenizer's end-of-document id
-(``--eod-token`` picks it for a Hugging Face tokenizer); empty documents are skipped. The output is
-written with megatron-core's builder (``megascale.data.indexed.write_indexed``), plus
-``PREFIX.json`` (tokenizer, vocab size, EOD id, counts, largest id) and, for a Hugging Face
-tokenizer, ``PREFIX.tokenizer.json``, its copy. A progress line (documents, tokens/s) is logged
-every few seconds, never per document.
+``tokenizer.json``, a SentencePiece model or a tiktoken vocabulary through megatron-core's
+tokenizers: ``megascale.data.tokenizer``) and followed by the tokenizer's end-of-document id
+(``--eod-token`` picks another); empty documents are skipped. The output is written with
+megatron-core's builder (``megascale.data.indexed.write_indexed``), plus ``PREFIX.json``
+(tokenizer, vocab size, EOD id, counts, largest id) and, for a tokenizer read from a file, a copy of
+that file (``megascale.data.indexed.tokenizer_copy_path``). A progress line (documents, tokens/s) is
+logged every few seconds, never per document.
 
 ``megascale data convert OLD_PREFIX --output NEW_PREFIX`` rewrites a token file in megascale's
 former ``MSTOKEN`` format as a Megatron indexed dataset (same documents, same ids).
@@ -37,14 +38,14 @@ from megascale.data.indexed import (
     tokenizer_copy_path,
     write_indexed,
 )
-from megascale.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from megascale.data.tokenizer import ByteTokenizer, MegatronTextTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 SPLITS = ("paragraph", "file")
 JSONL_SUFFIXES = (".jsonl", ".json")
 PROGRESS_INTERVAL_S = 5.0
-_BATCH = 512  # documents encoded per call of a Hugging Face tokenizer
+_BATCH = 512  # documents encoded per call of a megatron-core tokenizer
 
 
 def split_documents(text: str, split: str = "paragraph") -> list[str]:
@@ -97,8 +98,8 @@ def build(
             f"inputs {', '.join(map(str, paths))}: no documents (empty or blank"
             + (f", or no {json_key!r} text in the JSONL lines)" if _any_jsonl(paths) else ")")
         ) from None
-    if isinstance(tok, HFTokenizer):
-        shutil.copyfile(tok.json_path, tokenizer_copy_path(output_prefix))
+    if tok.path is not None:
+        shutil.copyfile(tok.path, tokenizer_copy_path(output_prefix, tok.name))
     info = DatasetInfo(
         tokenizer=tok.name,
         vocab_size=tok.vocab_size,
@@ -161,9 +162,10 @@ def _jsonl_texts(path: Path, json_key: str) -> Iterator[tuple[str, str]]:
 
 
 def _token_documents(
-    tok: ByteTokenizer | HFTokenizer, paths: list[Path], split: str, json_key: str
+    tok: ByteTokenizer | MegatronTextTokenizer, paths: list[Path], split: str, json_key: str
 ) -> Iterator[np.ndarray]:
-    """Token ids of every document, each followed by the tokenizer's EOD id."""
+    """Token ids of every document, each followed by the tokenizer's EOD id; a document that
+    encodes to no ids is skipped. megatron-core's tokenizers get ``_BATCH`` documents a call."""
     batch: list[str] = []
     for source, text in _texts(paths, split, json_key):
         if isinstance(tok, ByteTokenizer):
@@ -177,10 +179,10 @@ def _token_documents(
         yield from _encode_batch(tok, batch)
 
 
-def _encode_batch(tok: HFTokenizer, texts: list[str]) -> Iterator[np.ndarray]:
+def _encode_batch(tok: MegatronTextTokenizer, texts: list[str]) -> Iterator[np.ndarray]:
     for ids in tok.encode_batch(texts):
         if ids:
-            yield np.array(ids + [tok.eod], dtype=np.int64)
+            yield np.array(list(ids) + [tok.eod], dtype=np.int64)
 
 
 class _Progress:
@@ -220,15 +222,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--tokenizer", default="byte", metavar="T",
-        help="'byte' (default) or a Hugging Face tokenizer.json, or a directory holding one",
+        help="'byte' (default), a Hugging Face tokenizer.json or a directory holding one, a "
+        "SentencePiece *.model, a tiktoken *.json (megatron-core's format), or LIBRARY:PATH "
+        "(LIBRARY: hf, sentencepiece, tiktoken)",
     )  # fmt: skip
     parser.add_argument(
         "--json-key", default="text", help="key of the document text in JSONL lines (default text)"
     )
     parser.add_argument(
         "--eod-token", default=None, metavar="TOKEN",
-        help="end-of-document token of a Hugging Face tokenizer (default: its <|endoftext|>, "
-        "</s>, ... when present)",
+        help="end-of-document token of a tokenizer read from a file (default: its eos token, "
+        "else <|endoftext|>, </s>, ... when present)",
     )  # fmt: skip
     parser.add_argument(
         "--split",

@@ -66,9 +66,19 @@ def sidecar_path(prefix: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(prefix)}.json")
 
 
-def tokenizer_copy_path(prefix: str | os.PathLike) -> Path:
-    """``PREFIX.tokenizer.json``: the Hugging Face tokenizer the dataset was built with."""
-    return Path(f"{os.fspath(prefix)}.tokenizer.json")
+TOKENIZER_FILES = {
+    "hf": "tokenizer.json",
+    "sentencepiece": "tokenizer.model",
+    "tiktoken": "tiktoken.json",
+}
+"""The file name of each tokenizer kind (``DatasetInfo.tokenizer``) read from a file: its copy
+next to a dataset is ``PREFIX.<name>``, in a run directory ``RUN_DIR/tokenizer/<name>``."""
+
+
+def tokenizer_copy_path(prefix: str | os.PathLike, tokenizer: str = "hf") -> Path:
+    """``PREFIX.tokenizer.json`` (``PREFIX.tokenizer.model``, ``PREFIX.tiktoken.json``): the
+    tokenizer file the dataset was built with."""
+    return Path(f"{os.fspath(prefix)}.{TOKENIZER_FILES[tokenizer]}")
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -82,7 +92,8 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 class DatasetInfo:
     """``PREFIX.json``, written by ``megascale data build`` next to the dataset.
 
-    ``tokenizer`` is ``"byte"`` or ``"hf"`` (then ``PREFIX.tokenizer.json`` is the tokenizer);
+    ``tokenizer`` is ``"byte"``, ``"hf"``, ``"sentencepiece"`` or ``"tiktoken"`` (then
+    ``tokenizer_copy_path(PREFIX, tokenizer)`` is the tokenizer);
     ``max_token`` is the largest id in ``PREFIX.bin`` (checked against ``model.vocab_size``).
     """
 

@@ -14,7 +14,9 @@ fields (``mfu_peak_source``: where MFU's peak came from) once. Both are off by d
   from the checkpoint replace the lost ones (``purge_step``), as in ``metrics.jsonl``.
 * Weights & Biases: ``wandb.init(project=metrics.wandb_project, mode=metrics.wandb_mode)`` with
   the resolved config, one run per run directory (its id kept in ``RUN_DIR/wandb_run_id``, so a
-  restart resumes the same run); needs the ``wandb`` package, which megascale does not install.
+  restart resumes the same run); needs the ``wandb`` package (the ``wandb`` extra). Offline,
+  wandb's service writes ``RUN_DIR/wandb/offline-run-*/run-<id>.wandb`` (``wandb sync`` uploads
+  it).
 
 A sink that is enabled but whose package is missing is a ``ConfigError`` naming the field, raised
 by ``open_sinks`` before the first step.
@@ -131,7 +133,7 @@ def check_installed(cfg: MetricsConfig) -> None:
             "tensorboard",
             "pip install 'megascale[tensorboard]'",
         ),
-        (cfg.wandb, "metrics.wandb", "wandb", "pip install wandb"),
+        (cfg.wandb, "metrics.wandb", "wandb", "pip install 'megascale[wandb]'"),
     ):
         if enabled and importlib.util.find_spec(package) is None:
             raise ConfigError(

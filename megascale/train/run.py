@@ -21,7 +21,13 @@ from megascale import runfiles
 from megascale.config import ConfigError, JobConfig, to_dict, to_toml
 from megascale.data.blend import parse_blend
 from megascale.data.corpus import default_token_file
-from megascale.data.indexed import bin_path, idx_path, tokenizer_copy_path
+from megascale.data.indexed import (
+    TOKENIZER_FILES,
+    DatasetInfo,
+    bin_path,
+    idx_path,
+    tokenizer_copy_path,
+)
 from megascale.logs import setup_logging
 from megascale.machine_check import resolve_device
 from megascale.messages import CheckpointFigures, StepMetrics
@@ -340,13 +346,19 @@ def is_eval_step(job: JobConfig, step: int) -> bool:
 
 
 def copy_tokenizer(job: JobConfig, run_dir: Path) -> None:
-    """``RUN_DIR/tokenizer/tokenizer.json``: the Hugging Face tokenizer the data was built with
-    (``PREFIX.tokenizer.json`` of the first dataset that has one); nothing for byte-level data."""
+    """``RUN_DIR/tokenizer/tokenizer.json`` (``tokenizer.model``, ``tiktoken.json``): the tokenizer
+    file the data was built with (the copy next to the first dataset that has one); nothing for
+    byte-level data."""
     for prefix in [job.data.path] if job.data.blend is None else parse_blend(job.data.blend)[0]:
-        source = tokenizer_copy_path(prefix) if prefix is not None else None
-        if source is not None and source.is_file():
+        if prefix is None:
+            continue
+        info = DatasetInfo.read(prefix)
+        kind = "hf" if info is None else info.tokenizer  # no sidecar: a tokenizer.json, if any
+        if kind in TOKENIZER_FILES and tokenizer_copy_path(prefix, kind).is_file():
             (run_dir / "tokenizer").mkdir(exist_ok=True)
-            shutil.copyfile(source, run_dir / "tokenizer" / "tokenizer.json")
+            shutil.copyfile(
+                tokenizer_copy_path(prefix, kind), run_dir / "tokenizer" / TOKENIZER_FILES[kind]
+            )
             return
 
 

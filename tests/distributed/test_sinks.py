@@ -84,7 +84,7 @@ def test_tensorboard_holds_the_figures_of_metrics_jsonl(tmp_path):
 
 
 def test_wandb_offline_logs_the_same_figures(tmp_path, monkeypatch):
-    pytest.importorskip("wandb", reason="wandb is not installed (megascale does not install it)")
+    pytest.importorskip("wandb", reason="wandb (the wandb and dev extras) is not installed")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = MetricsConfig(wandb=True, wandb_mode="offline", wandb_project="test")
     log = MetricsLog(tmp_path / "metrics.jsonl", 0, sinks.open_sinks(cfg, tmp_path, 0, {"a": 1}))

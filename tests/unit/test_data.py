@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from tokenizers import Tokenizer
 
 from megascale import cli
 from megascale.data.build import build, split_documents
@@ -30,7 +31,7 @@ from megascale.data.indexed import (
     open_indexed,
     write_indexed,
 )
-from megascale.data.tokenizer import EOD, ByteTokenizer, HFTokenizer, load_tokenizer
+from megascale.data.tokenizer import EOD, ByteTokenizer, MegatronTextTokenizer, load_tokenizer
 from megascale.data.tokenizer import train_bpe as train_bpe_tokenizer
 
 BPE_VOCAB = 400
@@ -144,16 +145,17 @@ def test_build_byte_text(tmp_path):
 
 def test_hf_tokenizer_eod(tmp_path, bpe):
     tok = load_tokenizer(bpe)
-    assert isinstance(tok, HFTokenizer)
-    assert tok.vocab_size == BPE_VOCAB and tok.eod == tok._tok.token_to_id("<|endoftext|>")
+    assert isinstance(tok, MegatronTextTokenizer) and tok.name == "hf"
+    lib = Tokenizer.from_file(str(bpe))
+    assert tok.vocab_size == BPE_VOCAB and tok.eod == lib.token_to_id("<|endoftext|>")
     text = "the cat sees the dog. 3 + 4 = 7."
     assert tok.decode(tok.encode(text)) == text
-    assert load_tokenizer(bpe.parent).json_path == bpe  # a directory holding tokenizer.json
+    assert load_tokenizer(bpe.parent).path == bpe  # a directory holding tokenizer.json
     no_eod = train_bpe(tmp_path / "t.json", special=None, vocab=300)
     with pytest.raises(DataError, match=r"no end-of-document token .*--eod-token"):
         load_tokenizer(no_eod)
     with_eod = load_tokenizer(no_eod, eod_token="the")
-    assert with_eod.eod == with_eod._tok.token_to_id("the")
+    assert with_eod.eod == Tokenizer.from_file(str(no_eod)).token_to_id("the")
     with pytest.raises(DataError, match="--eod-token 'nope': not in the vocabulary"):
         load_tokenizer(bpe, "nope")
 
