@@ -23,6 +23,7 @@ bytes of those files for error keywords, a peer's failure and notices.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging
@@ -183,6 +184,11 @@ def _zygote_main(conn: Connection, preload: tuple[str, ...]) -> None:
     if gpus.cuda_initialised():
         conn.send(("log", f"CUDA was initialised while preloading {preload}: workers forked "
                           "from the zygote cannot use their GPUs"))  # fmt: skip
+    # What the imports made goes to the permanent generation: no collection in a worker walks
+    # it again (a full one over torch's and megatron-core's ~440k objects takes ~0.6 s, and a
+    # pausing rank runs one on the recovery's path), and the workers' pages stay shared.
+    gc.collect()
+    gc.freeze()
     children: set[int] = set()
     try:
         while True:
