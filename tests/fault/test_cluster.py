@@ -314,13 +314,23 @@ def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
 
 
 def test_etcd_restart_is_survived_without_a_restart(reference, tmp_path):
-    # The outage is seen when a leadership check (every 1 s) fails after retrying for up to 1 s
-    # while etcd is down: 3 s down leaves a controller loop running late ~1 s of slack (2 s: none).
+    # What is promised: no restart, no fault, nobody lost, the fault-free parameters, and the
+    # outage reported. It is seen when a leadership check (every 1 s) fails after retrying for
+    # up to 1 s while etcd is down: 3 s down leaves a controller loop running late ~1 s of slack.
     run = Run(tmp_path, "--inject", "etcd-restart:step=8,downtime=3")
     run.check_recovered(reference, generations=1)
-    assert not run.faults()
-    assert run.of("etcd_unavailable") and run.of("etcd_recovered")
-    assert run.final["faults_detected"] == {"etcd_unavailable": 1}
+    assert not run.faults() and not run.of("node_lost") and not run.of("evict"), run.events
+    [down] = run.of("etcd_unavailable")
+    # Its end is either of two correct outcomes: the leader sees etcd answer again; or, on a
+    # starved machine (every client re-authenticates to the restarted etcd), the leader's own
+    # 2 s lease runs out first, its buffered events are dropped as a deposed leader's, and a
+    # controller takes over from the snapshot without a restart.
+    recovered = [e for e in run.of("etcd_recovered") if e.time >= down.time]
+    takeovers = [e for e in run.of("controller_takeover") if e.time >= down.time]
+    assert recovered or takeovers, run.events
+    assert run.final["faults_detected"] == {"etcd_unavailable": 1} | (
+        {"controller_takeover": len(takeovers)} if takeovers else {}
+    )
 
 
 def test_kill_controller_standby_takes_over_and_handles_the_next_fault(reference, tmp_path):
