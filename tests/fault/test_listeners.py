@@ -1,15 +1,17 @@
 """Every store a megascale process serves listens on the address it was told (loopback by
 default), never on every interface: the self-check's intra-node all-to-all (run by ``megascale
 selfcheck`` and by a node's self-check before it rejoins) and the neighbour all-reduce. The
-listening sockets are read from /proc/net/tcp while each store is up."""
+listening sockets are read from /proc/net/tcp while each store is up: in this process for the
+functions, and for the ``megascale selfcheck`` command in its process tree."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
-from test_exits import _check_nothing_on_every_interface, _listening
+from test_exits import _check_nothing_on_every_interface, _cli, _descendants, _listening
 
 from megascale.agent.selfcheck import net
 from megascale.launcher.local import free_port
@@ -65,3 +67,18 @@ def test_neighbour_allreduce_store_listens_on_the_first_endpoint_only():
     store_port = int(min(a, b).rsplit(":", 1)[1])
     assert ("127.0.0.1", store_port) in listeners.seen, listeners.seen
     _check_nothing_on_every_interface(sorted(listeners.seen))
+
+
+def test_megascale_selfcheck_listens_on_loopback_only():
+    proc = _cli(
+        "selfcheck", "--only", "net.intranode_alltoall", "--local-procs", "2", "--quick", "--json"
+    )
+    seen: set[tuple[str, int]] = set()
+    while proc.poll() is None:  # sampled until it exits: its store lives while its ranks run
+        seen.update(_listening(_descendants(proc.pid)))
+        time.sleep(0.005)
+    output = proc.communicate()[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert "net.intranode_alltoall" in output, output[-3000:]
+    assert any(address == "127.0.0.1" for address, _ in seen), seen  # its store was seen
+    _check_nothing_on_every_interface(sorted(seen))
