@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     from megascale.data.node_loader import LoaderError
     from megascale.launcher.local import RankFailed, Stopped, run_local
+    from megascale.probes.fatal import RUN_DIR_ENV
     from megascale.train.checkpoint import CheckpointError, CheckpointUnusable
     from megascale.train.resident import REJOIN_DIR_ENV, run_resident
     from megascale.train.run import run_rank
@@ -109,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
         run_local(run_rank, world, (job, run_dir))
     except CheckpointUnusable as e:
         return refuse(f"cannot start: {e}")
-    except (CheckpointError, LoaderError) as e:  # under torchrun: this process is the rank
-        return refuse(str(e))
+    except (CheckpointError, LoaderError) as e:
+        if os.environ.get(RUN_DIR_ENV):  # a node agent's worker: its exit record tells the
+            raise  # controller the job's error (the same exception on every rank)
+        return refuse(str(e))  # under torchrun: this process is the rank
     except Stopped as e:
         logging.getLogger("megascale").error("%s", e)
         return 128 + e.signum

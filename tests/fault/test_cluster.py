@@ -503,6 +503,21 @@ def test_a_real_full_checkpoint_disk_under_launch_evicts_nobody(tmp_path):
     _check_failed_as_the_jobs_error(run, "No space left on device", "storage full")
 
 
+def test_a_read_only_checkpoint_directory_under_launch_is_the_jobs_error(tmp_path):
+    """Every rank's worker ends with the same CheckpointError (its exit record, not a line of its
+    own as under torchrun): the job's error, nobody evicted."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "ckpt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(mnt)], check=True)
+    try:
+        run = Run(tmp_path / "run", "--spares", "1", "--set", f"checkpoint.url={mnt}")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    _check_failed_as_the_jobs_error(run, "Read-only file system (EROFS)", "the same error")
+
+
 def test_a_controller_frozen_past_its_lease_records_nothing_when_it_wakes(reference, tmp_path):
     # Frozen for 7 s: past its 2 s lease (the standby takes over) and past the 5 s heartbeat
     # timeout (the frozen controller, waking up, sees every node silent). slow-rank only sleeps
