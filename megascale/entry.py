@@ -38,7 +38,10 @@ def refuse(why: str) -> int:
     instead of "To enable traceback see ..."."""
     lines = why.strip().splitlines()
     line = f"megascale: {lines[0] if lines else why}"
-    print(line, file=sys.stderr)
+    # one write of the whole line: the ranks under torchrun share one stderr pipe, and print's
+    # two writes (unbuffered under PYTHONUNBUFFERED) interleave with another rank's line
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
     error_file = os.environ.get(ERROR_FILE_ENV)
     if error_file:
         try:
