@@ -483,41 +483,6 @@ def test_the_same_error_on_every_rank_fails_the_job_at_once_evicting_nobody(tmp_
     )
 
 
-def test_a_full_checkpoint_disk_fails_the_job_with_its_cause(tmp_path):
-    run = Run(tmp_path, "--spares", "1", "--inject", "disk-full:step=8")
-    _check_failed_as_the_jobs_error(run, "No space left on device (ENOSPC)", "storage full")
-
-
-def test_a_real_full_checkpoint_disk_under_launch_evicts_nobody(tmp_path):
-    """A small tmpfs as the checkpoint directory (root only): the writer threads' ENOSPC
-    tracebacks are the job's storage, not node-0's evidence; the job fails with the cause."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "ckpt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
-    try:
-        run = Run(tmp_path / "run", "--spares", "1", "--set", f"checkpoint.url={mnt}")
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-    _check_failed_as_the_jobs_error(run, "No space left on device", "storage full")
-
-
-def test_a_read_only_checkpoint_directory_under_launch_is_the_jobs_error(tmp_path):
-    """Every rank's worker ends with the same CheckpointError (its exit record, not a line of its
-    own as under torchrun): the job's error, nobody evicted."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "ckpt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(mnt)], check=True)
-    try:
-        run = Run(tmp_path / "run", "--spares", "1", "--set", f"checkpoint.url={mnt}")
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-    _check_failed_as_the_jobs_error(run, "Read-only file system (EROFS)", "the same error")
-
-
 def test_a_controller_frozen_past_its_lease_records_nothing_when_it_wakes(reference, tmp_path):
     # Frozen for 7 s: past its 2 s lease (the standby takes over) and past the 5 s heartbeat
     # timeout (the frozen controller, waking up, sees every node silent). slow-rank only sleeps
