@@ -22,7 +22,9 @@ What the shell adds to the FSM's view:
   that exited or printed a traceback because a peer's connection closed (the agent marks these
   ``secondary``) -- are held back for ``secondary_hold_s`` (a bit more than the agents' lease
   TTL): if the cause shows up meanwhile (a worker killed by a signal, a node whose lease expired),
-  the FSM hears of the cause first and names the right node. Otherwise the symptom is the fault.
+  the FSM hears of the cause first and names the right node; while a node's registration is
+  pending (``_missing``: it may yet be lost) no symptom is released. Otherwise the symptom is the
+  fault.
 * A worker's exit with an uncaught exception (its signature, see ``probes.fatal``) is held
   for ``error_hold_s``: if the same signature ends every rank of the generation meanwhile, it is
   fed as the job's error (the FSM fails the job, evicting nobody); else it is an ordinary fault.
@@ -388,14 +390,15 @@ class ControllerService(HeartbeatIntake):
 
     def _tick(self, now: float) -> None:
         assert self.fsm is not None
-        due = [ev for at, ev in self._held if at <= now]
-        self._held = [(at, ev) for at, ev in self._held if at > now]
-        for ev in due:
-            self._feed(ev, now)
         for node, at in list(self._missing.items()):
             if at <= now and self._outage_since is None:  # not registered again: lost
                 del self._missing[node]
                 self._act(self.fsm.on_node_lost(node, "not registered again", now))
+        if not self._missing:  # symptoms wait for a node that may yet be lost: their cause
+            due = [ev for at, ev in self._held if at <= now]
+            self._held = [(at, ev) for at, ev in self._held if at > now]
+            for ev in due:
+                self._feed(ev, now)
         if self._outage_since is None and not self._stall(now):  # etcd down: silence is its fault
             self._act(self.fsm.on_tick(now))
         if self.metrics is not None:

@@ -201,3 +201,21 @@ def test_a_lease_run_out_in_the_wake_of_the_controllers_own_absence_is_no_lost_n
     clock[0] += 2 * hold
     leader._dispatch("node", _delete(leader.keys.node("n0")))
     assert "n0" not in leader.fsm.registered
+
+
+def test_a_peers_symptom_waits_for_a_node_whose_registration_is_pending(leader):
+    from megascale.controller.service_heartbeats import Evidence
+
+    clock = [2.0]
+    leader.clock = lambda: clock[0]
+    hold = leader.opts.secondary_hold_s
+    leader._own_gap(clock[0] - 30.0)  # a starved turn, and n1 dies in its wake
+    # n0's worker exits at once: its peer on n1 is gone (a symptom, held)
+    symptom = Evidence("worker_exit", "n0", 0, leader.fsm.generation, code=1, secondary=True)
+    leader._evidence(symptom, clock[0])
+    clock[0] += 1.0  # n1's lease runs out later, still in the wake: its loss is pending
+    leader._dispatch("node", _delete(leader.keys.node("n1")))
+    leader._tick(2.0 + hold + 0.1)  # the symptom is due, but waits for n1
+    assert not leader.fsm.faults
+    leader._tick(clock[0] + hold + 0.1)  # n1 did not register again: lost, the cause
+    assert [(f.kind, f.node) for f in leader.fsm.faults] == [("node_lost", "n1")]
