@@ -22,7 +22,9 @@ What the shell adds to the FSM's view:
   that exited or printed a traceback because a peer's connection closed (the agent marks these
   ``secondary``) -- are held back for ``secondary_hold_s`` (a bit more than the agents' lease
   TTL): if the cause shows up meanwhile (a worker killed by a signal, a node whose lease expired),
-  the FSM hears of the cause first and names the right node. Otherwise the symptom is the fault.
+  the FSM hears of the cause first and names the right node; while a node's registration is
+  pending (``_missing``: it may yet be lost) no symptom is released. Otherwise the symptom is the
+  fault.
 * A worker's exit with an uncaught exception (its signature, see ``probes.fatal``) is held
   for ``error_hold_s``: if the same signature ends every rank of the generation meanwhile, it is
   fed as the job's error (the FSM fails the job, evicting nobody); else it is an ordinary fault.
@@ -31,7 +33,10 @@ What the shell adds to the FSM's view:
 * etcd outages: when a store call fails the shell records ``etcd_unavailable``, stops ticking the
   FSM (silence is then etcd's fault, not the nodes'), keeps unwritten puts in an outbox, and on
   recovery records ``etcd_recovered`` and gives every node a fresh heartbeat allowance
-  (``ControllerFSM.restore`` of its own snapshot).
+  (``ControllerFSM.restore`` of its own snapshot). A registration that disappears during an
+  outage, or within ``secondary_hold_s`` of its end or of a starved loop turn (agents re-grant
+  leases that ran out while etcd, or every process of the machine, was away), is a lost node
+  only if it has not registered again by then.
 
 Its options are ``ServiceOptions``; what it reads from heartbeats is ``service_heartbeats``; the
 process entry (``megascale controller``: ``add_arguments``, ``main``, ``serve``) is in
@@ -132,7 +137,8 @@ class ControllerService(HeartbeatIntake):
         self._seen: dict[tuple[str, str, int], int] = {}  # (what, node, generation) -> last seq
         self._unreadable: set[tuple[str, ...]] = set()  # (message, node, ...) logged once
         self._refused: set[str] = set()  # registered nodes that are never counted
-        self._missing: dict[str, float] = {}  # node not listed at takeover -> when it is lost
+        self._missing: dict[str, float] = {}  # node not registered -> when it is lost
+        self._own_absence_until = -math.inf  # till then a lost registration may be our own doing
         self._steps = StepMemory()  # the steps heartbeats reported (progress never goes back)
         self._held: list[tuple[float, Evidence]] = []
         self._errors: dict[tuple[int, int], str] = {}  # (generation, rank) -> exit's signature
@@ -329,6 +335,7 @@ class ControllerService(HeartbeatIntake):
         late = now - turn - self.opts.tick_s
         if late > self.opts.starved_s:
             self.fsm.extend_deadlines(late)
+            self._own_absence_until = now + self.opts.secondary_hold_s
             logger.warning("controller was away %.1f s: its deadlines are extended", late)
             if late > self.opts.policy.heartbeat_timeout_s / 2:
                 self.events.append(
@@ -351,8 +358,14 @@ class ControllerService(HeartbeatIntake):
                     self._act(self.fsm.on_node_registered(node, now, _topology(event)))
             else:
                 self._refused.discard(node)
-                self._missing.pop(node, None)
-                self._act(self.fsm.on_node_lost(node, "lease expired", now))
+                if self._outage_since is not None or now < self._own_absence_until:
+                    # in the wake of etcd's or this controller's own absence (an etcd restart, a
+                    # starved loop) an agent's lease may run out while its node is fine: lost
+                    # only if it has not registered again within ``secondary_hold_s`` (``_tick``)
+                    self._missing[node] = now + self.opts.secondary_hold_s
+                else:
+                    self._missing.pop(node, None)
+                    self._act(self.fsm.on_node_lost(node, "lease expired", now))
         elif node in self._refused:
             return  # a refused node's heartbeats and acks are never read
         elif what == "hb" and event.kind == "put":
@@ -377,14 +390,15 @@ class ControllerService(HeartbeatIntake):
 
     def _tick(self, now: float) -> None:
         assert self.fsm is not None
-        due = [ev for at, ev in self._held if at <= now]
-        self._held = [(at, ev) for at, ev in self._held if at > now]
-        for ev in due:
-            self._feed(ev, now)
         for node, at in list(self._missing.items()):
             if at <= now and self._outage_since is None:  # not registered again: lost
                 del self._missing[node]
-                self._act(self.fsm.on_node_lost(node, "not registered at takeover", now))
+                self._act(self.fsm.on_node_lost(node, "not registered again", now))
+        if not self._missing:  # symptoms wait for a node that may yet be lost: their cause
+            due = [ev for at, ev in self._held if at <= now]
+            self._held = [(at, ev) for at, ev in self._held if at > now]
+            for ev in due:
+                self._feed(ev, now)
         if self._outage_since is None and not self._stall(now):  # etcd down: silence is its fault
             self._act(self.fsm.on_tick(now))
         if self.metrics is not None:
@@ -511,6 +525,7 @@ class ControllerService(HeartbeatIntake):
         now = self.clock()
         down, self._outage_since = now - self._outage_since, None
         self._missing = dict.fromkeys(self._missing, now + self.opts.secondary_hold_s)
+        self._own_absence_until = now + self.opts.secondary_hold_s
         clean = [r for (g, r), c in self._fed_exits.items() if g == self.fsm.generation and c == 0]
         # Fresh heartbeat and stall allowances for every node (the FSM's restore contract).
         self.fsm = ControllerFSM.restore(self.opts.policy, self.fsm.snapshot(), now)

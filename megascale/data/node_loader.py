@@ -171,7 +171,8 @@ class NodeBatches(ShardedBatches):
     """``ShardedBatches`` served from one loader per machine (module docstring). Same contract:
     ``next_step()`` once per optimizer step, ``state_dict``/``load_state_dict`` (call
     ``load_state_dict`` before the first ``next_step``). Collective construction: every rank of
-    the job constructs one at the same point (two ``all_gather_object``, two barriers).
+    the job constructs one at the same point (two ``all_gather_object``, two barriers); when a
+    machine's leader cannot create its segment, every rank raises its ``LoaderError``.
 
     ``dataset`` is read only on the leader (it may be None elsewhere). ``node`` names this
     rank's machine (ranks with equal names share a segment). ``needs_tokens=False`` (a pipeline
@@ -198,9 +199,14 @@ class NodeBatches(ShardedBatches):
         """Data-parallel ranks whose samples this machine's segment holds, in block order."""
         offer = None
         if self.leader:
-            offer = self._create(_layout(dataset[0], per_rank), len(readers))
+            try:
+                offer = self._create(_layout(dataset[0], per_rank), len(readers))
+            except LoaderError as e:  # offered as its line: no rank waits on a leader gone
+                offer = str(e)
         offers: list = [None] * len(peers)
         dist.all_gather_object(offers, offer, group=group)
+        for failed in (o for o in offers if isinstance(o, str)):
+            raise LoaderError(failed)  # every rank of the job, with the same line
         path, layout = offers[members[0]]
         if not self.leader:
             self._map(path, layout, len(readers))

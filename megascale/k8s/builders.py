@@ -79,6 +79,7 @@ from megascale.k8s.launch import (
     job_policy,
     main_container_index,
     resolve_training_config,  # noqa: F401  (re-exported)
+    training_config_hash,
     training_overrides,  # noqa: F401  (re-exported)
 )
 
@@ -241,13 +242,12 @@ def worker_service_account(job: Job) -> dict[str, Any]:
 # -- controller -------------------------------------------------------------------------------
 
 
-def controller_deployment(
-    job: Job, tp: int = 1, pp: int = 1, train: Mapping[str, Any] | None = None, vpp: int = 1
-) -> dict[str, Any]:
+def controller_deployment(job: Job, **training: Any) -> dict[str, Any]:
     """The controller: one pod (0 while suspended), the workers' image, Recreate on change so two
-    never overlap (its etcd election would fence a second one anyway). ``tp``/``pp``: the
-    training config's, so that it names ranks by their (dp, pp, tp) coordinates; ``train`` (its
-    ``[train]`` table) and ``vpp``: what a shrink must keep (``controller_args``)."""
+    never overlap (its etcd election would fence a second one anyway). ``training``: what its
+    command line takes from the training config (``controller_args``: ``tp``/``pp`` to name
+    ranks by their (dp, pp, tp) coordinates, the ``[train]`` table and ``vpp`` that a shrink
+    keeps, the step bound, the agents' config hash)."""
     template = job.template
     main = template["spec"]["containers"][main_container_index(template)]
     volumes, mounts = _megascale_volumes(job)
@@ -255,7 +255,7 @@ def controller_deployment(
     container = {
         "name": "controller",
         "image": main["image"],
-        "args": controller_args(job, tp, pp, train, vpp),
+        "args": controller_args(job, **training),
         "env": _megascale_env(job),
         "volumeMounts": [*mounts, {"name": "run", "mountPath": RUN_DIR}],
         "ports": [metrics_container_port()],
@@ -444,10 +444,11 @@ def managed_objects(job: Job, resolved_toml: str) -> list[dict[str, Any]]:
     objects.append(
         controller_deployment(
             job,
-            parallel.get("tp", 1),
-            parallel.get("pp", 1),
-            resolved.get("train", {}),
-            parallel.get("vpp", 1),
+            tp=parallel.get("tp", 1),
+            pp=parallel.get("pp", 1),
+            train=resolved.get("train", {}),
+            vpp=parallel.get("vpp", 1),
+            config_hash=training_config_hash(resolved_toml),
         )
     )
     return objects

@@ -18,7 +18,7 @@ import json
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megascale.k8s.job import (
     CONFIG_DIR,
@@ -35,6 +35,9 @@ from megascale.k8s.job import (
     workers_service_name,
 )
 
+if TYPE_CHECKING:
+    from megascale.config import JobConfig
+
 # -- training config --------------------------------------------------------------------------
 
 
@@ -43,12 +46,28 @@ def resolve_training_config(toml_text: str, overrides: Sequence[str], world_size
     validated for ``world_size`` ranks, as TOML. Raises ``ConfigError`` naming the field."""
     from megascale import config
 
+    cfg = _load_text(toml_text, overrides)
+    backend = "gloo" if cfg.train.device == "cpu" else "nccl"
+    return config.to_toml(config.validate(cfg, world_size, backend))
+
+
+def training_config_hash(resolved_toml: str) -> str:
+    """The config hash every agent pod registers (``agent.identity.config_hash`` of the
+    ConfigMap's ``config.toml``, which ``agent_args`` passes with no ``--set``), from the same
+    text: what the controller compares registrations with (``controller_args``)."""
+    from megascale.agent.identity import hash_of
+
+    return hash_of(_load_text(resolved_toml))
+
+
+def _load_text(toml_text: str, overrides: Sequence[str] = ()) -> JobConfig:
+    """``config.load`` of ``toml_text`` as a file, with ``overrides``."""
+    from megascale import config
+
     with tempfile.TemporaryDirectory(prefix="megascale-k8s-") as tmp:
         path = Path(tmp) / "config.toml"
         path.write_text(toml_text)
-        cfg = config.load(path, list(overrides))
-    backend = "gloo" if cfg.train.device == "cpu" else "nccl"
-    return config.to_toml(config.validate(cfg, world_size, backend))
+        return config.load(path, list(overrides))
 
 
 FT_SETTINGS: dict[str, str] = {
@@ -249,18 +268,34 @@ def agent_args(job: Job, index: int) -> list[str]:
     ]
 
 
+TRAIN_FLAGS = {
+    "global_batch_size": "--global-batch-size",
+    "micro_batch_size": "--micro-batch-size",
+    "steps": "--train-steps",
+}
+"""The controller's flags from the resolved ``[train]`` table (``controller_args``)."""
+
+
 def controller_args(
-    job: Job, tp: int = 1, pp: int = 1, train: Mapping[str, Any] | None = None, vpp: int = 1
+    job: Job,
+    tp: int = 1,
+    pp: int = 1,
+    train: Mapping[str, Any] | None = None,
+    vpp: int = 1,
+    config_hash: str | None = None,
 ) -> list[str]:
     """The controller's command line (``controller.command.add_arguments``). ``train``: the
-    resolved training config's ``[train]`` table, whose batch sizes a shrink keeps."""
+    resolved training config's ``[train]`` table, whose batch sizes a shrink keeps and whose
+    ``steps`` bound a heartbeat's step; ``config_hash``: the agents' (``training_config_hash``),
+    so that an agent of another config is refused."""
     ft, train = job.spec["faultTolerance"], train or {}
     settings = fault_tolerance_settings(ft)
     batch = []
-    if train.get("global_batch_size") is not None:
-        batch += ["--global-batch-size", str(int(train["global_batch_size"]))]
-    if train.get("micro_batch_size") is not None:
-        batch += ["--micro-batch-size", str(int(train["micro_batch_size"]))]
+    for key, flag in TRAIN_FLAGS.items():
+        if train.get(key) is not None:
+            batch += [flag, str(int(train[key]))]
+    if config_hash:
+        batch += ["--config-hash", config_hash]
     wait = settings.get("node_wait_timeout_s")
     return [
         "megascale",

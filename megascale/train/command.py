@@ -8,11 +8,10 @@ import argparse
 import datetime
 import logging
 import os
-import sys
 from pathlib import Path
 
 from megascale.config import ConfigError
-from megascale.entry import run_command
+from megascale.entry import refuse, run_command
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +65,8 @@ def _one_line_failure(failed: Exception) -> str:
 def run(args: argparse.Namespace) -> int:
     """``megascale train``: N local ranks, or this process as one rank under torchrun (its
     environment); 0 when training finished, 2 with one line when the checkpoints cannot be
-    loaded or written or the data segment finds no room (``_one_line_failure``)."""
+    loaded or written or the data segment finds no room (``_one_line_failure``; under torchrun
+    the rank's own error, also written to torchrun's error file)."""
     from megascale import config as config_mod
     from megascale import gpus
     from megascale.launcher import runlock
@@ -93,8 +93,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
 
+    from megascale.data.node_loader import LoaderError
     from megascale.launcher.local import RankFailed, Stopped, run_local
-    from megascale.train.checkpoint import CheckpointUnusable
+    from megascale.probes.fatal import RUN_DIR_ENV
+    from megascale.train.checkpoint import CheckpointError, CheckpointUnusable
     from megascale.train.resident import REJOIN_DIR_ENV, run_resident
     from megascale.train.run import run_rank
 
@@ -107,16 +109,18 @@ def run(args: argparse.Namespace) -> int:
             return 0
         run_local(run_rank, world, (job, run_dir))
     except CheckpointUnusable as e:
-        print(f"megascale: cannot start: {e}", file=sys.stderr)
-        return 2
+        return refuse(f"cannot start: {e}")
+    except (CheckpointError, LoaderError) as e:
+        if os.environ.get(RUN_DIR_ENV):  # a node agent's worker: its exit record tells the
+            raise  # controller the job's error (the same exception on every rank)
+        return refuse(str(e))  # under torchrun: this process is the rank
     except Stopped as e:
         logging.getLogger("megascale").error("%s", e)
         return 128 + e.signum
     except RankFailed as e:
         why = _one_line_failure(e)
         if why:
-            print(f"megascale: {why}", file=sys.stderr)
-            return 2
+            return refuse(why)
         logging.getLogger("megascale").error("%s", e)
         return 1
     print(f"run directory: {run_dir}")

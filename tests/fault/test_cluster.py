@@ -314,13 +314,23 @@ def test_corrupt_checkpoint_falls_back_to_previous(reference, tmp_path):
 
 
 def test_etcd_restart_is_survived_without_a_restart(reference, tmp_path):
-    # The outage is seen when a leadership check (every 1 s) fails after retrying for up to 1 s
-    # while etcd is down: 3 s down leaves a controller loop running late ~1 s of slack (2 s: none).
+    # What is promised: no restart, no fault, nobody lost, the fault-free parameters, and the
+    # outage reported. It is seen when a leadership check (every 1 s) fails after retrying for
+    # up to 1 s while etcd is down: 3 s down leaves a controller loop running late ~1 s of slack.
     run = Run(tmp_path, "--inject", "etcd-restart:step=8,downtime=3")
     run.check_recovered(reference, generations=1)
-    assert not run.faults()
-    assert run.of("etcd_unavailable") and run.of("etcd_recovered")
-    assert run.final["faults_detected"] == {"etcd_unavailable": 1}
+    assert not run.faults() and not run.of("node_lost") and not run.of("evict"), run.events
+    [down] = run.of("etcd_unavailable")
+    # Its end is either of two correct outcomes: the leader sees etcd answer again; or, on a
+    # starved machine (every client re-authenticates to the restarted etcd), the leader's own
+    # 2 s lease runs out first, its buffered events are dropped as a deposed leader's, and a
+    # controller takes over from the snapshot without a restart.
+    recovered = [e for e in run.of("etcd_recovered") if e.time >= down.time]
+    takeovers = [e for e in run.of("controller_takeover") if e.time >= down.time]
+    assert recovered or takeovers, run.events
+    assert run.final["faults_detected"] == {"etcd_unavailable": 1} | (
+        {"controller_takeover": len(takeovers)} if takeovers else {}
+    )
 
 
 def test_kill_controller_standby_takes_over_and_handles_the_next_fault(reference, tmp_path):
@@ -471,26 +481,6 @@ def test_the_same_error_on_every_rank_fails_the_job_at_once_evicting_nobody(tmp_
     _check_failed_as_the_jobs_error(
         run, "cannot read its data at step 6", "the same error ended every rank (2)"
     )
-
-
-def test_a_full_checkpoint_disk_fails_the_job_with_its_cause(tmp_path):
-    run = Run(tmp_path, "--spares", "1", "--inject", "disk-full:step=8")
-    _check_failed_as_the_jobs_error(run, "No space left on device (ENOSPC)", "storage full")
-
-
-def test_a_real_full_checkpoint_disk_under_launch_evicts_nobody(tmp_path):
-    """A small tmpfs as the checkpoint directory (root only): the writer threads' ENOSPC
-    tracebacks are the job's storage, not node-0's evidence; the job fails with the cause."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "ckpt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
-    try:
-        run = Run(tmp_path / "run", "--spares", "1", "--set", f"checkpoint.url={mnt}")
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-    _check_failed_as_the_jobs_error(run, "No space left on device", "storage full")
 
 
 def test_a_controller_frozen_past_its_lease_records_nothing_when_it_wakes(reference, tmp_path):

@@ -169,3 +169,53 @@ def test_a_node_missing_at_takeover_has_a_lease_ttl_to_register_again(leader):
     leader._tick(10.0 + hold + 0.1)  # n0 came back; n1 did not: lost only now
     assert set(leader.fsm.registered) == {"n0"}
     assert [(f.kind, f.node) for f in leader.fsm.faults] == [("node_lost", "n1")]
+
+
+def _delete(key: str) -> WatchEvent:
+    return WatchEvent("delete", key, b"", 2)
+
+
+@pytest.mark.parametrize("absence", ["etcd outage", "starved loop"])
+def test_a_lease_run_out_in_the_wake_of_the_controllers_own_absence_is_no_lost_node(
+    leader, absence
+):
+    clock = [2.0]  # the fixture's generation started at 2.0
+    leader.clock = lambda: clock[0]
+    hold = leader.opts.secondary_hold_s
+    if absence == "etcd outage":
+        leader._store_failed(RuntimeError("etcd down"))
+        clock[0] += 3.0
+        leader._store_ok()  # etcd is back: the agents' leases may run out before they renew
+    else:
+        clock[0] += 30.0
+        leader._own_gap(2.0)  # this loop turn came 30 s late: every deadline moves by that
+    clock[0] += 1.0
+    for node in ("n0", "n1"):
+        leader._dispatch("node", _delete(leader.keys.node(node)))
+    leader._dispatch("node", _put(leader.keys.node("n0"), _registration("n0", "aaaa")))
+    leader._tick(clock[0] + hold - 0.1)
+    assert set(leader.fsm.registered) == {"n0", "n1"} and not leader.fsm.faults
+    leader._tick(clock[0] + hold + 0.1)  # n0 registered again; n1 did not: lost only now
+    assert [(f.kind, f.node) for f in leader.fsm.faults] == [("node_lost", "n1")]
+    # once that wake is over, a registration that disappears is a lost node at once
+    clock[0] += 2 * hold
+    leader._dispatch("node", _delete(leader.keys.node("n0")))
+    assert "n0" not in leader.fsm.registered
+
+
+def test_a_peers_symptom_waits_for_a_node_whose_registration_is_pending(leader):
+    from megascale.controller.service_heartbeats import Evidence
+
+    clock = [2.0]
+    leader.clock = lambda: clock[0]
+    hold = leader.opts.secondary_hold_s
+    leader._own_gap(clock[0] - 30.0)  # a starved turn, and n1 dies in its wake
+    # n0's worker exits at once: its peer on n1 is gone (a symptom, held)
+    symptom = Evidence("worker_exit", "n0", 0, leader.fsm.generation, code=1, secondary=True)
+    leader._evidence(symptom, clock[0])
+    clock[0] += 1.0  # n1's lease runs out later, still in the wake: its loss is pending
+    leader._dispatch("node", _delete(leader.keys.node("n1")))
+    leader._tick(2.0 + hold + 0.1)  # the symptom is due, but waits for n1
+    assert not leader.fsm.faults
+    leader._tick(clock[0] + hold + 0.1)  # n1 did not register again: lost, the cause
+    assert [(f.kind, f.node) for f in leader.fsm.faults] == [("node_lost", "n1")]
