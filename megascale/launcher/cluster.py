@@ -120,11 +120,9 @@ def check_options(opts: LaunchOptions) -> tuple[Any, list[str]]:
     on what was filled in (for the log)."""
     from megascale import config as config_mod
 
-    if opts.spares is None and not opts.slurm:
-        opts.spares = 0
     for name, low in (("nodes", 1), ("nproc_per_node", 1), ("spares", 0)):
         value = getattr(opts, name)
-        if value is None and name == "spares":
+        if value is None and name == "spares" and opts.slurm:
             continue  # --slurm: the rest of the allocation
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             flag = "--" + name.replace("_", "-")
@@ -584,7 +582,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         overrides=list(args.overrides),
         nodes=args.nodes,
         nproc_per_node=args.nproc_per_node,
-        spares=args.spares,
+        spares=0 if args.spares is None and not args.slurm else args.spares,
         faults=[inject.parse(s) for s in args.inject],
         run_dir=Path(args.run_dir) if args.run_dir else None,
         heartbeat_interval=args.heartbeat_interval,
