@@ -33,12 +33,12 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
 
 
 def refuse(why: str) -> int:
-    """Print ``megascale: WHY`` (its first line) on stderr and return 2. Under torchrun the line
-    is also this worker's error file, so torchrun's failure summary names it as the root cause
-    instead of "To enable traceback see ..."."""
-    lines = why.strip().splitlines()
-    line = f"megascale: {lines[0] if lines else why}"
-    # one write of the whole line: the ranks under torchrun share one stderr pipe, and print's
+    """Print ``megascale: WHY`` on stderr and return 2: one line, or one line per problem for
+    a config with several (``config.validate``). Under torchrun the text is also this worker's
+    error file, so torchrun's failure summary names it as the root cause instead of "To enable
+    traceback see ..."."""
+    line = f"megascale: {why.strip() or why}"
+    # one write of the whole text: the ranks under torchrun share one stderr pipe, and print's
     # two writes (unbuffered under PYTHONUNBUFFERED) interleave with another rank's line
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
