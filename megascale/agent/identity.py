@@ -15,7 +15,6 @@ it runs, by hash.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from megascale.etcd.store import Put, Store, missing, value_is
 
 if TYPE_CHECKING:
-    from megascale.config import JobConfig
+    pass
 
 INSTANCE = secrets.token_hex(8)
 """This process's registration token: tells its own earlier registration from another agent's."""
@@ -39,16 +38,9 @@ def config_hash(config: str | None, overrides: Sequence[str] = ()) -> str | None
     config file (an agent started without ``--config`` runs no job of its own)."""
     if not config:
         return None
-    from megascale.config import load
+    from megascale.config import hash_of, load
 
     return hash_of(load(config, tuple(overrides)))
-
-
-def hash_of(job: JobConfig) -> str:
-    """``config_hash`` of a loaded config: the first 16 hex digits of the SHA-256 of its TOML."""
-    from megascale.config import to_toml
-
-    return hashlib.sha256(to_toml(job).encode()).hexdigest()[:16]
 
 
 def claim_node(

@@ -11,6 +11,7 @@ from megascale.config.loader import (
     DEFAULT_PRESET,
     PRESETS_DIR,
     check_types,
+    hash_of,
     load,
     presets,
     resolve_path,
@@ -53,5 +54,6 @@ __all__ = [
     "resolve_path",
     "to_dict",
     "to_toml",
+    "hash_of",
     "validate",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import logging
 import tomllib
 import types
@@ -157,6 +158,12 @@ def to_toml(cfg: JobConfig) -> str:
     }
     header = "# megascale resolved config; keys left out are None (TOML has no null).\n\n"
     return header + tomli_w.dumps(tables)
+
+
+def hash_of(cfg: JobConfig) -> str:
+    """The config's identity: the first 16 hex digits of the SHA-256 of its ``to_toml``. An
+    agent registers with it and the controller refuses another (``agent.identity``)."""
+    return hashlib.sha256(to_toml(cfg).encode()).hexdigest()[:16]
 
 
 def validate(cfg: JobConfig, world_size: int, backend: str) -> JobConfig:

@@ -55,7 +55,7 @@ def training_config_hash(resolved_toml: str) -> str:
     """The config hash every agent pod registers (``agent.identity.config_hash`` of the
     ConfigMap's ``config.toml``, which ``agent_args`` passes with no ``--set``), from the same
     text: what the controller compares registrations with (``controller_args``)."""
-    from megascale.agent.identity import hash_of
+    from megascale.config import hash_of
 
     return hash_of(_load_text(resolved_toml))
 
