@@ -85,16 +85,12 @@ class CommandRunner:
         self._done_ids.add(command.id)
         self.generation = max(self.generation, command.generation)
         logger.info("command %s %s (generation %d)", command.kind, command.id, self.generation)
-        suspects: list[str] = []
-        try:
-            if command.kind == "selfcheck":
-                ok, detail, suspects = self._cmd_selfcheck(command)
-            else:
-                ok, detail = getattr(self, f"_cmd_{command.kind}")(command)
+        try:  # (ok, detail), and a self-check's suspected neighbours
+            ok, detail, *suspects = getattr(self, f"_cmd_{command.kind}")(command)
         except Exception as e:  # a failed command is a failed ack, not a dead agent
             logger.exception("command %s failed", command.id)
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        return ack_message(command, ok, detail, suspects)
+            ok, detail, suspects = False, f"{type(e).__name__}: {e}", []
+        return ack_message(command, ok, detail, suspects[0] if suspects else ())
 
     def _published(self, command: Command) -> bool:
         """Whether the controller has published ``command``'s generation (``generation``, which
