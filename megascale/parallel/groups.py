@@ -48,6 +48,9 @@ class Groups:
         return self.pp_rank == 0
 
 
+NCCL_TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
+
+
 def init_distributed(device: str, timeout_s: float = TIMEOUT_S) -> tuple[int, int]:
     """Join the job's process group from the torchrun-style environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT, LOCAL_RANK). Returns (rank, world_size)."""
@@ -55,6 +58,9 @@ def init_distributed(device: str, timeout_s: float = TIMEOUT_S) -> tuple[int, in
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Every NCCL group times its kernels on its own stream, so the flight recorder gives an
+        # asynchronous collective its device time, not the watcher's polling (a user's 0 stands).
+        os.environ.setdefault(NCCL_TIMING_ENV, "1")
     if not dist.is_initialized():
         from megascale.launcher.job_store import job_store  # rank 0's store on MASTER_ADDR only
 

@@ -277,11 +277,11 @@ class SnapshotStore:
         sends = [(of, holder) for of in range(world) if (holder := reach[of][step]) != of]
         mine = None
         for of, holder in sends:  # the same order on every rank: no send waits on another
-            if holder == rank:
+            if holder == rank:  # over the snapshots' own gloo group: host memory, on NCCL too
                 copy = next(c for c in self.held[of] if c.step == step)
-                _send(copy, of)
+                _send(copy, of, self._group)
             elif of == rank:
-                mine = _recv(holder)
+                mine = _recv(holder, self._group)
         if mine is None:
             mine = next(s for s in self.own if s.step == step)
         self.own = [mine]  # what is newer is abandoned; what is older is not needed
@@ -322,20 +322,25 @@ def _header(snapshot: Snapshot, small: torch.Tensor) -> torch.Tensor:
     return torch.tensor([snapshot.step, snapshot.payload.numel(), small.numel()])
 
 
-def _send(snapshot: Snapshot, to: int, group: dist.ProcessGroup | None = None) -> None:
+RESTORE_TAG = 8
+"""The tag of a restore's sends (the exchange thread's copies use tags 0-2 on the same group)."""
+
+
+def _send(snapshot: Snapshot, to: int, group: dist.ProcessGroup | None) -> None:
+    """Send ``snapshot`` to global rank ``to`` over ``group`` (host tensors: a gloo group)."""
     small = _small_bytes(snapshot.small)
     for tensor in (_header(snapshot, small), snapshot.payload, small):
-        dist.send(tensor, to, group=group)
+        dist.send(tensor, to, group=group, tag=RESTORE_TAG)
 
 
-def _recv(source: int, group: dist.ProcessGroup | None = None) -> Snapshot:
+def _recv(source: int, group: dist.ProcessGroup | None) -> Snapshot:
     header = torch.zeros(3, dtype=torch.int64)
-    dist.recv(header, source, group=group)
+    dist.recv(header, source, group=group, tag=RESTORE_TAG)
     step, size, small_size = (int(x) for x in header)
     payload = torch.empty(size, dtype=torch.uint8)
     small = torch.empty(small_size, dtype=torch.uint8)
-    dist.recv(payload, source, group=group)
-    dist.recv(small, source, group=group)
+    dist.recv(payload, source, group=group, tag=RESTORE_TAG)
+    dist.recv(small, source, group=group, tag=RESTORE_TAG)
     return Snapshot(step, payload, _small_from(small))
 
 

@@ -83,10 +83,11 @@ class EventPool:
 
 class DeviceSpan:
     """An op on a CUDA stream as a polled tracker: a timing event recorded on the stream before it
-    (``start``; None if none was), and what completes after it: an event recorded after it on the
-    same stream, or its NCCL ``Work``. ``started``: the monotonic time a poll first saw the start
-    event complete (0.0 before); ``duration``: seconds from start to done as the device timed them,
-    once complete (None when ``done`` is a ``Work``). ``release`` gives the events back."""
+        (``start``; None if none was), and what completes after it: an event recorded after it on the
+        same stream, or its NCCL ``Work``. ``started``: the monotonic time a poll first saw the start
+        event complete (0.0 before); ``duration``: seconds from start to done as the device timed them,
+        once complete (when ``done`` is a NCCL ``Work``: its kernel's time on NCCL's stream,
+    ``work_duration``; None where that is not timed). ``release`` gives the events back."""
 
     __slots__ = ("start", "done", "pool", "_started")
 
@@ -105,7 +106,9 @@ class DeviceSpan:
 
     @property
     def duration(self) -> float | None:
-        if self.start is None or not hasattr(self.done, "query"):
+        if not hasattr(self.done, "query"):
+            return work_duration(self.done)
+        if self.start is None:
             return None
         return self.start.elapsed_time(self.done) / 1e3  # ms -> s
 
@@ -113,6 +116,20 @@ class DeviceSpan:
         if self.pool is not None:
             self.pool.put(self.start, self.done if hasattr(self.done, "query") else None)
             self.start = self.done = self.pool = None
+
+
+def work_duration(work) -> float | None:
+    """A completed NCCL ``Work``'s kernel time (s), timed by the events NCCL's process group
+    records around the kernel on its own stream when collective timing is on
+    (``TORCH_NCCL_ENABLE_TIMING``, which ``parallel.groups.init_distributed`` turns on); None
+    where it is off, or the ``Work`` is not NCCL's (torch raises then)."""
+    get = getattr(work, "_get_duration", None)
+    if get is None:
+        return None
+    try:
+        return get() / 1e3  # ms -> s
+    except RuntimeError:
+        return None
 
 
 def _finished(tracker, started: float, done: float) -> tuple[float, float]:
