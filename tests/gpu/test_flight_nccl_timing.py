@@ -10,6 +10,7 @@ without the kernel's own time the record's span would be the polls' spacing."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from gpu_jobs import in_child
@@ -41,11 +42,17 @@ def _record_async_collectives(run_dir: str) -> list[tuple[float, float, float]]:
         work.wait()
         torch.cuda.synchronize()
         measured.append(work._get_duration() / 1e3)  # the kernel's time, as NCCL's events say
-    recorder.close()  # the watcher's last polls are written
+    path = flight_path(run_dir, 0)
+
+    def gathers():
+        return [r for r in read_records(path) if r.kind == OpKind.ALL_GATHER_INTO_TENSOR]
+
+    deadline = time.monotonic() + 5  # the watcher polls at least every MAX_INTERVAL_S
+    while not all(r.done_mono for r in gathers()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    recorder.close()
     dist.destroy_process_group()
-    records = [
-        r for r in read_records(flight_path(run_dir, 0)) if r.kind == OpKind.ALL_GATHER_INTO_TENSOR
-    ]
+    records = gathers()
     return [(r.start_mono, r.done_mono, m) for r, m in zip(records, measured, strict=True)]
 
 
