@@ -17,6 +17,7 @@ the first step after it; and the steps redone. Then the snapshot's cost per step
 taking one, beside the step time, in one process (``--snapshot-steps`` steps each way).
 
     python benchmarks/recovery_cost.py [--steps 200] [--every 50]
+    python benchmarks/recovery_cost.py --snapshot-only [--config h100-1b --device cuda --set ...]
 
 Each launcher's faulty run's final parameters are compared with its own fault-free run's.
 """
@@ -139,8 +140,11 @@ def breakdown(run_dir: Path) -> list[dict[str, float]]:
     return rows
 
 
-def snapshot_cost(steps: int) -> tuple[float, float]:
-    """(median step time, median snapshot stall) of the tiny preset, one rank, in this process."""
+def snapshot_cost(
+    steps: int, config: str = "tiny", sets: list[str] | None = None, device: str = "cpu"
+) -> tuple[float, float, int]:
+    """(median step time, median snapshot stall, bytes per snapshot) of ``config`` on one rank
+    of ``device``, in this process (the first 3 steps are left out: the buffers are made then)."""
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", LOCAL_RANK="0")
     from megascale.launcher.local import free_port
 
@@ -155,22 +159,32 @@ def snapshot_cost(steps: int) -> tuple[float, float]:
     from megascale.train.run import seed_everything
     from megascale.train.trainer import Trainer
 
-    job = load("tiny", [])
-    init_distributed("cpu")
-    cpu_backend.activate()
-    torch.set_num_threads(1)
+    job = load(config, [*(sets or []), f"train.device={device}"])
+    init_distributed(device)
+    if device == "cpu":
+        cpu_backend.activate()
+        torch.set_num_threads(1)
     groups = build_groups(job.parallel)
-    seed_everything(job.train.seed, groups.tp_rank, "cpu")
+    seed_everything(job.train.seed, groups.tp_rank, device)
     data = Path(tempfile.mkdtemp(prefix="megascale-snapshot-"))
     default_token_file(data)
-    trainer = Trainer(job, groups, "cpu", data_cache_dir=data)
+    trainer = Trainer(job, groups, device, data_cache_dir=data)
     memory = SnapshotStore(1, 1)
     step_s, take_s = [], []
     for _ in range(steps):
         step_s.append(trainer.step().step_time_s)
         take_s.append(memory.take(trainer))
+    size = memory.own[-1].payload.numel()
     destroy_groups()
-    return statistics.median(step_s[3:]), statistics.median(take_s[3:])
+    return statistics.median(step_s[3:]), statistics.median(take_s[3:]), size
+
+
+def print_snapshot_cost(steps: int, config: str, sets: list[str], device: str) -> None:
+    step, take, size = snapshot_cost(steps, config, sets, device)
+    what = " ".join([config, *(f"--set {s}" for s in sets)])
+    print(f"\nsnapshot every step, {what}, 1 rank on {device}: step {step * 1e3:.1f} ms, "
+          f"snapshot stall {take * 1e3:.2f} ms ({take / step:.2%} of the step), "
+          f"{size / 2**30:.2f} GiB per snapshot ({size / take / 1e9:.1f} GB/s)")  # fmt: skip
 
 
 def main() -> int:
@@ -178,7 +192,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--snapshot-steps", type=int, default=40)
+    parser.add_argument(
+        "--snapshot-only", action="store_true", help="only the snapshot's cost per step"
+    )
+    parser.add_argument("--config", default="tiny", help="the snapshot's config (default: tiny)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    if args.snapshot_only:
+        print_snapshot_cost(args.snapshot_steps, args.config, args.set, args.device)
+        return 0
     tmp = Path(tempfile.mkdtemp(prefix="megascale-recovery-cost-"))
     kills = list(range(args.every, args.steps, args.every))
     walls: dict[str, dict[str, float]] = {}
@@ -225,9 +248,7 @@ def main() -> int:
     for row in parts:
         print("  " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                for k, v in row.items()))  # fmt: skip
-    step, take = snapshot_cost(args.snapshot_steps)
-    print(f"\nsnapshot every step, tiny preset, 1 rank: step {step * 1e3:.1f} ms, "
-          f"snapshot stall {take * 1e3:.2f} ms ({take / step:.2%} of the step)")  # fmt: skip
+    print_snapshot_cost(args.snapshot_steps, args.config, args.set, args.device)
     print(f"run directories: {tmp}")
     same = all(digests[f"{n} faulty"] == digests[f"{n} fault-free"] for n in resumed)
     return 0 if same else 1
