@@ -279,6 +279,7 @@ class CommandRunner:
             self.store.put(key, value, lease=self._lease)
             return self.opts.addr, port
         deadline = time.monotonic() + self.opts.rendezvous_timeout_s
+        pause = 0.002  # the master publishes within milliseconds of this node's own start command
         while time.monotonic() < deadline and not self.stopping.is_set():
             try:
                 kv = self.store.get(key)
@@ -288,5 +289,6 @@ class CommandRunner:
             if kv is not None:
                 value = kv.json()
                 return str(value["addr"]), int(value["port"])
-            time.sleep(0.05)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)  # a few quick reads, then 20 a second per node at most
         raise TimeoutError(f"{master} did not publish {key} in {self.opts.rendezvous_timeout_s} s")

@@ -37,6 +37,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe
+from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +123,26 @@ TARGETS: dict[str, Callable[..., int]] = {
 # -- the zygote --------------------------------------------------------------------------------
 
 
+def _child_exit_alarm() -> int:
+    """A pipe's read end that becomes readable when a child of this process exits: SIGCHLD
+    wakes the zygote's loop at once (it reaps, and the agent hears of a killed worker or a
+    finished self-check without a polling interval's delay)."""
+    read, write = os.pipe()
+    for fd in (read, write):
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)  # the wakeup fd needs a handler
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    return read
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
 def _child(
     conn: Connection, zygote: int, target: str, kwargs: dict, env: dict, log: str, nice: int
 ) -> None:
@@ -131,6 +152,7 @@ def _child(
     try:
         die_with_parent(parent=zygote)
         conn.close()
+        signal.set_wakeup_fd(-1)  # the zygote's child-exit alarm is not this process's
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent stops workers; Ctrl-C is its
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -190,9 +212,13 @@ def _zygote_main(conn: Connection, preload: tuple[str, ...]) -> None:
     gc.collect()
     gc.freeze()
     children: set[int] = set()
+    exits = _child_exit_alarm()
     try:
         while True:
-            if conn.poll(0.05):
+            ready = wait_ready([conn, exits], 1.0)  # a request, or a child's exit (SIGCHLD)
+            if exits in ready:
+                _drain(exits)
+            if conn in ready:
                 op, *args = conn.recv()
                 if op == "quit":
                     break
