@@ -47,8 +47,28 @@ def job_store(rank: int, world: int, timeout_s: float) -> dist.Store:
         prefix = _agree_on_prefix(client, rank, world, timeout_s)
         return dist.PrefixStore(prefix, client)
     if rank != 0:
+        wait_listening(addr, port, timeout_s, world)
         return dist.TCPStore(addr, port, world, False, timeout)
     return serve_store(addr, port, world, timeout)
+
+
+def wait_listening(addr: str, port: int, timeout_s: float, world: int = 1) -> None:
+    """Return once ``addr:port`` accepts a connection (rank 0's store is up).
+
+    A ``TCPStore`` client whose first connect is refused retries only after a backoff of ~0.7 s,
+    so a rank that arrives a millisecond before rank 0 (a rejoining rank, whose process is
+    already up) would wait that long. This tries after 2, 4, 8 ... ms, at most every 50 ms (every
+    0.5 s in a world of over 1024 ranks, whose connection attempts all go to one host); the
+    probe connection is closed at once, and the store server takes it as a client that left.
+    After ``timeout_s`` the client's own connect reports the failure."""
+    deadline, pause, most = time.monotonic() + timeout_s, 0.002, 0.05 if world <= 1024 else 0.5
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(pause)
+            pause = min(2 * pause, most)
 
 
 def serve_store(

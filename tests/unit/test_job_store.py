@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import datetime
 import socket
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch.distributed as dist
@@ -107,3 +107,20 @@ def test_gloo_uses_loopback_on_one_machine_and_the_nodes_interface_across_machin
         assert job_store.gloo_interface("192.0.2.1", addr) == name
     assert job_store.gloo_interface("192.0.2.1", "198.51.100.9") is None  # not this machine's
     assert job_store.gloo_interface("192.0.2.1", None) is None  # gloo's own choice
+
+
+def test_a_rank_ahead_of_rank_0_joins_its_store_once_it_listens(monkeypatch):
+    """A rank whose process is up before rank 0 serves the store (a rejoining rank) waits for
+    the port to accept (``wait_listening``), not through the store client's own retry backoff,
+    and then joins it."""
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with ThreadPoolExecutor(2) as pool:
+        waiting = pool.submit(job_store.wait_listening, "127.0.0.1", port, 30.0)
+        client = pool.submit(job_store.job_store, 1, 2, 30.0)  # ahead of rank 0
+        assert waiting in wait([waiting], timeout=0.1).not_done  # nothing listens yet
+        server = job_store.job_store(0, 2, 30.0)
+        waiting.result(timeout=30)
+        client.result(timeout=30).set("rank1", "here")
+    assert server.get("rank1") == b"here"
