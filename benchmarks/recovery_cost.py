@@ -142,9 +142,12 @@ def breakdown(run_dir: Path) -> list[dict[str, float]]:
 
 def snapshot_cost(
     steps: int, config: str = "tiny", sets: list[str] | None = None, device: str = "cpu"
-) -> tuple[float, float, int]:
-    """(median step time, median snapshot stall, bytes per snapshot) of ``config`` on one rank
-    of ``device``, in this process (the first 3 steps are left out: the buffers are made then)."""
+) -> tuple[float, float, float, int]:
+    """(median step time without a snapshot, median step time with the snapshot after it, median
+    snapshot stall, bytes per snapshot) of ``config`` on one rank of ``device``, in this process:
+    ``steps`` steps without snapshots, then ``steps`` steps each followed by one (the first 2 of
+    each left out: the buffers are made then). A step with snapshots includes its update's wait
+    for the previous snapshot's copy, if still in flight (a GPU), and the stall of its own."""
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", LOCAL_RANK="0")
     from megascale.launcher.local import free_port
 
@@ -170,21 +173,29 @@ def snapshot_cost(
     default_token_file(data)
     trainer = Trainer(job, groups, device, data_cache_dir=data)
     memory = SnapshotStore(1, 1)
-    step_s, take_s = [], []
-    for _ in range(steps):
-        step_s.append(trainer.step().step_time_s)
+    plain_s, step_s, take_s = [], [], []
+    for _ in range(steps):  # steps without snapshots
+        plain_s.append(trainer.step().step_time_s)
+    for _ in range(steps):  # then each step followed by a snapshot
+        start = time.perf_counter()
+        trainer.step()  # (its update waits for the last snapshot's copy, if still in flight)
         take_s.append(memory.take(trainer))
+        step_s.append(time.perf_counter() - start)
+    if device == "cuda":
+        torch.cuda.synchronize()
     size = memory.own[-1].payload.numel()
     destroy_groups()
-    return statistics.median(step_s[3:]), statistics.median(take_s[3:]), size
+    median = lambda xs: statistics.median(xs[2:])  # noqa: E731
+    return median(plain_s), median(step_s), median(take_s), size
 
 
 def print_snapshot_cost(steps: int, config: str, sets: list[str], device: str) -> None:
-    step, take, size = snapshot_cost(steps, config, sets, device)
+    plain, step, take, size = snapshot_cost(steps, config, sets, device)
     what = " ".join([config, *(f"--set {s}" for s in sets)])
-    print(f"\nsnapshot every step, {what}, 1 rank on {device}: step {step * 1e3:.1f} ms, "
-          f"snapshot stall {take * 1e3:.2f} ms ({take / step:.2%} of the step), "
-          f"{size / 2**30:.2f} GiB per snapshot ({size / take / 1e9:.1f} GB/s)")  # fmt: skip
+    print(f"\nsnapshot after a step, {what}, 1 rank on {device}, {size / 2**30:.2f} GiB per "
+          f"snapshot: step {plain * 1e3:.1f} ms without, {step * 1e3:.1f} ms with it "
+          f"({step / plain:.3f}x); snapshot stall {take * 1e3:.2f} ms "
+          f"({take / plain:.2%} of a step)")  # fmt: skip
 
 
 def main() -> int:

@@ -356,8 +356,9 @@ class FaultToleranceConfig:
     """In-process recovery: steps between in-memory snapshots of every rank's training state
     (the steps since the last one are redone after a fault); each is also copied to the host
     memory of a rank on the next node, so that a lost node's state comes back without reading
-    storage. None: every step on CPU; on a GPU every ``checkpoint.interval`` steps (the snapshot
-    is a synchronous copy of the rank's state to host memory: measure it before setting 1)."""
+    storage. None: every step on CPU; on a GPU every ``checkpoint.interval`` steps (the copy to
+    host memory runs beside the next step, which it still slows: 2.8% on one H100 for
+    ``h100-1b``, ``benchmarks/recovery_cost.py --snapshot-only``; measure before setting 1)."""
     pause_timeout_s: float = 10.0
     """In-process recovery: longest a healthy rank may take to pause after a fault; one that does
     not (a wedged rank) is killed and comes back as a new process."""

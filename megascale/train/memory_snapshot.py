@@ -51,6 +51,15 @@ class Snapshot:
     step: int
     payload: torch.Tensor  # uint8, host memory: every tensor of the state, in order, aligned
     small: dict  # the small state: {"common": ..., "rng": ...}
+    ready: torch.cuda.Event | None = None
+    """From a GPU: recorded after the copy into ``payload`` (on the copy stream); None: the
+    payload is complete (a CPU copy, or a copy received from a peer)."""
+
+    def landed(self) -> Snapshot:
+        """This snapshot, once its payload is all in host memory (blocks on a copy in flight)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self
 
 
 def _tensors(trainer: Trainer) -> list[torch.Tensor]:
@@ -131,6 +140,7 @@ class SnapshotStore:
         self._epoch = 0  # one per attach: an exchange of a dead generation stores nothing
         self._plan: tuple[weakref.ref, list[torch.Tensor], int] | None = None
         self._targets: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._stream: torch.cuda.Stream | None = None  # a GPU's copies to host memory
 
     # -- binding to a generation ------------------------------------------------------------
 
@@ -160,6 +170,8 @@ class SnapshotStore:
     def detach(self, timeout_s: float = 0.05) -> None:
         """Stop the exchange. A copy cut short by a fault is dropped; its thread, waiting on a
         peer that is gone, ends when that peer's connection closes, and stores nothing."""
+        if self._stream is not None:  # a GPU copy still reading the trainer's tensors lands
+            self._stream.synchronize()  # before they are freed (and reused by the next trainer)
         with self._busy:
             self._closed, self._pending = True, None
             self._epoch += 1
@@ -176,7 +188,12 @@ class SnapshotStore:
 
     @torch.no_grad()
     def take(self, trainer: Trainer) -> float:
-        """Snapshot the trainer's current step into host memory; returns the stall (s)."""
+        """Snapshot the trainer's current step into host memory; returns the stall (s).
+
+        From a GPU the copy runs on a stream of its own, beside the next step's forward and
+        backward, which only read the state: the step's update waits for it
+        (``Trainer.reading_state``), and whoever reads the payload waits for ``Snapshot.ready``.
+        The stall is then the time to issue the copies."""
         start = time.perf_counter()
         with self._busy:  # the oldest buffer may still be on its way to the peer
             while self._pending is not None and not self._closed:
@@ -192,10 +209,19 @@ class SnapshotStore:
         if targets is None or targets[0] is not payload:
             targets = (payload, _views(payload, sources))
         self._targets[id(payload)] = targets
-        torch._foreach_copy_(targets[1], sources, non_blocking=True)
-        if payload.is_pinned():
-            torch.cuda.current_stream().synchronize()
-        snapshot = Snapshot(trainer.step_num, payload, _small_state(trainer))
+        ready = None
+        if payload.is_pinned():  # from a GPU
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())  # after the step's update
+            with torch.cuda.stream(self._stream):
+                torch._foreach_copy_(targets[1], sources, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+            trainer.reading_state(ready)
+        else:
+            torch._foreach_copy_(targets[1], sources)
+        snapshot = Snapshot(trainer.step_num, payload, _small_state(trainer), ready)
         self.own.append(snapshot)
         with self._busy:
             if self._peers is not None and not self._closed:
@@ -223,7 +249,7 @@ class SnapshotStore:
                     return
                 snapshot, group, peers = self._pending, self._group, self._peers
             try:
-                held = _swap(snapshot, group, *peers)
+                held = _swap(snapshot.landed(), group, *peers)
             except Exception as e:  # a peer died: the fault is the training path's to report
                 logger.info("snapshot copy to rank %d stopped: %s", peers[0], e)
                 held = None
@@ -283,7 +309,7 @@ class SnapshotStore:
             elif of == rank:
                 mine = _recv(holder, self._group)
         if mine is None:
-            mine = next(s for s in self.own if s.step == step)
+            mine = next(s for s in self.own if s.step == step).landed()
         self.own = [mine]  # what is newer is abandoned; what is older is not needed
         self.held = {}
         return mine

@@ -91,6 +91,13 @@ class Trainer:
         # NVTX ranges for Nsight Systems around the schedule and the optimizer (train.nvtx, set by
         # the run loop, which puts the step's own range around step()); null by default.
         self.nvtx = NULL_NVTX
+        self._state_readers: list[torch.cuda.Event] = []
+
+    def reading_state(self, done: torch.cuda.Event) -> None:
+        """A copy of the training state is in flight on another CUDA stream until ``done``: the
+        next update (the optimizer's step, which writes the state in place) waits for it on the
+        device; the host does not wait."""
+        self._state_readers.append(done)
 
     def step(self) -> StepMetrics:
         """One optimizer step: data -> forward/backward schedule -> grad sync -> clip -> update."""
@@ -115,6 +122,9 @@ class Trainer:
         # embedding; step() clips by the global norm and updates (all-gathering params if sharded).
         lr = self.optimizer.param_groups[0]["lr"]  # the lr this step runs at
         optim_span = "megascale::optim::step"
+        for done in self._state_readers:  # an in-memory snapshot's copy to host memory
+            torch.cuda.current_stream().wait_event(done)
+        self._state_readers.clear()
         with self.timeline.span(optim_span), self.nvtx.range(optim_span):
             updated, grad_norm, _ = self.optimizer.step()
         if not updated:
