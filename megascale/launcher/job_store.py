@@ -60,13 +60,18 @@ def wait_listening(addr: str, port: int, timeout_s: float, world: int = 1) -> No
     already up) would wait that long. This tries after 2, 4, 8 ... ms, at most every 50 ms (every
     0.5 s in a world of over 1024 ranks, whose connection attempts all go to one host); the
     probe connection is closed at once, and the store server takes it as a client that left.
-    After ``timeout_s`` the client's own connect reports the failure."""
+    ``DistNetworkError`` naming the address after ``timeout_s``."""
     deadline, pause, most = time.monotonic() + timeout_s, 0.002, 0.05 if world <= 1024 else 0.5
-    while time.monotonic() < deadline:
+    while True:
         try:
             socket.create_connection((addr, port), timeout=1.0).close()
             return
-        except OSError:
+        except OSError as e:
+            if time.monotonic() + pause > deadline:  # as the store client's own would: a
+                raise dist.DistNetworkError(  # rank that pauses on it, pauses on this
+                    f"rank 0's store at {addr}:{port} did not accept a connection in "
+                    f"{timeout_s:.0f} s ({e})"
+                ) from None
             time.sleep(pause)
             pause = min(2 * pause, most)
 

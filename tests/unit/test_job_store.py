@@ -124,3 +124,13 @@ def test_a_rank_ahead_of_rank_0_joins_its_store_once_it_listens(monkeypatch):
         waiting.result(timeout=30)
         client.result(timeout=30).set("rank1", "here")
     assert server.get("rank1") == b"here"
+
+
+def test_a_store_that_never_comes_up_is_named_in_one_line():
+    port = free_port()  # nothing listens there
+    try:
+        job_store.wait_listening("127.0.0.1", port, 0.05)
+    except dist.DistNetworkError as e:  # what the store client raises: a rank's pause handles it
+        assert f"127.0.0.1:{port}" in str(e) and "\n" not in str(e), e
+    else:
+        raise AssertionError("waiting for a port nothing listens on returned")
