@@ -18,12 +18,9 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megascale.etcd.store import Put, Store, missing, value_is
-
-if TYPE_CHECKING:
-    pass
 
 INSTANCE = secrets.token_hex(8)
 """This process's registration token: tells its own earlier registration from another agent's."""

@@ -50,7 +50,8 @@ from megascale.agent.commands import (  # noqa: F401  (ack_message: re-exported)
 from megascale.agent.identity import INSTANCE, NameTaken, claim_node, config_hash
 from megascale.agent.logscan import DEVICE_ERRORS, error_kind
 from megascale.agent.nodeinfo import gpu_status, hardware_info, network_counters
-from megascale.agent.workers import WorkerPool, Zygote
+from megascale.agent.workers import WorkerPool
+from megascale.agent.zygote import Zygote
 from megascale.controller.policy import lease_ttl
 from megascale.etcd.keys import JobKeys, check_name
 from megascale.etcd.store import (

@@ -49,11 +49,11 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "check_types",
+    "hash_of",
     "load",
     "presets",
     "resolve_path",
     "to_dict",
     "to_toml",
-    "hash_of",
     "validate",
 ]

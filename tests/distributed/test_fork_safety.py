@@ -20,7 +20,7 @@ import torch
 
 from megascale import cli
 from megascale.agent import workers
-from megascale.agent.workers import Zygote
+from megascale.agent.zygote import Zygote
 from megascale.launcher import local
 from megascale.train import run as train_run
 

@@ -15,6 +15,7 @@ import pytest
 
 from megascale import cli
 from megascale.agent import workers
+from megascale.agent import zygote as zygotes
 from megascale.etcd.keys import JobKeys, make_command
 from megascale.etcd.server import EmbeddedEtcd
 from megascale.etcd.store import Store, StoreConfig
@@ -152,8 +153,8 @@ def test_a_killed_zygote_is_reported_as_this_nodes_fault(monkeypatch, tmp_path):
     """The zygote killed under running workers: they die with it, the pool reports their exits
     (SIGKILL, not a peer's failure) and a ``zygote_died`` error at once, and a later fork (the
     self-check before a restart) fails naming the zygote instead of waiting."""
-    monkeypatch.setitem(workers.TARGETS, "train", _sleeping_rank)  # forked: the zygote has it
-    zygote = workers.Zygote(preload=())
+    monkeypatch.setitem(zygotes.TARGETS, "train", _sleeping_rank)  # forked: the zygote has it
+    zygote = zygotes.Zygote(preload=())
     changed = threading.Event()
     pool = workers.WorkerPool(zygote, tmp_path, "node-0", on_change=changed.set)
     try:

@@ -18,7 +18,7 @@ from megascale.agent.workers import WorkerPool
 
 
 class FakeZygote:
-    """``workers.Zygote``'s interface: spawn a target, report its exit through ``on_exit``."""
+    """``zygote.Zygote``'s interface: spawn a target, report its exit through ``on_exit``."""
 
     def __init__(self) -> None:
         self.spawned: list[tuple[str, dict[str, str]]] = []

@@ -1,6 +1,6 @@
 """The minimal built-in node self-check (``megascale agent --selfcheck builtin``): what every
 node runs before it (re)joins when the full diagnostics one (``selfcheck.suite``) is not asked for.
-The agent's zygote forks ``nproc`` processes of ``selfcheck_rank`` (``agent.workers``)."""
+The agent's zygote forks ``nproc`` processes of ``selfcheck_rank`` (``agent.zygote``)."""
 
 from __future__ import annotations
 

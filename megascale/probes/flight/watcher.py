@@ -83,10 +83,10 @@ class EventPool:
 
 class DeviceSpan:
     """An op on a CUDA stream as a polled tracker: a timing event recorded on the stream before it
-        (``start``; None if none was), and what completes after it: an event recorded after it on the
-        same stream, or its NCCL ``Work``. ``started``: the monotonic time a poll first saw the start
-        event complete (0.0 before); ``duration``: seconds from start to done as the device timed them,
-        once complete (when ``done`` is a NCCL ``Work``: its kernel's time on NCCL's stream,
+    (``start``; None if none was), and what completes after it: an event recorded after it on the
+    same stream, or its NCCL ``Work``. ``started``: the monotonic time a poll first saw the start
+    event complete (0.0 before); ``duration``: seconds from start to done as the device timed
+    them, once complete (when ``done`` is a NCCL ``Work``: its kernel's time on NCCL's stream,
     ``work_duration``; None where that is not timed). ``release`` gives the events back."""
 
     __slots__ = ("start", "done", "pool", "_started")
