@@ -292,9 +292,15 @@ def test_every_dashboard_query_returns_data_from_a_live_launch(prometheus, live)
         for t, _, e, _ in dashboards.panel_queries(dashboards.build_all()["megascale-stragglers"])
         if t == "Compute time over the job median"
     )
-    ranks = _instant(base, slowdown_query)
-    slowest = max(ranks, key=lambda s: float(s["value"][1]))
-    assert slowest["metric"] == {"node": SLOW_NODE, "rank": str(SLOW_RANK)}, ranks
+    # The heat map's row that stays hot: each rank's mean over the panel's window (one step's
+    # figure alone, the latest, is within noise of another rank's on 2 shared cores).
+    rows = _run(base, slowdown_query, False)["data"]["result"]
+    mean = {
+        (r["metric"]["node"], r["metric"]["rank"]): sum(float(v) for _, v in r["values"])
+        / len(r["values"])
+        for r in rows
+    }
+    assert max(mean, key=mean.get) == (SLOW_NODE, str(SLOW_RANK)), mean
 
     # MFU a fraction; tokens/s one job-wide figure: the panel shows, at every moment of the
     # window, a figure rank 0 logged in metrics.jsonl (not a sum or mean over ranks or nodes).
