@@ -21,6 +21,7 @@ COMPAT_PYTHON ?= $(shell for p in $$(ls -d $(HOME)/.pyenv/versions/3.12.*/bin/py
 	$$(command -v python3.12); do "$$p" -c "" 2>/dev/null && echo "$$p" && break; done)
 COMPAT_VENV ?= .venv-py312
 COMPAT_MCORE ?= megatron-core
+COMPAT_FREE_GB ?= 8
 COMPAT_TESTS ?= tests/unit tests/distributed/test_fork_safety.py tests/distributed/test_cli.py \
 	tests/distributed/test_equivalence.py \
 	tests/distributed/test_reshard.py::test_resume_at_another_layout_matches_the_uninterrupted_run \
@@ -61,8 +62,12 @@ $(COMPAT_VENV)/.installed: pyproject.toml
 	@test -n "$(COMPAT_PYTHON)" || { echo "test-compat: no Python 3.12 here; set COMPAT_PYTHON=/path/to/python3.12"; exit 1; }
 	test -x $(COMPAT_VENV)/bin/python || $(COMPAT_PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade pip
-	@# Unpinned on purpose: what `pip install torch` gives a user (a CUDA build), GPU or not.
-	$(COMPAT_VENV)/bin/python -m pip install -q torch
+	@# Unpinned on purpose: what `pip install torch` gives a user (a CUDA build), GPU or not. It
+	@# takes ~6 GB here (5.4 GB installed); pip's cache would hold ~3 GB more of its wheels.
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if ! $(COMPAT_VENV)/bin/python -c "import torch" 2>/dev/null && [ "$$free" -lt $(COMPAT_FREE_GB) ]; then \
+		echo "test-compat: the CUDA build of torch needs about $(COMPAT_FREE_GB) GB free in $(CURDIR); $$free GB free"; exit 1; fi
+	$(COMPAT_VENV)/bin/python -m pip install -q --no-cache-dir torch
 	$(COMPAT_VENV)/bin/python -m pip install -q --upgrade -e ".[dev]" "$(COMPAT_MCORE)"
 	@if $(COMPAT_VENV)/bin/python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('transformer_engine') is None)"; then \
 		echo "transformer_engine is installed in $(COMPAT_VENV): remove it"; exit 1; fi
