@@ -102,3 +102,28 @@ def test_two_stage_checkpoint_from_gpu_memory_resumes_exactly(run_a, tmp_path):
     for got, want in zip(resumed, history[2:], strict=True):
         assert math.isclose(got.loss, want.loss, rel_tol=1e-5), (got, want)
         assert math.isclose(got.grad_norm, want.grad_norm, rel_tol=1e-4), (got, want)
+
+
+def _copy_behind_queued_work() -> tuple[bool, bool, bool]:
+    import torch
+
+    from megascale.train.checkpoint.storage import HostCopier
+
+    n = 1 << 24  # 64 MB of fp32
+    source = torch.arange(n, dtype=torch.float32, device="cuda")
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of work queued ahead on the compute stream
+    host, copied = HostCopier().copy({"state": source})
+    returned_early = not copied.query()  # the host did not wait for the copy
+    torch.cuda.current_stream().wait_event(copied)  # what the next update does
+    source.add_(1.0)
+    copied.synchronize()
+    expected = torch.arange(n, dtype=torch.float32)
+    return returned_early, host["state"].is_pinned(), torch.equal(host["state"], expected)
+
+
+def test_stage_one_copies_out_of_gpu_memory_without_stalling_and_before_the_next_update():
+    """Stage 1 from a GPU: the copy runs on a stream of its own, after the work already queued on
+    the compute stream (it sees the finished values), while the host goes on; an update that
+    waits for its event cannot change what was copied."""
+    returned_early, pinned, equal = in_child(_copy_behind_queued_work)
+    assert returned_early and pinned and equal, (returned_early, pinned, equal)

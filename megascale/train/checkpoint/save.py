@@ -22,7 +22,8 @@ sample count, so the resumed run reads the samples the uninterrupted run would h
 
 Save (``Checkpointer.save``, every rank at the same steps). Stage 1 is the training stall: wait for
 this rank's previous save (one in flight per rank), copy the pieces it saves into host
-buffers (reused from one save to the next; pinned on a GPU), return. Stage 2 runs in a background
+buffers (reused from one save to the next; pinned on a GPU, where the copy runs on a stream of its
+own beside the next step's forward and backward, and that step's update waits for it), return. Stage 2 runs in a background
 thread and needs no communication: write this rank's DCP files and RNG, hash them, write the done
 marker. Rank 0's thread then waits until every rank's marker is there, merges the ranks' DCP
 metadata into the step's ``.metadata``, writes the manifest (temporary name, then rename), removes
@@ -49,6 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 import megascale.train.checkpoint.format as fmt
@@ -259,12 +261,16 @@ class Checkpointer:
         self.last_wait_s = time.perf_counter() - start
         step, tree = trainer.step_num, _tree(*snapshot(trainer))
         if self.cfg.async_save:
-            host = self._copier.copy(tree)  # stage 1: training may change the live tensors now
+            # stage 1; from a GPU the copy is in flight beside the next step's forward and
+            # backward, which only read the state, and its update waits for it on the device
+            host, copied = self._copier.copy(tree)
+            if copied is not None:
+                trainer.reading_state(copied)
             # the stall is over once the thread starts: set before the writer may replace it
             self.last_save = (step, time.perf_counter() - start, None)
             self._thread = threading.Thread(
                 target=self._stage2,
-                args=(step, host, start),
+                args=(step, host, start, copied),
                 name=f"megascale::checkpoint::write::{step}",
                 daemon=True,  # a crashing rank must not wait for its write: no manifest then
             )
@@ -304,11 +310,15 @@ class Checkpointer:
                 self.total_stall_s,
             )
 
-    def _stage2(self, step: int, tree: dict, save_started: float) -> None:
+    def _stage2(
+        self, step: int, tree: dict, save_started: float, copied: torch.cuda.Event | None = None
+    ) -> None:
         start = time.perf_counter()
         if threading.current_thread() is not threading.main_thread():
             _lower_thread_priority()  # training first when they compete for a core
         try:
+            if copied is not None:
+                copied.synchronize()  # stage 1's copy out of GPU memory has landed
             self._write(step, tree)
             done = time.perf_counter()
             self.last_write_s = done - start

@@ -5,7 +5,8 @@
   so a reader sees a whole file or none; writes hash the bytes as they stream out (sha256), reads
   return the bytes so that verifying and loading read storage once.
 - ``HostCopier``: stage 1 of a save. Copies a state tree's tensors into host buffers (pinned when
-  the source is on a GPU) that are reused from one save to the next.
+  the source is on a GPU) that are reused from one save to the next; from a GPU on a stream of its
+  own, beside the next step's compute.
 - ``broadcast_tree``: one rank of a group sends a loaded state tree to its peers (restart
   read-once-and-broadcast). Tensors travel as one byte buffer; the tree's shape goes with
   ``broadcast_object_list``, which only ever carries what the sending rank built itself (data read
@@ -377,7 +378,7 @@ def tree_bytes(tree: Any) -> int:
 
 
 class HostCopier:
-    """Stage 1: copy a state tree to host memory, into buffers reused from save to save.
+    """Stage 1 of a save: copy a state tree to host memory, into buffers reused from save to save.
 
     Contract: the previous copy must no longer be in use (its stage 2 finished) when ``copy`` is
     called again, because the buffers are overwritten. Buffers are pinned when a tensor comes from a
@@ -386,6 +387,7 @@ class HostCopier:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
+        self._stream: torch.cuda.Stream | None = None
 
     def _buffer(self, path: tuple, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
@@ -400,20 +402,35 @@ class HostCopier:
         so that its stall is a copy like every later one's."""
         _map_tree(tree, self._buffer)
 
-    def copy(self, tree: Any) -> Any:
-        on_gpu = False
+    def copy(self, tree: Any) -> tuple[Any, torch.cuda.Event | None]:
+        """The host copy of ``tree``, and from a GPU the event after which it holds the data
+        (None: copied already). GPU tensors are copied on a stream of this copier's, after what
+        the current stream has queued: the caller returns to training at once, and must not
+        change those tensors before the event (``Trainer.reading_state``: the next update waits
+        for it) nor read the copy before it (stage 2 waits for it)."""
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def to_host(path: tuple, t: torch.Tensor) -> torch.Tensor:
-            nonlocal on_gpu
             buf = self._buffer(path, t)
-            on_gpu |= t.is_cuda
-            buf.copy_(t.detach(), non_blocking=t.is_cuda)
+            if t.is_cuda:
+                pending.append((buf, t.detach()))
+            else:
+                buf.copy_(t.detach())
             return buf
 
         host = _map_tree(tree, to_host)
-        if on_gpu:
-            torch.cuda.synchronize()  # the non-blocking copies above must land before stage 2
-        return host
+        if not pending:
+            return host, None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=pending[0][1].device)
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for buf, t in pending:
+                buf.copy_(t, non_blocking=True)
+                t.record_stream(self._stream)  # a temporary's memory is not reused before this
+        copied = torch.cuda.Event()
+        copied.record(self._stream)
+        return host, copied
 
     @property
     def nbytes(self) -> int:
