@@ -137,7 +137,14 @@ def _drain(fd: int) -> None:
 
 
 def _child(
-    conn: Connection, zygote: int, target: str, kwargs: dict, env: dict, log: str, nice: int
+    conn: Connection,
+    exits: int,
+    zygote: int,
+    target: str,
+    kwargs: dict,
+    env: dict,
+    log: str,
+    nice: int,
 ) -> None:
     """In a freshly forked child of the zygote (pid ``zygote``): set up, run ``target``, exit
     (never returns). A zygote that died while forking takes the child with it all the same."""
@@ -145,7 +152,10 @@ def _child(
     try:
         die_with_parent(parent=zygote)
         conn.close()
-        signal.set_wakeup_fd(-1)  # the zygote's child-exit alarm is not this process's
+        alarm = signal.set_wakeup_fd(-1)  # the zygote's child-exit alarm is not this process's:
+        for fd in (exits, alarm):  # neither end of its pipe stays open here
+            if fd >= 0:
+                os.close(fd)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent stops workers; Ctrl-C is its
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -219,7 +229,7 @@ def _zygote_main(conn: Connection, preload: tuple[str, ...]) -> None:
                     token, target, kwargs, env, log, nice = args
                     zygote, pid = os.getpid(), os.fork()
                     if pid == 0:
-                        _child(conn, zygote, target, kwargs, env, log, nice)
+                        _child(conn, exits, zygote, target, kwargs, env, log, nice)
                     children.add(pid)
                     conn.send(("spawned", token, pid))
             while children:

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megascale.train.checkpoint.storage import HostCopier
+
 if TYPE_CHECKING:
     from megascale.train.trainer import Trainer
 
@@ -141,6 +143,9 @@ class SnapshotStore:
         self._plan: tuple[weakref.ref, list[torch.Tensor], int] | None = None
         self._targets: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._stream: torch.cuda.Stream | None = None  # a GPU's copies to host memory
+        self.checkpoint_copier = HostCopier()
+        """The checkpoint's stage-1 host buffers, kept across generations like the snapshots: a
+        rejoining rank's checkpointer allocates none (``checkpoint.Checkpointer``)."""
 
     # -- binding to a generation ------------------------------------------------------------
 

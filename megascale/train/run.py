@@ -277,7 +277,13 @@ def run_rank(
     progress = Progress(job.train.steps, job.train.log_interval) if is_rank0 else None
     last = job.train.steps if stop_after is None else min(stop_after, job.train.steps)
     interval = job.checkpoint.interval
-    saver = checkpoint.Checkpointer(job.checkpoint, run_dir, trainer, trainer.resumed_from)
+    saver = checkpoint.Checkpointer(
+        job.checkpoint,
+        run_dir,
+        trainer,
+        trainer.resumed_from,
+        copier=memory.checkpoint_copier if memory is not None else None,
+    )
     history: list[StepMetrics] = []
     # train.profile_steps / train.memory_history / train.nvtx; null when off
     profiling = open_profiling(job, run_dir, trainer.groups.rank, device, trainer.step_num)

@@ -13,7 +13,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from megascale.train.checkpoint.storage import step_name
 from tests.fault.test_cluster import Run
 
 pytestmark = pytest.mark.slow
@@ -82,7 +84,36 @@ def check_in_process(run: Run, reference: Run, generation: int, kept: set[int]) 
     # every heartbeat of a rejoined rank was taken: its last generation's progress is not reported
     # as the next one's (a step backwards the controller would drop)
     assert "dropping its Heartbeat" not in run.output, run.output[-3000:]
+    # the last checkpoint, saved after the rejoin (kept ranks through the host buffers their
+    # processes kept, unless a write from before the fault still read them), holds the fault-free
+    # run's tensors
+    ever_rejoined = set().union(*(rejoined(run.dir, g) for g in range(2, generation + 1)))
+    kept = kept_buffers(run.dir)
+    assert kept and kept <= ever_rejoined, (kept, ever_rejoined)
+    mine, theirs = final_checkpoint(run.dir), final_checkpoint(reference.dir)
+    assert mine.keys() == theirs.keys()
+    for key, tensor in theirs.items():
+        assert not isinstance(tensor, torch.Tensor) or torch.equal(mine[key], tensor), key
     return rejoined_ranks
+
+
+def kept_buffers(run_dir: Path) -> set[int]:
+    """The ranks whose checkpointer reused its process's host buffers (their INFO logs)."""
+    return {
+        int(log.stem.split("_")[1])
+        for log in (run_dir / "logs").glob("rank_*.log")
+        if "checkpoint host buffers kept" in log.read_text()
+    }
+
+
+def final_checkpoint(run_dir: Path) -> dict:
+    """The step-``STEPS`` checkpoint's state, read by torch's own DCP converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run_dir / "final-checkpoint.pt"
+    if not out.exists():
+        dcp_to_torch_save(run_dir / "checkpoints" / step_name(STEPS), out)
+    return torch.load(out, weights_only=True)
 
 
 def test_killed_worker_alone_is_a_new_process_and_comes_back_from_its_peers_copy(

@@ -46,6 +46,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,16 +173,24 @@ def _apply_common(trainer: Trainer, common: dict) -> None:
     trainer.step_num = int(common["step"])
 
 
-def snapshot(trainer: Trainer) -> tuple[list[Entry], dict]:
-    """This rank's part of a checkpoint, live (not copies): the entries it saves (main replicas)
-    and its small state (RNG; rank 0 also the common state). No communication: a parameter the
-    distributed optimizer shards is taken from each DP rank's own updated range, so the parameter
-    all-gather still in flight (overlapped with the next forward) is not waited for."""
-    entries = [e for e in training_entries(trainer, saving=True) if e.main]
+def snapshot(trainer: Trainer, entries: list[Entry] | None = None) -> tuple[list[Entry], dict]:
+    """This rank's part of a checkpoint, live (not copies): the entries it saves (main replicas;
+    ``entries``: found earlier for this trainer) and its small state (RNG; rank 0 also the common
+    state). No communication: a parameter the distributed optimizer shards is taken from each DP
+    rank's own updated range, so the parameter all-gather still in flight (overlapped with the
+    next forward) is not waited for."""
+    if entries is None:
+        entries = saved_entries(trainer)
     small = {"rng": rng_state()}
     if trainer.groups.rank == 0:
         small["common"] = _common_state(trainer)
     return entries, small
+
+
+def saved_entries(trainer: Trainer) -> list[Entry]:
+    """The entries of ``trainer``'s state this rank saves (main replicas): views that stay valid
+    while the trainer lives, since the optimizer updates its tensors in place."""
+    return [e for e in training_entries(trainer, saving=True) if e.main]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,7 +214,12 @@ class Checkpointer:
     """
 
     def __init__(
-        self, cfg: CheckpointConfig, run_dir: Path, trainer: Trainer, resumed: int | None = None
+        self,
+        cfg: CheckpointConfig,
+        run_dir: Path,
+        trainer: Trainer,
+        resumed: int | None = None,
+        copier: HostCopier | None = None,
     ) -> None:
         # the rank and world size, never the groups: a write left in flight by a fault must not
         # keep the process groups (and their connections to the peers) alive
@@ -222,8 +236,12 @@ class Checkpointer:
         self.token: str = token[0]
         self.layout = _layout(trainer.groups, trainer)
         self.model_shape = model_shape(trainer)
-        self._copier = HostCopier()
+        # stage 1's host buffers: a rank that rejoined after a fault keeps its earlier ones
+        self._copier = copier if copier is not None and copier.free else HostCopier()
+        if self._copier.nbytes:
+            logger.info("checkpoint host buffers kept: %.1f MB", self._copier.nbytes / 1e6)
         self._thread: threading.Thread | None = None
+        self._entries: tuple[weakref.ref, list[Entry]] | None = None
         self._error: BaseException | None = None
         self.last_stall_s = self.last_wait_s = self.total_stall_s = self.last_write_s = 0.0
         self.saves = 0
@@ -238,14 +256,21 @@ class Checkpointer:
                 raise CheckpointError(
                     f"checkpoint location {self.storage.url} is not writable: {os_cause(e) or e}"
                 ) from e
-        if cfg.async_save and cfg.interval > 0:
-            self._copier.reserve(_tree(*snapshot(trainer)))  # the first save then stalls no longer
+        if cfg.async_save and cfg.interval > 0 and not self._copier.nbytes:
+            self._copier.reserve(_tree(*self._snapshot(trainer)))  # the first save stalls no longer
         if self.rank == 0:
             if resumed is not None:
                 _retire_newer_than(self.storage, resumed)
             elif cfg.interval > 0:
                 _refuse_to_overwrite(self.storage)
         dist.barrier()  # no rank writes before the retired manifests are gone
+
+    def _snapshot(self, trainer: Trainer) -> tuple[list[Entry], dict]:
+        """``snapshot``, with the entries found once per trainer (not at every save)."""
+        cached = self._entries
+        if cached is None or cached[0]() is not trainer:
+            self._entries = cached = (weakref.ref(trainer), saved_entries(trainer))
+        return snapshot(trainer, cached[1])
 
     @property
     def in_flight(self) -> bool:
@@ -259,7 +284,7 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()  # one save in flight per rank; its host buffers are about to be reused
         self.last_wait_s = time.perf_counter() - start
-        step, tree = trainer.step_num, _tree(*snapshot(trainer))
+        step, tree = trainer.step_num, _tree(*self._snapshot(trainer))
         if self.cfg.async_save:
             # stage 1; from a GPU the copy is in flight beside the next step's forward and
             # backward, which only read the state, and its update waits for it on the device
@@ -275,6 +300,7 @@ class Checkpointer:
                 daemon=True,  # a crashing rank must not wait for its write: no manifest then
             )
             self._thread.start()
+            self._copier.writer = self._thread
         else:
             self._stage2(step, tree, start)
             self.wait()

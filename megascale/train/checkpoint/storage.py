@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import posixpath
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -388,6 +389,14 @@ class HostCopier:
     def __init__(self) -> None:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._stream: torch.cuda.Stream | None = None
+        self.writer: threading.Thread | None = None
+        """The stage 2 reading the buffers of the latest copy (None: none yet)."""
+
+    @property
+    def free(self) -> bool:
+        """Whether no stage 2 reads the buffers any more: a copier kept from an earlier trainer
+        of this process (a rank that rejoined after a fault) may be reused only then."""
+        return self.writer is None or not self.writer.is_alive()
 
     def _buffer(self, path: tuple, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
