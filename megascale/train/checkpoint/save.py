@@ -21,11 +21,11 @@ rank holds and DCP reads the overlapping parts of the saved ones. The data posit
 sample count, so the resumed run reads the samples the uninterrupted run would have read.
 
 Save (``Checkpointer.save``, every rank at the same steps). Stage 1 is the training stall: wait for
-this rank's previous save (one in flight per rank), copy the pieces it saves into host
-buffers (reused from one save to the next; pinned on a GPU, where the copy runs on a stream of its
-own beside the next step's forward and backward, and that step's update waits for it), return. Stage 2 runs in a background
-thread and needs no communication: write this rank's DCP files and RNG, hash them, write the done
-marker. Rank 0's thread then waits until every rank's marker is there, merges the ranks' DCP
+this rank's previous save (one in flight per rank), copy the pieces it saves into host buffers
+(reused from one save to the next; pinned on a GPU, where the copy runs on a stream of its own
+beside the next step's forward and backward, and that step's update waits for it), return. Stage
+2 runs in a background thread and needs no communication: write this rank's DCP files and RNG,
+hash them, write the done marker. Rank 0's thread then waits until every rank's marker is there, merges the ranks' DCP
 metadata into the step's ``.metadata``, writes the manifest (temporary name, then rename), removes
 the markers, and prunes to the last ``keep``. A crash anywhere before the manifest leaves a
 directory that is never loaded.
@@ -241,7 +241,9 @@ class Checkpointer:
         if self._copier.nbytes:
             logger.info("checkpoint host buffers kept: %.1f MB", self._copier.nbytes / 1e6)
         self._thread: threading.Thread | None = None
-        self._entries: tuple[weakref.ref, list[Entry]] | None = None
+        # the entries each trainer saves, found once; dropped with the trainer (never kept alive
+        # by a write the trainer's generation left in flight)
+        self._entries: weakref.WeakKeyDictionary[Trainer, list[Entry]] = weakref.WeakKeyDictionary()
         self._error: BaseException | None = None
         self.last_stall_s = self.last_wait_s = self.total_stall_s = self.last_write_s = 0.0
         self.saves = 0
@@ -267,10 +269,10 @@ class Checkpointer:
 
     def _snapshot(self, trainer: Trainer) -> tuple[list[Entry], dict]:
         """``snapshot``, with the entries found once per trainer (not at every save)."""
-        cached = self._entries
-        if cached is None or cached[0]() is not trainer:
-            self._entries = cached = (weakref.ref(trainer), saved_entries(trainer))
-        return snapshot(trainer, cached[1])
+        entries = self._entries.get(trainer)
+        if entries is None:
+            entries = self._entries[trainer] = saved_entries(trainer)
+        return snapshot(trainer, entries)
 
     @property
     def in_flight(self) -> bool:
