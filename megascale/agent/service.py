@@ -383,23 +383,27 @@ class Agent(CommandRunner):
 
     def heartbeat(self) -> Heartbeat:
         """The ``heartbeats/<node>`` value (``messages.Heartbeat`` defines every field once)."""
+        # One reading of the generation for the whole beat: the command thread may move it on
+        # meanwhile (a start), and the last generation's exits must not go out labelled as the
+        # next one's (the controller would take a rank killed at the stop for a new fault).
+        generation = self.generation
         # Exits before output: a worker seen exited here has written all of its output, so the
         # scan reads all of it (a peer's failure included) before its exit is reported.
-        workers = self.pool.status(self.generation)
+        workers = self.pool.status(generation)
         for rank, status in workers.items():
             self._exit_reasons(int(rank), status)
         self._collect_output()
         self._mark_peer_failures(workers)
         progress = self._progress()
         with self._lock:
-            current = [e for e in self._reported.errors if e["generation"] == self.generation]
+            current = [e for e in self._reported.errors if e["generation"] == generation]
             errors = current[-50:]
-            notices = [n for n in self._reported.notices if n["generation"] == self.generation]
+            notices = [n for n in self._reported.notices if n["generation"] == generation]
             notices = notices[-20:]
         return Heartbeat(
             node=self.opts.node,
             time=time.time(),
-            generation=self.generation,
+            generation=generation,
             workers={r: WorkerStatus(**w) for r, w in workers.items()},
             flight=self._flight(),
             errors=[f"rank {e['rank']}: {e['kind']}: {e['text']}" for e in errors],
