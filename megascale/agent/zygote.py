@@ -116,16 +116,16 @@ TARGETS: dict[str, Callable[..., int]] = {
 # -- the zygote --------------------------------------------------------------------------------
 
 
-def _child_exit_alarm() -> int:
-    """A pipe's read end that becomes readable when a child of this process exits: SIGCHLD
-    wakes the zygote's loop at once (it reaps, and the agent hears of a killed worker or a
-    finished self-check without a polling interval's delay)."""
+def _child_exit_alarm() -> tuple[int, int]:
+    """A pipe (read end, write end) whose read end becomes readable when a child of this process
+    exits: SIGCHLD wakes the zygote's loop at once (it reaps, and the agent hears of a killed
+    worker or a finished self-check without a polling interval's delay)."""
     read, write = os.pipe()
     for fd in (read, write):
         os.set_blocking(fd, False)
     signal.signal(signal.SIGCHLD, lambda _signum, _frame: None)  # the wakeup fd needs a handler
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    return read
+    return read, write
 
 
 def _drain(fd: int) -> None:
@@ -138,7 +138,7 @@ def _drain(fd: int) -> None:
 
 def _child(
     conn: Connection,
-    exits: int,
+    exits: tuple[int, int],
     zygote: int,
     target: str,
     kwargs: dict,
@@ -152,14 +152,16 @@ def _child(
     try:
         die_with_parent(parent=zygote)
         conn.close()
-        alarm = signal.set_wakeup_fd(-1)  # the zygote's child-exit alarm is not this process's:
-        for fd in (exits, alarm):  # neither end of its pipe stays open here
-            if fd >= 0:
-                os.close(fd)
+        # The zygote's child-exit alarm is not this process's: neither end of its pipe stays
+        # open here. Both ends are named, not asked of the signal module: with a CUDA build of
+        # torch imported (2.11 and 2.14, +cu130) a forked child reports no wakeup fd, and the
+        # write end stayed open in every worker.
+        signal.set_wakeup_fd(-1)
+        for fd in exits:
+            os.close(fd)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the agent stops workers; Ctrl-C is its
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a pause before it can pause: ignored
         runfiles.make_dir(Path(log).parent)
         with runfiles.open_append(log) as f:
             os.dup2(f.fileno(), 1)
@@ -200,6 +202,9 @@ def _zygote_main(conn: Connection, preload: tuple[str, ...]) -> None:
     """The zygote's loop: fork on request, report every child's exit; exit when the agent goes."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ignored here, so a child is born ignoring it: a pause sent before a worker can pause (its
+    # trainer sets the handler) is no signal that kills it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     gpus.prefer_nvml_checks()  # megatron-core / TE probe CUDA at import; the workers fork later
     for name in preload:
         try:
@@ -218,9 +223,9 @@ def _zygote_main(conn: Connection, preload: tuple[str, ...]) -> None:
     exits = _child_exit_alarm()
     try:
         while True:
-            ready = wait_ready([conn, exits], 1.0)  # a request, or a child's exit (SIGCHLD)
-            if exits in ready:
-                _drain(exits)
+            ready = wait_ready([conn, exits[0]], 1.0)  # a request, or a child's exit (SIGCHLD)
+            if exits[0] in ready:
+                _drain(exits[0])
             if conn in ready:
                 op, *args = conn.recv()
                 if op == "quit":
