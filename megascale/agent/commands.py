@@ -19,10 +19,10 @@ from queue import Empty
 from typing import Any
 
 from megascale.agent import neighbour_check, rejoin
-from megascale.agent.workers import free_port
 from megascale.etcd.keys import is_current
 from megascale.etcd.store import StoreError
 from megascale.launcher.job_store import NODE_ADDR_ENV
+from megascale.launcher.local import free_port
 from megascale.messages import Ack, Command, GenerationRecord
 from megascale.probes import inject
 from megascale.probes.fatal import RUN_DIR_ENV

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,14 +29,9 @@ from typing import Any
 from megascale import runfiles
 from megascale.agent.logscan import LogMatch, LogScanner
 from megascale.agent.zygote import Zygote
+from megascale.launcher.local import free_port
 
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # -- the pool -------------------------------------------------------------------------------------

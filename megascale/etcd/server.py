@@ -64,6 +64,7 @@ import weakref
 from pathlib import Path
 
 from megascale.launcher.lifetime import die_with_parent_preexec
+from megascale.launcher.local import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -155,12 +156,6 @@ def _unix_post(path: Path, url: str, body: dict | None) -> tuple[int, dict]:
         return response.status, json.loads(data) if data else {}
     except ValueError:
         return response.status, {"raw": data[:200].decode(errors="replace")}
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedEtcd:
@@ -269,7 +264,7 @@ class EmbeddedEtcd:
         attempts = 3 if first_start else RESTART_ATTEMPTS
         for attempt in range(attempts):
             if first_start:
-                self.client_port = _free_port(self.host)
+                self.client_port = free_port(self.host)
             log_offset = self._log_size()
             try:
                 if self.credentials and not (self.data_dir / "member").exists():
