@@ -52,10 +52,10 @@ from megascale.data.indexed import (
     bin_path,
     check_prefix,
     open_indexed,
-    scan_max_token,
     sidecar_path,
     token_count,
 )
+from megascale.data.scan_cache import cached_max_token
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _check_max_token(prefix: str, info: DatasetInfo | None, vocab: int, scan: bo
     if not scan:
         return
     stale = info is not None and info.tokens != token_count(prefix)
-    top = scan_max_token(prefix, limit=None if info is None or stale else SCAN_TOKENS)
+    top = cached_max_token(prefix, limit=None if info is None or stale else SCAN_TOKENS)
     if top >= vocab:
         raise DataError(
             f"{bin_path(prefix)}: token id {top} >= model.vocab_size = {vocab}; accepted ids "
