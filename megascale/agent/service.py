@@ -383,9 +383,10 @@ class Agent(CommandRunner):
 
     def heartbeat(self) -> Heartbeat:
         """The ``heartbeats/<node>`` value (``messages.Heartbeat`` defines every field once)."""
-        # One reading of the generation for the whole beat: the command thread may move it on
-        # meanwhile (a start), and the last generation's exits must not go out labelled as the
-        # next one's (the controller would take a rank killed at the stop for a new fault).
+        # One reading of the generation for the whole beat (workers, progress, flight, errors):
+        # the command thread may move it on meanwhile (a start), and the last generation's exits
+        # must not go out labelled as the next one's (the controller would take a rank killed at
+        # the stop for a new fault).
         generation = self.generation
         # Exits before output: a worker seen exited here has written all of its output, so the
         # scan reads all of it (a peer's failure included) before its exit is reported.
@@ -393,8 +394,8 @@ class Agent(CommandRunner):
         for rank, status in workers.items():
             self._exit_reasons(int(rank), status)
         self._collect_output()
-        self._mark_peer_failures(workers)
-        progress = self._progress()
+        self._mark_peer_failures(workers, generation)
+        progress = self._progress(generation)
         with self._lock:
             current = [e for e in self._reported.errors if e["generation"] == generation]
             errors = current[-50:]
@@ -405,7 +406,7 @@ class Agent(CommandRunner):
             time=time.time(),
             generation=generation,
             workers={r: WorkerStatus(**w) for r, w in workers.items()},
-            flight=self._flight(),
+            flight=self._flight(generation),
             errors=[f"rank {e['rank']}: {e['kind']}: {e['text']}" for e in errors],
             error_events=[Reported(**e) for e in errors],
             notices=[Reported(**n) for n in notices],
@@ -476,24 +477,22 @@ class Agent(CommandRunner):
             for notice in rep.notices:
                 notice.pop("worker", None)
 
-    def _mark_peer_failures(self, workers: dict[str, dict[str, Any]]) -> None:
+    def _mark_peer_failures(self, workers: dict[str, dict[str, Any]], generation: int) -> None:
         """Update the ``peer`` flags of a ``pool.status`` taken before ``_collect_output`` with
         what that scan found."""
-        for rank, worker in self._current_workers():
+        for rank, worker in self._current_workers(generation):
             status = workers.get(str(rank))
             if status is not None and status["pid"] == worker.pid and worker.scanner is not None:
                 status["peer"] = status["peer"] or worker.scanner.peer_failure
 
-    def _current_workers(self) -> list[tuple[int, Any]]:
-        return [
-            (r, w) for r, w in list(self.pool.workers.items()) if w.generation == self.generation
-        ]
+    def _current_workers(self, generation: int) -> list[tuple[int, Any]]:
+        return [(r, w) for r, w in list(self.pool.workers.items()) if w.generation == generation]
 
-    def _progress(self) -> dict[int, RankProgress]:
+    def _progress(self, generation: int) -> dict[int, RankProgress]:
         """Per current worker: its progress file (``megascale.probes.progress``), if this
         worker (not an earlier one of the same rank) wrote it."""
         out: dict[int, RankProgress] = {}
-        for rank, worker in self._current_workers():
+        for rank, worker in self._current_workers(generation):
             try:
                 state = read_progress(progress_path(self.opts.run_dir, rank))
             except (OSError, ValueError):
@@ -502,13 +501,13 @@ class Agent(CommandRunner):
                 out[rank] = state
         return out
 
-    def _flight(self) -> dict[str, Any]:
+    def _flight(self, generation: int) -> dict[str, Any]:
         try:
             from megascale.probes.flight.format import FlightFileError, flight_path, last_state
         except ImportError:
             return {}
         states = {}
-        for rank, worker in self._current_workers():
+        for rank, worker in self._current_workers(generation):
             try:
                 state = last_state(flight_path(self.opts.run_dir, rank))
             except (OSError, FlightFileError):
