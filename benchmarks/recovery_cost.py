@@ -9,14 +9,16 @@ fault-free and once with rank 1 SIGKILLed at steps 50, 100 and 150 (``kill-worke
     megascale launch --nodes 2 --spares 1 (in-process)       healthy ranks kept, state from memory
 
 Effective training time = a launcher's fault-free wall time over its faulty one; cost of one
-fault = (faulty - fault-free) / faults. For the in-process run, each fault's cost broken down
+fault = (faulty - fault-free) / faults. On a shared machine two runs differ by seconds whatever
+their faults, so each fault's cost is also read from the faulty run's own steps
+(``lost_to_faults``), and the effective training time from those. For the in-process run, each fault's cost broken down
 from its events and the workers' logs: detect (the kill to the controller's fault event), decide
 (to the next generation's start: stop, self-check, plan), re-form (to the restore's start: the
 rejoin and a new process for the failed rank, process groups, model), restore (from memory), and
 the first step after it; and the steps redone. Then the snapshot's cost per step: the stall of
 taking one, beside the step time, in one process (``--snapshot-steps`` steps each way).
 
-    python benchmarks/recovery_cost.py [--steps 200] [--every 50]
+    python benchmarks/recovery_cost.py [--steps 200] [--every 50] [--repeats N] [--only LAUNCHER]
     python benchmarks/recovery_cost.py --snapshot-only [--config h100-1b --device cuda --set ...]
 
 Each launcher's faulty run's final parameters are compared with its own fault-free run's.
@@ -131,13 +133,41 @@ def breakdown(run_dir: Path) -> list[dict[str, float]]:
         ended = max(r[1] for r in mine if r[0] < began + 5)
         step = mine[0][2]
         first = next((m["time"] for m in metrics if m["step"] == step + 1), None)
+        stopped = _first(events, "all_stopped", fault.time, start.time)
+        checked = _first(events, "selfcheck", fault.time, start.time)
         rows.append({
             "detect": fault.time - t0, "decide": start.time - fault.time,
+            "decide: stop": stopped - fault.time if stopped else float("nan"),
+            "decide: self-check": checked - stopped if stopped and checked else float("nan"),
+            "decide: plan and start": start.time - (checked or stopped or fault.time),
             "re-form": began - start.time, "restore": ended - began,
             "first step": (first - ended) if first else float("nan"),
             "redone": int(kill["step"]) - 1 - step,
         })  # fmt: skip
     return rows
+
+
+def lost_to_faults(run_dir: Path, kills: list[int]) -> tuple[list[float], float]:
+    """Each fault's cost read from the faulty run's own steps, unaffected by how busy the machine
+    was in another run: the longest wait between two logged steps around the kill (it spans the
+    lost steps, the recovery and the steps redone: a redone step's record replaces the first)
+    less the run's median wait. Also that median (s)."""
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    times = {m["step"]: m["time"] for m in metrics}
+    steps = sorted(times)
+    waits = {s: times[s] - times[p] for p, s in zip(steps, steps[1:], strict=False)}
+    median = statistics.median(waits.values())
+    costs = []
+    for kill in kills:
+        near = [w for s, w in waits.items() if kill - 10 <= s <= kill + 1]
+        if near:
+            costs.append(max(near) - median)
+    return costs, median
+
+
+def _first(events, kind: str, after: float, before: float) -> float | None:
+    """The time of the first event ``kind`` between ``after`` and ``before``."""
+    return next((e.time for e in events if e.kind == kind and after <= e.time <= before), None)
 
 
 def snapshot_cost(
@@ -209,36 +239,57 @@ def main() -> int:
     parser.add_argument("--config", default="tiny", help="the snapshot's config (default: tiny)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="LAUNCHER",
+        help="run only this launcher (repeatable): torchrun, 'launch, recovery restart', "
+        "'launch, in-process', 'megascale train'",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="run each pair this many times, alternating; the table shows the medians",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.snapshot_only:
         print_snapshot_cost(args.snapshot_steps, args.config, args.set, args.device)
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="megascale-recovery-cost-"))
     kills = list(range(args.every, args.steps, args.every))
-    walls: dict[str, dict[str, float]] = {}
+    runs: dict[str, dict[str, list[float]]] = {}
     parts: list[dict[str, float]] = []
     resumed: dict[str, list[float | None]] = {}
     digests: dict[str, str | None] = {}
-    for kind, faults in (("fault-free", []), ("faulty", kills)):
-        for n, name in enumerate(commands(args, tmp, faults)):
-            run_dir = tmp / f"{kind}-{n}"
-            cmd, inject = commands(args, run_dir, faults)[name]
-            print(
-                f"{kind}: {' '.join(cmd[1:])}"
-                + (f"  (MEGASCALE_INJECT={inject})" if inject else "")
-            )
-            wall, rc, output = _timed(cmd, _env(inject))
-            if rc != 0:
-                print(f"  exit {rc}:\n{output[-3000:]}")
-            walls.setdefault(name, {})[kind] = wall
-            digests[f"{name} {kind}"] = _digest(run_dir, args.steps)
-            final = run_dir / "final.json"
-            if kind == "faulty" and final.exists():
-                timings = json.loads(final.read_text()).get("fault_timings", [])
-                resumed[name] = [t.get("resumed_s") for t in timings]
-            if name == "launch, in-process" and kind == "faulty":
-                parts = breakdown(run_dir)
-    print(f"\n{args.steps} steps, checkpoint every 5, rank 1 killed at steps {kills}\n")
+    lost: dict[str, list[float]] = {}
+    spans: dict[str, list[tuple[list[float], float, float]]] = {}
+    for repeat in range(args.repeats):
+        for kind, faults in (("fault-free", []), ("faulty", kills)):
+            names = [n for n in commands(args, tmp, faults) if not args.only or n in args.only]
+            for n, name in enumerate(names):
+                run_dir = tmp / f"{kind}-{n}-{repeat}"
+                cmd, inject = commands(args, run_dir, faults)[name]
+                print(
+                    f"{kind}: {' '.join(cmd[1:])}"
+                    + (f"  (MEGASCALE_INJECT={inject})" if inject else "")
+                )
+                wall, rc, output = _timed(cmd, _env(inject))
+                if rc != 0:
+                    print(f"  exit {rc}:\n{output[-3000:]}")
+                runs.setdefault(name, {}).setdefault(kind, []).append(wall)
+                digest = _digest(run_dir, args.steps)
+                if digests.setdefault(f"{name} {kind}", digest) != digest:
+                    digests[f"{name} {kind}"] = None  # two repeats ended differently
+                final = run_dir / "final.json"
+                if kind == "faulty" and final.exists():
+                    timings = json.loads(final.read_text()).get("fault_timings", [])
+                    resumed.setdefault(name, []).extend(t.get("resumed_s") for t in timings)
+                if kind == "faulty" and (run_dir / "metrics.jsonl").exists():
+                    costs, step = lost_to_faults(run_dir, kills)
+                    lost.setdefault(name, []).extend(costs)
+                    spans.setdefault(name, []).append((costs, step, wall))
+                if name == "launch, in-process" and kind == "faulty":
+                    parts += breakdown(run_dir)
+    walls = {name: {k: statistics.median(v) for k, v in w.items()} for name, w in runs.items()}
+    repeats = f", the median of {args.repeats} runs each" if args.repeats > 1 else ""
+    print(f"\n{args.steps} steps, checkpoint every 5, rank 1 killed at steps {kills}{repeats}\n")
     print(f"| how the job ran | fault-free | {len(kills)} kills | effective training time | "
           "cost of one fault | final parameters |")  # fmt: skip
     print("|---|---|---|---|---|---|")
@@ -254,6 +305,19 @@ def main() -> int:
         shown = ", ".join(f"{t:.2f}" for t in times if t is not None)
         print(f"{name}: from each kill to training resumed (controller's figure): {shown} s")
     print(
+        "\nEach fault's cost from the faulty run's own steps (the longest wait between two logged"
+        " steps around the kill, less the run's median step; lost and redone steps included),"
+        " and the effective training time it gives (1 - faults' cost / the run's wall time):"
+    )
+    for name, costs in lost.items():
+        effective = [1 - sum(c) / wall for c, _step, wall in spans[name]]
+        print(
+            f"  {name}: {', '.join(f'{c:.2f}' for c in costs)} s (median "
+            f"{statistics.median(costs):.2f} s; median step "
+            f"{statistics.median(s for _c, s, _w in spans[name]) * 1000:.0f} ms); effective "
+            f"{', '.join(f'{e:.3f}' for e in effective)}"
+        )
+    print(
         "\nin-process, each fault (s): detect, decide, re-form, restore, first step; steps redone"
     )
     for row in parts:
@@ -261,7 +325,10 @@ def main() -> int:
                                for k, v in row.items()))  # fmt: skip
     print_snapshot_cost(args.snapshot_steps, args.config, args.set, args.device)
     print(f"run directories: {tmp}")
-    same = all(digests[f"{n} faulty"] == digests[f"{n} fault-free"] for n in resumed)
+    same = all(
+        digests[f"{n} faulty"] is not None and digests[f"{n} faulty"] == digests[f"{n} fault-free"]
+        for n in resumed
+    )
     return 0 if same else 1
 
 
