@@ -160,9 +160,9 @@ def _child(
         die_with_parent(parent=zygote)
         conn.close()
         # The zygote's child-exit alarm is not this process's: neither end of its pipe stays
-        # open here. Both ends are named, not asked of the signal module: with a CUDA build of
-        # torch imported (2.11 and 2.14, +cu130) a forked child reports no wakeup fd, and the
-        # write end stayed open in every worker.
+        # open here. Both ends are named, not asked of the signal module: with torch imported
+        # under Python 3.12 (2.11 and 2.14, +cu130, as in an NGC container) a forked child
+        # reports no wakeup fd, and the write end stayed open in every worker.
         signal.set_wakeup_fd(-1)
         for fd in exits:
             os.close(fd)
