@@ -77,7 +77,8 @@ def parameter_digest(run_dir: Path, job: Any) -> tuple[str | None, int | None]:
 
 def fault_timings(run_dir: Path, events: list[Event]) -> list[FaultTiming]:
     """Per fired fault: how long until the controller decided (the next event that counts, see
-    ``DECISIONS``) and until training next completed a step (``metrics.jsonl``)."""
+    ``DECISIONS``) and until training next completed a step in a generation started after it
+    (``metrics.jsonl``; without a controller's events, the next step after it)."""
     metrics = []
     try:
         metrics = read_metrics((run_dir / "metrics.jsonl").read_text().splitlines())
@@ -90,7 +91,10 @@ def fault_timings(run_dir: Path, events: list[Event]) -> list[FaultTiming]:
         decided = found[0] if found else None
         # The rank that names the cause: every rank reports a checkpoint it skipped, one says why.
         named = next((e for e in found if "another rank" not in str(e.detail)), decided)
-        resumed = next((m.time for m in metrics if (m.time or 0) > t0), None)
+        # Training resumed: the first step completed in a generation started after the fault
+        # (a step a healthy rank 0 finished a moment after the kill is not a recovery).
+        began = next((e.time for e in events if e.kind == "generation_start" and e.time >= t0), t0)
+        resumed = next((m.time for m in metrics if (m.time or 0) > began), None)
         row = FaultTiming(fault=fault["spec"], fired_at=t0, step=fault.get("step"))
         if decided is not None and named is not None:
             row.decision = decided.kind
