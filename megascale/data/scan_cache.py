@@ -8,8 +8,8 @@ a replacement rank on the recovery's path. A 1 GiB ``.bin`` read from a cold pag
 10 s here; a pretraining corpus is hundreds of times larger.
 
 So the result is kept in ``$XDG_CACHE_HOME/megascale/token_scans.json`` (default ``~/.cache``),
-keyed by the file's real path, size and modification time (and those of its ``.idx``) and by how
-much of it was read: any rewrite of the dataset is read again. The ranks of one machine that start
+keyed by the file's real path, size, modification time and inode (and those of its ``.idx``) and
+by how much of it was read: a dataset rewritten since is read again. The ranks of one machine that start
 together take a lock around the read (``token_scans.lock``): one reads, the others wait for its
 result. A cache that cannot be read, written or locked is ignored (the file is read, never an
 error).
