@@ -11,8 +11,8 @@ fault-free and once with rank 1 SIGKILLed at steps 50, 100 and 150 (``kill-worke
 Effective training time = a launcher's fault-free wall time over its faulty one; cost of one
 fault = (faulty - fault-free) / faults. On a shared machine two runs differ by seconds whatever
 their faults, so each fault's cost is also read from the faulty run's own steps
-(``lost_to_faults``), and the effective training time from those. For the in-process run, each fault's cost broken down
-from its events and the workers' logs: detect (the kill to the controller's fault event), decide
+(``lost_to_faults``), and the effective training time from those. For the in-process run, each
+fault's cost broken down from its events and the workers' logs: detect (the kill to the controller's fault event), decide
 (to the next generation's start: stop, self-check, plan), re-form (to the restore's start: the
 rejoin and a new process for the failed rank, process groups, model), restore (from memory), and
 the first step after it; and the steps redone. Then the snapshot's cost per step: the stall of
@@ -258,7 +258,6 @@ def main() -> int:
     parts: list[dict[str, float]] = []
     resumed: dict[str, list[float | None]] = {}
     digests: dict[str, str | None] = {}
-    lost: dict[str, list[float]] = {}
     spans: dict[str, list[tuple[list[float], float, float]]] = {}
     for repeat in range(args.repeats):
         for kind, faults in (("fault-free", []), ("faulty", kills)):
@@ -283,7 +282,6 @@ def main() -> int:
                     resumed.setdefault(name, []).extend(t.get("resumed_s") for t in timings)
                 if kind == "faulty" and (run_dir / "metrics.jsonl").exists():
                     costs, step = lost_to_faults(run_dir, kills)
-                    lost.setdefault(name, []).extend(costs)
                     spans.setdefault(name, []).append((costs, step, wall))
                 if name == "launch, in-process" and kind == "faulty":
                     parts += breakdown(run_dir)
@@ -309,12 +307,13 @@ def main() -> int:
         " steps around the kill, less the run's median step; lost and redone steps included),"
         " and the effective training time it gives (1 - faults' cost / the run's wall time):"
     )
-    for name, costs in lost.items():
-        effective = [1 - sum(c) / wall for c, _step, wall in spans[name]]
+    for name, runs_of in spans.items():
+        costs = [c for run_costs, _step, _wall in runs_of for c in run_costs]
+        effective = [1 - sum(c) / wall for c, _step, wall in runs_of]
         print(
             f"  {name}: {', '.join(f'{c:.2f}' for c in costs)} s (median "
             f"{statistics.median(costs):.2f} s; median step "
-            f"{statistics.median(s for _c, s, _w in spans[name]) * 1000:.0f} ms); effective "
+            f"{statistics.median(s for _c, s, _w in runs_of) * 1000:.0f} ms); effective "
             f"{', '.join(f'{e:.3f}' for e in effective)}"
         )
     print(
